@@ -1,0 +1,58 @@
+"""The one attention interface of the models: write new K/V to the paged cache,
+then attend over it. The implementation (torch reference or Triton kernel) is
+chosen once per engine; the model's call site never changes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pagedserve.kernels import paged_attention_ref, write_kv_cache_ref
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat-batch layout of one step, built by the ModelRunner (see kernels/paged_attention.py)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class AttentionBackend:
+    write_cache: Callable[..., None]
+    attend: Callable[..., torch.Tensor]
+
+
+TORCH_BACKEND = AttentionBackend(write_cache=write_kv_cache_ref, attend=paged_attention_ref)
+
+
+def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """auto: the Triton kernels on CUDA, the torch reference elsewhere."""
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TORCH_BACKEND
+    from pagedserve.kernels.dispatch import triton_attention_backend  # needs triton
+
+    return triton_attention_backend()
+
+
+def attention(
+    backend: AttentionBackend,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    key_cache, value_cache = kv_cache
+    backend.write_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+    return backend.attend(
+        query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+    )

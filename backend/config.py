@@ -1,0 +1,139 @@
+"""EngineConfig: every engine setting in one dataclass, validated once.
+
+The same dataclass is fed from config.pbtxt parameters, the CLI and the Python
+API; `from_strings` is the one parser for the string-valued sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .errors import ConfigError
+from .values import to_bool, to_float, to_int
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+POLICIES = ("inflight", "static")
+QUANTIZATIONS = ("none", "fp8", "int4")
+KV_CACHE_DTYPES = ("auto", "fp8")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine instance. Unset model means the bundled default model."""
+
+    model: str = ""
+    """Hugging Face model directory or .gguf file; empty: bundled SmolLM2-135M-Instruct."""
+    dtype: str = "auto"
+    """Compute and KV dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_bytes: int = 512 * 1024**2
+    """KV cache budget in bytes on CPU."""
+    gpu_memory_utilization: float = 0.90
+    """Fraction of free GPU memory (after weights) given to the KV cache."""
+    num_kv_blocks: int = 0
+    """Exact number of KV blocks; 0 derives it from the budgets above."""
+    max_num_seqs: int = 64
+    """Most requests running at once (also the static batch size)."""
+    max_num_batched_tokens: int = 2048
+    """Per-step token budget shared by prefill chunks and decodes."""
+    max_model_len: int = 0
+    """Longest prompt + output in tokens; 0 takes the model's context length."""
+    enable_prefix_caching: bool = True
+    """Reuse cached KV blocks of identical prompt prefixes."""
+    max_queue_size: int = 1024
+    """Most requests waiting; beyond it new requests are refused ("busy, retry later")."""
+    seed: int = 0
+    """Seed of the engine's random generator (requests without their own seed)."""
+    scheduling_policy: str = "inflight"
+    """inflight (continuous batching) or static (kept for benchmarks only)."""
+    quantization: str = "none"
+    """Weight quantization applied on load: none, fp8 or int4."""
+    kv_cache_dtype: str = "auto"
+    """KV cache storage: auto (the compute dtype) or fp8 (e4m3 with scales)."""
+    attention_backend: str = "auto"
+    """auto (Triton kernel on CUDA, torch elsewhere), torch, or triton."""
+    num_threads: int = 0
+    """CPU threads for torch; 0 keeps torch's default (all cores)."""
+
+    def __post_init__(self) -> None:
+        self._coerce_types()
+        self._validate()
+
+    # -- construction from strings (config.pbtxt, CLI) -------------------------
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_strings(cls, values: Mapping[str, Any]) -> "EngineConfig":
+        """Build from string-valued settings; unknown names are an error naming them."""
+        known = set(cls.field_names())
+        unknown = sorted(k for k in values if k not in known)
+        if unknown:
+            raise ConfigError(
+                unknown[0],
+                f"unknown parameter(s) {unknown}; known parameters: {sorted(known)}",
+            )
+        return cls(**dict(values))
+
+    def _coerce_types(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            try:
+                setattr(self, f.name, _coerce(value, kind))
+            except (TypeError, ValueError):
+                raise ConfigError(f.name, f"expected {kind}, got {value!r}") from None
+
+    def _validate(self) -> None:
+        _choice(self, "dtype", DTYPES)
+        _choice(self, "device", DEVICES)
+        _choice(self, "scheduling_policy", POLICIES)
+        _choice(self, "quantization", QUANTIZATIONS)
+        _choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
+        _choice(self, "attention_backend", ATTENTION_BACKENDS)
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        _at_least(self, "kv_cache_bytes", 1024**2)
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ConfigError(
+                "gpu_memory_utilization",
+                f"must be in [0.05, 0.99], got {self.gpu_memory_utilization}",
+            )
+        _at_least(self, "num_kv_blocks", 0)
+        _at_least(self, "max_num_seqs", 1)
+        _at_least(self, "max_num_batched_tokens", 16)
+        _at_least(self, "max_model_len", 0)
+        _at_least(self, "max_queue_size", 1)
+        _at_least(self, "num_threads", 0)
+        if self.model and not os.path.exists(self.model):
+            raise ConfigError(
+                "model",
+                f"{self.model!r} does not exist; give a Hugging Face model directory "
+                "or a .gguf file, or leave it empty for the bundled default model",
+            )
+
+
+def _coerce(value: Any, kind: str) -> Any:
+    casts = {"bool": to_bool, "int": to_int, "float": to_float, "str": lambda v: str(v).strip()}
+    return casts[kind](value) if kind in casts else value
+
+
+def _choice(config: EngineConfig, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in allowed:
+        raise ConfigError(name, f"must be one of {list(allowed)}, got {value!r}")
+
+
+def _at_least(config: EngineConfig, name: str, low: int) -> None:
+    value = getattr(config, name)
+    if value < low:
+        raise ConfigError(name, f"must be >= {low}, got {value}")

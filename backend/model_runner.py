@@ -1,0 +1,115 @@
+"""ModelRunner: owns the model and its KV cache; turns a scheduled batch into one forward.
+
+The flat batch holds every scheduled token: prefill chunks and decodes side by
+side. Inputs are built with numpy (no per-token Python work), and logits are
+computed only for sequences that sample this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import AttentionMetadata, select_attention_backend
+from .model_config import ModelConfig
+from .models.llama import LlamaForCausalLM
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_seqs: list[Sequence]
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers (K and V)."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.kv_size * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+        attention_backend: str = "auto",
+    ):
+        self.model = model
+        self.config = model.config
+        self.block_size = block_size
+        self.device = device
+        self.backend = select_attention_backend(attention_backend, device)
+        shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+            for _ in range(self.config.num_layers)
+        ]
+
+    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+        seqs = batch.seqs
+        query_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        seq_lens = starts + query_lens
+        query_start = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            begin, end = query_start[i], query_start[i + 1]
+            if end - begin == 1:
+                input_ids[begin] = seq.token_ids[starts[i]]
+            else:
+                input_ids[begin:end] = seq.token_ids[starts[i] : seq_lens[i]]
+            block_tables[i, : len(seq.block_table)] = seq.block_table
+        rows = np.repeat(np.arange(len(seqs)), query_lens)
+        positions = np.arange(num_tokens, dtype=np.int64) - query_start[rows] + starts[rows]
+        slots = block_tables[rows, positions // self.block_size].astype(np.int64) * self.block_size
+        slots += positions % self.block_size
+
+        num_tokens_now = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        sampling = seq_lens == num_tokens_now
+        logits_indices = query_start[1:][sampling] - 1
+
+        to = self._to_device
+        meta = AttentionMetadata(
+            slot_mapping=to(slots),
+            block_tables=to(block_tables),
+            seq_lens=to(seq_lens.astype(np.int32)),
+            query_start_loc=to(query_start.astype(np.int32)),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return ModelInputs(
+            input_ids=to(input_ids),
+            positions=to(positions),
+            meta=meta,
+            logits_indices=to(logits_indices),
+            sampling_seqs=[s for s, keep in zip(seqs, sampling) if keep],
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run one forward; logits [num_sampling_seqs, vocab] float32 and those sequences."""
+        inputs = self.prepare(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+        if not inputs.sampling_seqs:
+            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32), []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return logits, inputs.sampling_seqs

@@ -1,0 +1,5 @@
+"""Model definitions in plain torch."""
+
+from .llama import LlamaForCausalLM
+
+__all__ = ["LlamaForCausalLM"]

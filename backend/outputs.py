@@ -1,0 +1,56 @@
+"""What the engine hands back per step and per finished request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import TokenLogprob
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one step (a delta; the last one has finished=True).
+
+    new_token_ids are released only at clean text boundaries, and
+    context_token_ids are the few ids before them, so a stateless detokenizer
+    (tokenizer.decode_delta) turns them into exactly `text`, minus
+    `trim_chars` trailing characters that a stop string cut off.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    context_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    trim_chars: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    """Output tokens released so far (cumulative)."""
+    num_cached_tokens: int = 0
+    cumulative_logprob: float | None = None
+    error: str | None = None
+    """Set when the engine failed while serving this request."""
+
+
+@dataclass
+class Completion:
+    """A finished request, as the offline `generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, output: RequestOutput) -> None:
+        self.text += output.text
+        self.token_ids.extend(output.new_token_ids)
+        self.logprobs.extend(output.logprobs)
+        self.finish_reason = output.finish_reason
+        self.cumulative_logprob = output.cumulative_logprob
+        self.num_cached_tokens = output.num_cached_tokens

@@ -1,0 +1,90 @@
+"""RequestStream: turns a sequence's sampled tokens into the deltas a client sees.
+
+It renders text incrementally, finds stop strings (also when they span token
+boundaries), holds back the few characters that might start a stop string, and
+releases tokens only at clean text boundaries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .detokenizer import IncrementalDetokenizer
+from .outputs import RequestOutput
+from .sequence import Sequence
+
+
+class RequestStream:
+    def __init__(self, seq: Sequence, tokenizer: Any):
+        self.seq = seq
+        params = seq.params
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, seq.token_ids, seq.num_prompt_tokens, params.skip_special_tokens
+        )
+        self.stops = params.stop
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.token_ends: list[int] = []  # len(text) after each output token
+        self.boundaries: list[int] = []  # output-token counts at which text was clean
+        self.stop_at: int | None = None  # where the output text ends (a stop string hit)
+        self.sent_tokens = 0
+        self.sent_chars = 0
+        self.cumulative_logprob = 0.0
+
+    def on_token(self) -> bool:
+        """Account for the token just appended to the sequence; True if a stop string hit."""
+        delta = self.detokenizer.update()
+        self.text += delta
+        self.token_ends.append(len(self.text))
+        if self.detokenizer.num_rendered_output_tokens == len(self.token_ends):
+            self.boundaries.append(len(self.token_ends))
+        if delta and self.stops:
+            return self._find_stop(len(self.text) - len(delta))
+        return False
+
+    def _find_stop(self, new_from: int) -> bool:
+        start = max(0, new_from - self.holdback)
+        hits = [(self.text.find(s, start), s) for s in self.stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        self.stop_at = index + (len(stop) if self.seq.params.include_stop_str_in_output else 0)
+        return True
+
+    def collect(self, finished: bool) -> RequestOutput | None:
+        """The delta since the last call; None if nothing new can be released yet."""
+        if finished:
+            self.text += self.detokenizer.update(final=True)
+            end_token = len(self.token_ends)
+            end_char = len(self.text) if self.stop_at is None else self.stop_at
+            trim = len(self.text) - end_char
+        else:
+            limit = len(self.text) - (self.holdback if self.stops else 0)
+            end_token = next(
+                (b for b in reversed(self.boundaries) if b > self.sent_tokens and self.token_ends[b - 1] <= limit),
+                None,
+            )
+            if end_token is None:
+                return None
+            end_char, trim = self.token_ends[end_token - 1], 0
+        seq = self.seq
+        first = seq.num_prompt_tokens + self.sent_tokens
+        logprobs = seq.logprobs[self.sent_tokens : end_token]
+        self.cumulative_logprob += sum(lp.logprob for lp in logprobs)
+        output = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=seq.token_ids[first : seq.num_prompt_tokens + end_token],
+            context_token_ids=self.detokenizer.context(first),
+            text=self.text[self.sent_chars : end_char] if end_char > self.sent_chars else "",
+            finished=finished,
+            finish_reason=seq.finish_reason.value if finished and seq.finish_reason else None,
+            trim_chars=trim,
+            logprobs=logprobs,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=end_token,
+            num_cached_tokens=seq.num_cached_tokens,
+            cumulative_logprob=self.cumulative_logprob if seq.params.logprobs is not None else None,
+        )
+        self.sent_tokens, self.sent_chars = end_token, max(end_char, self.sent_chars)
+        return output

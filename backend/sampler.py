@@ -1,0 +1,143 @@
+"""Sampler: the next token of each sequence, each with its own parameters.
+
+Order: logit processors (penalties, min_tokens, bad words) on the raw logits,
+then greedy argmax, or temperature, top-k, top-p, min-p and a draw. A draw is
+an exponential race (argmax of p / Exp(1)), which equals sampling from p and
+lets a per-request generator make a request reproducible whatever its batch.
+Logprobs are those of the model's raw distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+from .sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device):
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits [num_seqs, vocab] float32, one row per sequence."""
+        raw = logits
+        logits = self.apply_processors(logits, seqs)
+        params = [seq.params for seq in seqs]
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, params, token_list))
+
+    # -- logit processors ------------------------------------------------------
+    def apply_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if _has_processors(s)]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            seq, row = seqs[i], logits[i]
+            p = seq.params
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device)
+                scores = row[seen]
+                row[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+                counts = torch.bincount(
+                    torch.tensor(seq.output_token_ids, device=row.device), minlength=row.shape[0]
+                ).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+            banned = self._banned_tokens(seq)
+            if banned:
+                row[torch.tensor(banned, device=row.device)] = float("-inf")
+        return logits
+
+    def _banned_tokens(self, seq: Sequence) -> list[int]:
+        p = seq.params
+        banned: list[int] = []
+        if seq.num_output_tokens < p.min_tokens:
+            banned += p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+        output = seq.output_token_ids
+        for word in p.bad_words_ids:
+            prefix = word[:-1]
+            if not prefix or output[len(output) - len(prefix) :] == prefix:
+                banned.append(word[-1])
+        return banned
+
+    # -- sampling --------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        greedy = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        index = torch.tensor(rows, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=logits.dtype)
+        scaled = logits[index] / temps[:, None]
+        scaled = _top_k_top_p_min_p(scaled, [params[i] for i in rows])
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(rows):
+            generator = seqs[i].generator or self.generator
+            noise[j].exponential_(generator=generator)
+        greedy[index] = (probs / noise).argmax(dim=-1)
+        return greedy
+
+    def _logprobs(
+        self, raw: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+    ) -> list[TokenLogprob | None]:
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        result: list[TokenLogprob | None] = [None] * len(params)
+        if not rows:
+            return result
+        logprobs = raw[torch.tensor(rows, device=raw.device)].log_softmax(dim=-1)
+        top_n = max(params[i].logprobs for i in rows)
+        top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+        for j, i in enumerate(rows):
+            n = params[i].logprobs
+            top = list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist())) if n else []
+            result[i] = TokenLogprob(token_id=tokens[i], logprob=logprobs[j, tokens[i]].item(), top=top)
+        return result
+
+
+def _has_processors(seq: Sequence) -> bool:
+    p = seq.params
+    return p.needs_penalties or bool(p.bad_words_ids) or seq.num_output_tokens < p.min_tokens
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask tokens outside each row's top-k, nucleus (top-p) and min-p sets."""
+    top_k = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if any(k < logits.shape[-1] for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        k = torch.tensor(top_k, device=logits.device)
+        drop = ranks[None, :] >= k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+        p = torch.tensor(top_p, device=logits.device, dtype=probs.dtype)
+        drop |= before > p[:, None]
+        logits = torch.full_like(logits, float("-inf")).scatter(
+            -1, order, sorted_logits.masked_fill(drop, float("-inf"))
+        )
+    if any(m > 0 for m in min_p):
+        probs = logits.softmax(dim=-1)
+        m = torch.tensor(min_p, device=logits.device, dtype=probs.dtype)
+        threshold = probs.max(dim=-1, keepdim=True).values * m[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits

@@ -1,0 +1,179 @@
+"""SamplingParams: how one request samples and when it stops, validated on creation.
+
+`from_dict` accepts JSON-ish values (numbers as strings, "true"/"false"), since
+Triton's vLLM-style `sampling_parameters` input carries them that way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import InvalidRequestError
+from .values import to_bool, to_float, to_int
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    """Most tokens to generate."""
+    min_tokens: int = 0
+    """EOS and stop token ids are masked until this many tokens exist."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 disables."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one."""
+    repetition_penalty: float = 1.0
+    """>1 discourages tokens seen in the prompt or output (divides positive logits)."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence from the logit of every token already generated."""
+    seed: int | None = None
+    """Per-request seed: the same seed and prompt give the same output."""
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many top alternatives (0..20)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; trimmed from the output unless include_stop_str_in_output."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation (besides EOS)."""
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    """Token sequences that must never be generated."""
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "SamplingParams":
+        """Build from a JSON object; casts "0"/"1500"/"true" and names any bad field."""
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key not in names:
+                raise InvalidRequestError(
+                    key, f"unknown sampling parameter; known: {sorted(names)}"
+                )
+            kwargs[key] = _cast(key, value, str(names[key].type))
+        return cls(**kwargs)
+
+    def _validate(self) -> None:
+        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        _check(
+            self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+        )
+        _check(
+            0.0 <= self.temperature <= 100.0,
+            "temperature",
+            f"must be in [0, 100], got {self.temperature}",
+        )
+        _check(self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(
+            0.0 < self.repetition_penalty <= 10.0,
+            "repetition_penalty",
+            f"must be in (0, 10], got {self.repetition_penalty}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        if self.seed is not None:
+            _check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2^63), got {self.seed}")
+        if self.logprobs is not None:
+            _check(
+                0 <= self.logprobs <= _MAX_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}",
+            )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be a list of non-empty strings",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of non-negative token ids",
+        )
+        _check(
+            all(
+                isinstance(w, list) and w and all(isinstance(t, int) and t >= 0 for t in w)
+                for w in self.bad_words_ids
+            ),
+            "bad_words_ids",
+            "must be a list of non-empty lists of token ids",
+        )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the request names must exist in the model's vocabulary."""
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("bad_words_ids", [t for w in self.bad_words_ids for t in w]),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            _check(not bad, name, f"token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(name, message)
+
+
+def _cast(name: str, value: Any, kind: str) -> Any:
+    """Cast a JSON value to the field's type, accepting numbers written as strings."""
+    try:
+        if value is None:
+            if "None" in kind:
+                return None
+            raise ValueError
+        if kind.startswith("int"):
+            return to_int(value)
+        if kind.startswith("float"):
+            return to_float(value)
+        if kind.startswith("bool"):
+            return to_bool(value)
+        if kind == "list[str]":
+            if isinstance(value, str):
+                return [value]
+            if not isinstance(value, list):
+                raise ValueError
+            return [str(v) for v in value]
+        if kind == "list[int]":
+            if not isinstance(value, list):
+                raise ValueError
+            return [to_int(v) for v in value]
+        if kind == "list[list[int]]":
+            if not isinstance(value, list):
+                raise ValueError
+            return [[to_int(t) for t in w] if isinstance(w, list) else [to_int(w)] for w in value]
+    except (TypeError, ValueError):
+        raise InvalidRequestError(name, f"expected {kind}, got {value!r}") from None
+    return value

@@ -1,0 +1,78 @@
+"""Paged attention over a flat batch mixing prefill chunks and single-token decodes.
+
+Layout (shared by every implementation):
+  query        [num_tokens, num_heads, head_dim]   new tokens of all sequences, concatenated
+  key_cache    [num_blocks, block_size, num_kv_heads, head_dim]   (value_cache alike)
+  block_tables [num_seqs, max_blocks] int32   physical block of each logical block
+  seq_lens     [num_seqs] int32   tokens in the context after this step (cached + new)
+  query_start_loc [num_seqs + 1] int32   offsets of each sequence's new tokens in query
+A sequence's new tokens sit at the end of its context: query token i of a
+sequence with q new tokens and context s attends to keys 0 .. s - q + i.
+
+`paged_attention_ref` is the torch reference: the CPU path and the test oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decodes are batched (one gather, one padded SDPA with GQA folded into the
+    query axis); prefill chunks run one sequence at a time."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    block_size = key_cache.shape[1]
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    out = torch.empty_like(query)
+    decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    if decodes:
+        rows = torch.tensor(decodes, dtype=torch.long, device=query.device)
+        tokens = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=query.device)
+        context = torch.tensor([lens[i] for i in decodes], device=query.device)
+        max_len = max(lens[i] for i in decodes)
+        num_blocks = -(-max_len // block_size)
+        table = block_tables[rows, :num_blocks].long()
+        keys = _gather(key_cache, table)  # [b, kvh, L, d]
+        values = _gather(value_cache, table)
+        q = query[tokens].view(len(decodes), num_kv_heads, -1, head_dim)
+        positions = torch.arange(keys.shape[2], device=query.device)
+        mask = (positions[None, :] < context[:, None])[:, None, None, :]
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        out[tokens] = attn.reshape(len(decodes), -1, head_dim)
+    for i in range(len(lens)):
+        q_len = starts[i + 1] - starts[i]
+        if q_len == 1:
+            continue
+        seq_len = lens[i]
+        num_blocks = -(-seq_len // block_size)
+        table = block_tables[i : i + 1, :num_blocks].long()
+        keys = _gather(key_cache, table)[0, :, :seq_len]  # [kvh, L, d]
+        values = _gather(value_cache, table)[0, :, :seq_len]
+        q = query[starts[i] : starts[i + 1]].transpose(0, 1)  # [h, q, d]
+        if seq_len == q_len:
+            attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            first = seq_len - q_len
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= (
+                first + torch.arange(q_len, device=query.device)[:, None]
+            )
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[starts[i] : starts[i + 1]] = attn.transpose(0, 1)
+    return out
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[b, blocks] block ids -> [b, kv_heads, blocks * block_size, head_dim]."""
+    b, n = table.shape
+    gathered = cache[table]  # [b, n, bs, kvh, d]
+    return gathered.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
