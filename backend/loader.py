@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import ConfigError
+from .gguf_file import GGUFFile
 from .model_config import ModelConfig
 from .models.llama import LlamaForCausalLM, RotaryEmbedding
 
@@ -53,22 +54,45 @@ def resolve_model_path(path: str) -> str:
 
 def load_model_config(path: str) -> ModelConfig:
     if path.endswith(".gguf"):
-        return gguf_model_config(_gguf_reader(path))
+        return gguf_model_config(GGUFFile(path))
     return ModelConfig.from_hf_dir(path)
 
 
 def load_tokenizer(path: str) -> Any:
+    """The model's tokenizer. A GGUF's is converted once by transformers (slow) and
+    kept in the cache directory ($PAGEDSERVE_CACHE_DIR, default ~/.cache/pagedserve)."""
     from transformers import AutoTokenizer
 
-    if path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    return AutoTokenizer.from_pretrained(path)
+    if not path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(path)
+    cache = _tokenizer_cache_dir(path)
+    if os.path.exists(os.path.join(cache, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(cache)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    try:
+        partial = f"{cache}.tmp{os.getpid()}"
+        tokenizer.save_pretrained(partial)
+        os.replace(partial, cache)
+    except OSError:
+        pass  # a read-only home only costs the conversion next time
+    return tokenizer
+
+
+def _tokenizer_cache_dir(path: str) -> str:
+    import hashlib
+
+    import transformers
+
+    stat = os.stat(path)
+    key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve")
+    return os.path.join(root, "tokenizers", hashlib.sha1(key.encode()).hexdigest()[:16])
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     path = resolve_model_path(path)
     if path.endswith(".gguf"):
-        reader = _gguf_reader(path)
+        reader = GGUFFile(path)
         config = gguf_model_config(reader)
         tensors, count = _gguf_tensors(reader, config), len(reader.tensors)
     else:
@@ -178,41 +202,31 @@ def _safetensors_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]
 
 
 # -- GGUF ------------------------------------------------------------------------
-def _gguf_reader(path: str) -> Any:
-    import gguf
-
-    return gguf.GGUFReader(path)
-
-
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_model_config(reader: Any) -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture")
+def gguf_model_config(reader: GGUFFile) -> ModelConfig:
+    field = reader.get
+    arch = field("general.architecture")
     if arch != "llama":
         raise ConfigError("model", f"GGUF architecture {arch!r} is not supported (llama is)")
-    num_heads = _gguf_field(reader, "llama.attention.head_count")
-    hidden = _gguf_field(reader, "llama.embedding_length")
+    num_heads = field("llama.attention.head_count")
+    hidden = field("llama.embedding_length")
     names = {t.name for t in reader.tensors}
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    vocab = _gguf_field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = field("tokenizer.ggml.eos_token_id")
+    vocab = field("llama.vocab_size") or field("tokenizer.ggml.tokens")  # skipped array: its length
     return ModelConfig(
         architecture="llama",
         vocab_size=int(vocab),
         hidden_size=int(hidden),
-        intermediate_size=int(_gguf_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_gguf_field(reader, "llama.block_count")),
+        intermediate_size=int(field("llama.feed_forward_length")),
+        num_layers=int(field("llama.block_count")),
         num_heads=int(num_heads),
-        num_kv_heads=int(_gguf_field(reader, "llama.attention.head_count_kv", num_heads)),
-        head_dim=int(_gguf_field(reader, "llama.rope.dimension_count", hidden // num_heads)),
-        rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_gguf_field(reader, "llama.context_length", 4096)),
+        num_kv_heads=int(field("llama.attention.head_count_kv", num_heads)),
+        head_dim=int(field("llama.rope.dimension_count", hidden // num_heads)),
+        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(field("llama.context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         eos_token_ids=[int(eos)] if eos is not None else [],
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
     )
 
 
@@ -229,16 +243,13 @@ _GGUF_NAMES = {
 }
 
 
-def _gguf_tensors(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantized GGUF tensors under Hugging Face names, q/k un-permuted."""
-    from gguf.quants import dequantize
-
     for tensor in reader.tensors:
-        array = dequantize(tensor.data, tensor.tensor_type)
-        array = np.ascontiguousarray(array).reshape(tuple(reversed([int(d) for d in tensor.shape])))
         name = _hf_name(tensor.name)
         if name is None:
             continue
+        array = tensor.to_numpy()
         if name.endswith("self_attn.q_proj.weight"):
             array = unpermute_rope_rows(array, config.num_heads)
         elif name.endswith("self_attn.k_proj.weight"):

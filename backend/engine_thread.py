@@ -1,0 +1,147 @@
+"""EngineThread: an LLMEngine driven by a background thread.
+
+Any thread may submit or abort; requests enter the engine at the start of the
+next step (so an abort frees its blocks within one step). Outputs reach each
+request's callback from the engine thread, which the callback must not block.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from typing import Callable, Iterator, Sequence as Seq
+
+from .engine import LLMEngine
+from .errors import EngineDeadError, QueueFullError
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedserve")
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._adds: deque[tuple[str, list[int], SamplingParams, OutputCallback]] = deque()
+        self._aborts: deque[str] = deque()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(
+        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, on_output: OutputCallback
+    ) -> None:
+        """Validate and queue a request. Raises InvalidRequestError, QueueFullError, EngineDeadError."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed earlier ({self.error!r}); restart the model")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+        ids = [int(t) for t in prompt_token_ids]
+        self.engine.validate(ids, params)
+        limit = self.engine.config.max_queue_size
+        with self._lock:
+            if self.engine.scheduler.num_waiting + len(self._adds) >= limit:
+                raise QueueFullError(f"server busy: the waiting queue is full (max_queue_size={limit}); retry later")
+            self._adds.append((request_id, ids, params, on_output))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def stream(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        """Submit and iterate over the request's outputs (ends after the finished one)."""
+        outputs: queue.Queue[RequestOutput] = queue.Queue()
+        self.submit(request_id, prompt_token_ids, params, outputs.put)
+        while True:
+            output = outputs.get()
+            yield output
+            if output.finished:
+                return
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight (callbacks get their final output) and join the thread."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("engine thread did not stop within %.0fs", timeout)
+
+    # -- engine thread ---------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests() and not self._adds and not self._stopping:
+                self._wake.wait()
+            self._wake.clear()
+            try:
+                self._apply_inbox()
+                if self._stopping:
+                    self._abort_all()
+                    return
+                if self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        self._deliver(output)
+                    if self.on_step is not None:
+                        self.on_step()
+            except Exception as error:  # the engine is unusable now: fail every request
+                logger.exception("engine step failed")
+                self.error = error
+                self._fail_all(error)
+                return
+
+    def _apply_inbox(self) -> None:
+        while self._adds:
+            with self._lock:
+                request_id, ids, params, callback = self._adds.popleft()
+            self._callbacks[request_id] = callback
+            try:
+                self.engine.add_request(ids, params, request_id=request_id)
+            except Exception as error:  # validated already; a duplicate id or a race on the queue
+                self._deliver(_error_output(request_id, error))
+        while self._aborts:
+            output = self.engine.abort(self._aborts.popleft())
+            if output is not None:
+                self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        callback = self._callbacks.pop(output.request_id) if output.finished else self._callbacks.get(output.request_id)
+        if callback is None:
+            return
+        try:
+            callback(output)
+        except Exception:
+            logger.exception("output callback of request %s failed", output.request_id)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._callbacks):
+            output = self.engine.abort(request_id)
+            self._deliver(output or _error_output(request_id, EngineDeadError("the engine shut down")))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._callbacks):
+            self._deliver(_error_output(request_id, error))
+
+
+def _error_output(request_id: str, error: BaseException) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        context_token_ids=[],
+        text="",
+        finished=True,
+        finish_reason="error",
+        error=f"{type(error).__name__}: {error}",
+    )
