@@ -1,0 +1,111 @@
+"""Shared fixtures: the bundled default model, engines built on it, and the
+Hugging Face transformers oracle on the same weights."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedserve.backend import LLMEngine
+from pagedserve.backend.loader import default_model_path
+
+
+LONG_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based inks and a wooden screw press into a system that could "
+    "produce books far faster than any scribe. Within a few decades presses had spread to more than "
+    "two hundred cities across Europe. Printers in Venice, Paris and Antwerp competed to publish "
+    "classical texts, grammars, maps and religious works, and the price of books fell sharply. "
+    "Scholars could now compare identical copies of a text, which encouraged careful editing and the "
+    "standardisation of spelling. Pamphlets carried news and arguments to people who had never owned "
+    "a manuscript, and literacy slowly rose in towns and then in the countryside. Governments and "
+    "churches soon tried to license printers and to ban dangerous books, but smuggled editions "
+    "crossed borders easily. By the seventeenth century, newspapers appeared in several countries, "
+    "scientific societies printed journals to share experiments, and the modern idea of an author who "
+    "owns his words was beginning to take shape. Historians still debate how much the press caused "
+    "these changes and how much it merely sped up movements that had already begun, but few doubt "
+    "that the world of readers after Gutenberg looked very different from the world before him. "
+    "In the centuries that followed, steam power, rotary presses and cheap paper made printed matter "
+    "so common that almost every household could afford a newspaper, a almanac or a novel. Public "
+    "libraries opened their doors to working people, and reading aloud in the evening became a family "
+    "habit in many countries. Publishers discovered that serial stories sold magazines, so famous "
+    "novelists wrote their books in monthly parts, ending each instalment with a question that would "
+    "bring readers back. Typewriters, and later computers, changed how texts were written, while "
+    "offset lithography changed how they were printed. Today, when most words are read on screens, "
+    "the printing press can seem like a relic, yet its effects remain everywhere around us, and the "
+    "habits of mind it encouraged"
+)
+
+CHAT = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "List three prime numbers and explain why they are prime."}],
+    [
+        {"role": "user", "content": "My name is Ada. Remember it."},
+        {"role": "assistant", "content": "Nice to meet you, Ada! I will remember your name."},
+        {"role": "user", "content": "What is my name, and what is 12 times 12?"},
+    ],
+]
+RAW = [
+    "The quick brown fox jumps",
+    "def fibonacci(n):\n",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: Good morning, how are you?",
+    LONG_TEXT,
+]
+MAX_TOKENS = [24, 32, 40, 28, 12, 36, 20, 16, 30]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def engine() -> LLMEngine:
+    """The default model in float32 with default settings, shared by tests that leave it clean."""
+    return LLMEngine(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def prompts(engine: LLMEngine) -> list[list[int]]:
+    """Nine varied prompts as token ids: chat-templated and raw, 5 to ~400 tokens."""
+    ids = [engine.encode(messages=m) for m in CHAT] + [engine.encode(p) for p in RAW]
+    return ids
+
+
+class HFOracle:
+    """Hugging Face transformers on the same GGUF weights: the correctness reference."""
+
+    def __init__(self, path: str):
+        from transformers import AutoModelForCausalLM
+
+        directory, name = os.path.split(path)
+        self.model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+        self._cache: dict[tuple, list[int]] = {}
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in self._cache:
+            out = self.model.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, num_beams=1
+            )
+            self._cache[key] = out[0, len(prompt_ids) :].tolist()
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(model_path: str) -> HFOracle:
+    return HFOracle(model_path)
+
+
+def assert_engine_idle(engine: LLMEngine) -> None:
+    """No leaked KV block and no request left in any queue."""
+    kv = engine.block_manager
+    assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_used_blocks} KV blocks leaked"
+    assert all(b.ref_count == 0 for b in kv.blocks)
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+    assert not engine.scheduler.requests and not engine.streams
