@@ -3,6 +3,7 @@ Hugging Face transformers oracle on the same weights."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -61,6 +62,35 @@ MAX_TOKENS = [24, 32, 40, 28, 12, 36, 20, 16, 30]
 @pytest.fixture(scope="session")
 def model_path() -> str:
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: str):
+    from pagedserve.backend.loader import load_tokenizer
+
+    return load_tokenizer(model_path)
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_tokenizer():
+    """A small Llama-2-style tokenizer (SentencePiece "▁" spaces, byte fallback, the
+    decoder strips the first leading space), trained in-process on LONG_TEXT."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")  # words start with "▁"
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.train_from_iterator([LONG_TEXT] * 3, trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>", "<s>", "</s>"]))
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):  # byte-fallback pieces are ordinary vocabulary, as in Llama-2
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    tok = Tokenizer.from_str(json.dumps(spec))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 @pytest.fixture(scope="session")

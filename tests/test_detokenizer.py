@@ -1,0 +1,69 @@
+"""Incremental detokenization: exact concatenation, no split characters, leading spaces kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.backend.detokenizer import IncrementalDetokenizer
+from pagedserve.backend.tokenizer import decode_delta
+
+TEXTS = [
+    "Party time 🎉🎉 with friends 👩‍👩‍👧!",
+    "日本語のテキストと中文字符混合。",
+    " leading space,  double  spaces and\ttabs\n new line",
+    "Ünïcödé façade — naïve café ✓",
+]
+
+
+def stream(tokenizer, prompt_ids, output_ids):
+    token_ids = list(prompt_ids)
+    detok = IncrementalDetokenizer(tokenizer, token_ids, len(prompt_ids))
+    deltas = []
+    for token in output_ids:
+        token_ids.append(token)
+        deltas.append(detok.update())
+    deltas.append(detok.update(final=True))
+    return deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_level_deltas_concatenate_exactly_without_split_characters(tokenizer, text):
+    prompt = tokenizer.encode("Say something:")
+    output = tokenizer.encode(text, add_special_tokens=False)
+    deltas = stream(tokenizer, prompt, output)
+    assert "".join(deltas) == tokenizer.decode(output) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_multibyte_characters_split_over_tokens_wait_for_completion(tokenizer):
+    output = tokenizer.encode("🎉", add_special_tokens=False)
+    assert len(output) > 1, "the emoji should span several byte-level tokens"
+    deltas = stream(tokenizer, tokenizer.encode("Hi"), output)
+    assert deltas[:-2] == [""] * (len(output) - 1) and "".join(deltas) == "🎉"
+
+
+@pytest.mark.parametrize("text", ["The history of printing began", "the press 日本 ✓ and more"])
+def test_sentencepiece_leading_spaces_are_kept(sentencepiece_tokenizer, text):
+    tok = sentencepiece_tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = tok.convert_ids_to_tokens(ids)
+    split = next(i for i in range(1, len(ids)) if pieces[i].startswith("\u2581") and len(pieces[i]) > 1)
+    prompt, output = ids[:split], ids[split:]
+    assert not tok.decode(output).startswith(" ")  # decoding alone drops the space
+    deltas = stream(tok, prompt, output)
+    assert "".join(deltas) == text[len(tok.decode(prompt)) :]
+    assert "".join(deltas).startswith(" ")
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_stateless_delta_of_any_clean_grouping_matches(tokenizer):
+    """The postprocessing model decodes released groups with a little context: same text."""
+    ids = tokenizer.encode("Pre 日本語 and 🎉 emoji", add_special_tokens=False)
+    text, start = "", 0
+    for end in range(1, len(ids) + 1):
+        delta = decode_delta(tokenizer, ids[max(0, start - 4) : start], ids[start:end])
+        if delta is not None:
+            text += delta
+            start = end
+    assert text == tokenizer.decode(ids)
+    assert decode_delta(tokenizer, [], tokenizer.encode("🎉", add_special_tokens=False)[:1]) is None

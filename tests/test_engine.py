@@ -1,0 +1,87 @@
+"""LLMEngine API: requests, stop conditions, seeds, logprobs, aborts, limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.backend import InvalidRequestError, LLMEngine, QueueFullError, SamplingParams
+
+from .conftest import assert_engine_idle
+
+pytestmark = pytest.mark.slow
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_max_tokens_ends_with_length(engine):
+    [result] = engine.generate(["Once upon a time"], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+    assert len(result.token_ids) == 5 and result.finish_reason == "length"
+    assert_engine_idle(engine)
+
+
+def test_ignore_eos_and_min_tokens_run_past_the_end(engine):
+    ids = engine.encode(messages=CAPITAL)
+    [plain] = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0), use_tqdm=False)
+    assert plain.finish_reason == "stop" and plain.token_ids[-1] in engine.model_config.eos_token_ids
+    [forced] = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(forced.token_ids) == 30 and forced.finish_reason == "length"
+    [minimum] = engine.generate([ids], SamplingParams(max_tokens=30, min_tokens=12, temperature=0), use_tqdm=False)
+    assert len(minimum.token_ids) >= 12
+
+
+def test_stop_string_and_stop_token_ids(engine):
+    ids = engine.encode(messages=CAPITAL)
+    [cut] = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0, stop=["is P"]), use_tqdm=False)
+    assert cut.text == "The capital of France " and cut.finish_reason == "stop"
+    paris = engine.encode(" Paris")[-1]
+    [by_id] = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[paris]), use_tqdm=False)
+    assert by_id.token_ids[-1] == paris and by_id.finish_reason == "stop"
+    assert_engine_idle(engine)
+
+
+def test_same_seed_same_text_different_seed_differs(engine):
+    prompt = "Write a short poem about rain:"
+    def sample(seed, mates=0):
+        params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=seed)
+        batch = [prompt] + ["Tell me about cats."] * mates
+        others = [SamplingParams(max_tokens=8, temperature=1.0)] * mates
+        return engine.generate(batch, [params] + others, use_tqdm=False)[0].text
+    first = sample(7)
+    assert sample(7, mates=3) == first
+    assert any(sample(seed) != first for seed in (8, 9, 10))
+
+
+def test_logprobs_and_cumulative_logprob(engine):
+    [result] = engine.generate(["The sky is"], SamplingParams(max_tokens=4, temperature=0, logprobs=2), use_tqdm=False)
+    assert [lp.token_id for lp in result.logprobs] == result.token_ids
+    assert all(lp.top[0][0] == lp.token_id and len(lp.top) == 2 for lp in result.logprobs)  # greedy = top-1
+    assert result.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in result.logprobs))
+
+
+def test_abort_frees_blocks_and_reports_abort(engine):
+    engine.add_request("Count slowly to one hundred:", SamplingParams(max_tokens=200, ignore_eos=True), request_id="x")
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    final = engine.abort("x")
+    assert final.finished and final.finish_reason == "abort"
+    assert engine.abort("x") is None
+    assert_engine_idle(engine)
+
+
+def test_invalid_requests_name_the_field(engine):
+    with pytest.raises(InvalidRequestError, match="'prompt'.*empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="'prompt'.*tokens; the limit is"):
+        engine.add_request([1] * engine.max_model_len, SamplingParams())
+    with pytest.raises(InvalidRequestError, match="'input_ids'.*outside the vocabulary"):
+        engine.add_request([1, 10**7], SamplingParams())
+    assert_engine_idle(engine)
+
+
+def test_queue_bound_says_busy(model_path):
+    small = LLMEngine(dtype="float32", max_queue_size=2)
+    small.add_request("a")
+    small.add_request("b")
+    with pytest.raises(QueueFullError, match="retry later"):
+        small.add_request("c")

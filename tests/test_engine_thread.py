@@ -1,0 +1,84 @@
+"""EngineThread: concurrent submissions stream back; aborts and shutdown free everything."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from pagedserve.backend import EngineDeadError, SamplingParams
+from pagedserve.backend.engine_thread import EngineThread
+
+from .conftest import assert_engine_idle
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def loop(engine):
+    thread = EngineThread(engine)
+    yield thread
+    thread.shutdown()
+    assert_engine_idle(engine)
+
+
+def test_concurrent_streams_match_offline_generation(engine, loop):
+    prompts = [engine.encode(f"Fact number {i} about the moon:") for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    results: dict[int, str] = {}
+
+    def client(i):
+        results[i] = "".join(out.text for out in loop.stream(f"c{i}", prompts[i], params))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    loop.shutdown()
+    offline = engine.generate(prompts, params, use_tqdm=False)
+    assert [results[i] for i in range(6)] == [c.text for c in offline]
+
+
+def test_abort_ends_the_stream_and_frees_blocks_within_a_step(engine, loop):
+    outputs: queue.Queue = queue.Queue()
+    loop.submit("long", engine.encode("Count to a thousand:"), SamplingParams(max_tokens=500, ignore_eos=True), outputs.put)
+    first = outputs.get(timeout=30)
+    assert not first.finished
+    loop.abort("long")
+    while not (out := outputs.get(timeout=30)).finished:
+        pass
+    assert out.finish_reason == "abort"
+
+
+def test_shutdown_finishes_every_request(engine):
+    loop = EngineThread(engine)
+    outputs: queue.Queue = queue.Queue()
+    loop.submit("a", engine.encode("Hello"), SamplingParams(max_tokens=400, ignore_eos=True), outputs.put)
+    loop.shutdown()
+    finals = []
+    while not outputs.empty():
+        finals.append(outputs.get())
+    assert finals and finals[-1].finished
+    with pytest.raises(EngineDeadError):
+        loop.submit("b", [1, 2], SamplingParams(), outputs.put)
+    assert_engine_idle(engine)
+
+
+def test_a_failing_step_errors_every_request_and_refuses_new_ones(engine, monkeypatch):
+    loop = EngineThread(engine)
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    outputs: queue.Queue = queue.Queue()
+    loop.submit("z", engine.encode("Hi"), SamplingParams(max_tokens=4), outputs.put)
+    final = outputs.get(timeout=30)
+    assert final.finished and "device lost" in final.error
+    assert not loop.is_alive
+    with pytest.raises(EngineDeadError, match="device lost"):
+        loop.submit("y", [1, 2], SamplingParams(), outputs.put)
+    monkeypatch.undo()
+    for request_id in list(engine.scheduler.requests):  # the dead loop left its request behind
+        engine.abort(request_id)
+    assert_engine_idle(engine)
