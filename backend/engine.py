@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .cpu_tuning import keep_freed_memory_in_heap
 from .errors import ConfigError, InvalidRequestError
 from .loader import load_model, resolve_model_path
 from .model_runner import ModelRunner, kv_block_bytes
@@ -54,6 +55,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = _resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
         self.dtype = _resolve_dtype(config.dtype, self.device)
         self.model_path = resolve_model_path(config.model)
 

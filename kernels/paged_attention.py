@@ -72,7 +72,11 @@ def paged_attention_ref(
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """[b, blocks] block ids -> [b, kv_heads, blocks * block_size, head_dim]."""
+    """[b, blocks] block ids -> [b, kv_heads, blocks * block_size, head_dim] (a strided view).
+
+    index_select over whole blocks as rows is several times faster on CPU than
+    advanced indexing."""
     b, n = table.shape
-    gathered = cache[table]  # [b, n, bs, kvh, d]
-    return gathered.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+    num_blocks, block_size, kv_heads, head_dim = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, table.reshape(-1))
+    return rows.view(b, n * block_size, kv_heads, head_dim).transpose(1, 2)

