@@ -35,6 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class EngineStats:
     num_running: int
     num_waiting: int
+    peak_num_running: int
     kv_blocks_total: int
     kv_blocks_used: int
     kv_blocks_free: int
@@ -228,6 +229,7 @@ class LLMEngine:
         kv = self.block_manager
         return EngineStats(
             num_running=self.scheduler.num_running,
+            peak_num_running=self.scheduler.peak_num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_blocks_total=kv.num_blocks,
             kv_blocks_used=kv.num_used_blocks,

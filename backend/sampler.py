@@ -105,10 +105,12 @@ class Sampler:
         logprobs = raw[torch.tensor(rows, device=raw.device)].log_softmax(dim=-1)
         top_n = max(params[i].logprobs for i in rows)
         top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+        chosen = logprobs[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])]
+        ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
         for j, i in enumerate(rows):
             n = params[i].logprobs
             top = list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist())) if n else []
-            result[i] = TokenLogprob(token_id=tokens[i], logprob=logprobs[j, tokens[i]].item(), top=top)
+            result[i] = TokenLogprob(tokens[i], chosen[j].item(), int(ranks[j]), top)
         return result
 
 

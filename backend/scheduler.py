@@ -56,6 +56,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.peak_num_running = 0
         self._static_batch_open = True
 
     # -- requests --------------------------------------------------------------
@@ -107,6 +108,7 @@ class Scheduler:
         budget = self._schedule_running(batch, budget)
         if batch.num_preempted == 0 and self._may_admit():
             self._schedule_waiting(batch, budget)
+        self.peak_num_running = max(self.peak_num_running, len(self.running))
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:

@@ -29,6 +29,8 @@ class TokenLogprob:
 
     token_id: int
     logprob: float
+    rank: int = 1
+    """1 + the number of tokens more likely than this one."""
     top: list[tuple[int, float]] = field(default_factory=list)
 
 

@@ -1,0 +1,143 @@
+"""`pagedserve` command line: serve, generate, chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving on NVIDIA Triton Inference Server")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="start a local tritonserver with the model repository")
+    serve.add_argument("--model", default="", help="Hugging Face model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine parameter, e.g. --set dtype=bfloat16 (repeatable)")
+    serve.add_argument("--repository-dir", default="", help="where to write the runtime model repository (default: a temp dir)")
+    serve.set_defaults(run=run_serve)
+
+    for name, helptext in (("generate", "generate text for one prompt"), ("chat", "interactive chat, streaming")):
+        command = commands.add_parser(name, help=helptext)
+        if name == "generate":
+            command.add_argument("prompt")
+            command.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+            command.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user chat message")
+        else:
+            command.add_argument("--system", default=None, help="system prompt")
+        command.add_argument("--url", default="localhost:8001", help="gRPC endpoint")
+        command.add_argument("--model-name", default="llm")
+        command.add_argument("--max-tokens", type=int, default=256)
+        command.add_argument("--temperature", type=float, default=None)
+        command.add_argument("--top-p", type=float, default=None)
+        command.add_argument("--top-k", type=int, default=None)
+        command.add_argument("--seed", type=int, default=None)
+        command.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+        command.set_defaults(run=run_generate if name == "generate" else run_chat)
+
+    from .bench import add_bench_arguments  # noqa: PLC0415 (keeps start-up light)
+
+    bench = commands.add_parser("bench", help="load-generate against a running server")
+    add_bench_arguments(bench)
+
+    args = parser.parse_args(argv)
+    return args.run(args) or 0
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from .repository import write_repository
+    from .triton_server import TritonServer
+
+    engine = dict(item.split("=", 1) for item in args.set)
+    workdir = args.repository_dir or tempfile.mkdtemp(prefix="pagedserve-")
+    repository = write_repository(os.path.join(workdir, "model_repository"), model=args.model, engine=engine)
+    server = TritonServer(
+        repository, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        log_file=os.path.join(workdir, "tritonserver.log"),
+    )
+    print(f"starting tritonserver with {repository} (log: {server.log_file}) ...", flush=True)
+    server.start(timeout=600)
+    print(
+        f"\npagedserve is ready.\n"
+        f"  gRPC     {server.grpc_url}\n"
+        f"  HTTP     http://{server.http_url}\n"
+        f"  metrics  http://{server.metrics_url}/metrics\n\n"
+        f"try:\n"
+        f"  pagedserve generate \"What is the capital of France?\" --chat-template --stream\n"
+        f"  curl -s -X POST http://{server.http_url}/v2/models/llm/generate "
+        f"-d '{{\"text_input\": \"The capital of France is\", \"sampling_parameters\": \"{{\\\"max_tokens\\\": 16}}\"}}'\n\n"
+        f"Ctrl-C stops the server.",
+        flush=True,
+    )
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly on SIGTERM too
+    try:
+        while server.is_running():
+            time.sleep(0.5)
+        print("tritonserver exited unexpectedly:\n" + server.log_tail(40), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        print("\nstopping tritonserver ...", flush=True)
+        server.stop()
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from .client import LLMClient
+
+    client = LLMClient(args.url, args.model_name)
+    messages = [{"role": "user", "content": args.prompt}] if args.chat_template else None
+    prompt = None if messages else args.prompt
+    if args.stream:
+        for chunk in client.stream(prompt, messages, **_sampling(args)):
+            print(chunk.text, end="", flush=True)
+        print()
+    else:
+        print(client.generate(prompt, messages, **_sampling(args)))
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from .client import LLMClient
+
+    client = LLMClient(args.url, args.model_name)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat with the model; an empty line or Ctrl-D ends it.")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line:
+            return 0
+        messages.append({"role": "user", "content": line})
+        print("model> ", end="", flush=True)
+        reply = ""
+        for chunk in client.stream(messages=messages, **_sampling(args)):
+            reply += chunk.text
+            print(chunk.text, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": reply})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""A small client for the `llm` model over tritonclient gRPC streaming (sync and asyncio)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator
+
+import numpy as np
+
+
+@dataclass
+class Chunk:
+    """One streamed response: a text delta, with the finish reason on the last one."""
+
+    text: str
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    final: bool = False
+
+
+def build_inputs(
+    module: Any,
+    prompt: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+    stream: bool = True,
+    **sampling: Any,
+) -> list[Any]:
+    """Inputs for `llm` in the Triton vLLM-backend style; `module` is tritonclient.grpc or .http."""
+    tensors: list[tuple[str, np.ndarray, str]] = []
+    if messages is not None:
+        tensors.append(("messages", np.array([json.dumps(messages).encode()], dtype=np.object_), "BYTES"))
+    else:
+        tensors.append(("text_input", np.array([(prompt or "").encode()], dtype=np.object_), "BYTES"))
+    params = {k: v for k, v in sampling.items() if v is not None}
+    tensors += [
+        ("stream", np.array([stream]), "BOOL"),
+        ("exclude_input_in_output", np.array([True]), "BOOL"),
+        ("return_finish_reason", np.array([True]), "BOOL"),
+        ("return_num_output_tokens", np.array([True]), "BOOL"),
+        ("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
+    ]
+    inputs = []
+    for name, array, dtype in tensors:
+        tensor = module.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def parse_result(result: Any) -> Chunk:
+    text = result.as_numpy("text_output")
+    reason = result.as_numpy("finish_reason")
+    count = result.as_numpy("num_output_tokens")
+    response = result.get_response()
+    final = bool(response.parameters["triton_final_response"].bool_param) if "triton_final_response" in response.parameters else False
+    return Chunk(
+        text="".join(t.decode("utf-8") for t in text) if text is not None else "",
+        finish_reason=(reason[0].decode() if reason is not None and reason.size else None),
+        num_output_tokens=int(count.sum()) if count is not None and count.size else 0,
+        final=final,
+    )
+
+
+class LLMClient:
+    """Blocking client: `stream()` yields Chunks as tokens arrive; `generate()` returns the text."""
+
+    def __init__(self, url: str = "localhost:8001", model: str = "llm"):
+        self.url = url
+        self.model = model
+
+    def stream(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **sampling: Any) -> Iterator[Chunk]:
+        import tritonclient.grpc as grpcclient
+
+        results: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(self.url)
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        try:
+            client.async_stream_infer(
+                self.model, build_inputs(grpcclient, prompt, messages, stream=True, **sampling), request_id=uuid.uuid4().hex
+            )
+            while True:
+                result, error = results.get()
+                if error is not None:
+                    raise error
+                chunk = parse_result(result)
+                yield chunk
+                if chunk.final:
+                    return
+        finally:
+            client.stop_stream(cancel_requests=True)
+            client.close()
+
+    def generate(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **sampling: Any) -> str:
+        return "".join(chunk.text for chunk in self.stream(prompt, messages, **sampling))
+
+
+class AsyncLLMClient:
+    """asyncio client over tritonclient.grpc.aio; one gRPC stream per request."""
+
+    def __init__(self, url: str = "localhost:8001", model: str = "llm"):
+        import tritonclient.grpc.aio as aioclient
+
+        self._module = aioclient
+        self.client = aioclient.InferenceServerClient(url)
+        self.model = model
+
+    async def stream(
+        self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **sampling: Any
+    ) -> AsyncIterator[Chunk]:
+        inputs = build_inputs(self._module, prompt, messages, stream=True, **sampling)
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": inputs, "request_id": uuid.uuid4().hex}
+
+        async for result, error in self.client.stream_infer(requests()):
+            if error is not None:
+                raise error
+            chunk = parse_result(result)
+            yield chunk
+            if chunk.final:
+                return
+
+    async def generate(self, prompt: str | None = None, **sampling: Any) -> str:
+        return "".join([chunk.text async for chunk in self.stream(prompt, **sampling)])
+
+    async def close(self) -> None:
+        await self.client.close()
