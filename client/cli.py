@@ -79,7 +79,7 @@ def run_serve(args: argparse.Namespace) -> int:
         f"\npagedserve is ready.\n"
         f"  gRPC     {server.grpc_url}\n"
         f"  HTTP     http://{server.http_url}\n"
-        f"  metrics  http://{server.metrics_url}/metrics\n\n"
+        f"  metrics  {server.metrics_url}\n\n"
         f"try:\n"
         f"  pagedserve generate \"What is the capital of France?\" --chat-template --stream\n"
         f"  curl -s -X POST http://{server.http_url}/v2/models/llm/generate "

@@ -19,6 +19,7 @@ interpreter's ``bin`` folder first on ``PATH`` so models can import torch & co.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import os
 import re
@@ -35,6 +36,7 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 __all__ = [
     "TritonServerError",
@@ -50,8 +52,11 @@ _INSTALL_HINT = (
 )
 
 
-# glog error lines ("E1123 06:19:42.609405 6023 file.cc:703] ...") and the final "error: ..." line.
-_ERROR_LINE = re.compile(r"^(E\d{4} |error: )")
+# glog error lines ("E1123 06:19:42.609405 6023 file.cc:703] ..."), the final
+# "error: ..." line, and a C++ abort ("terminate called after throwing ...").
+_ERROR_LINE = re.compile(r"^(E\d{4} |error: |terminate called|\s+what\(\): )")
+# Name prefix of the python backend's per-stub shared-memory regions in /dev/shm.
+_SHM_PREFIX = "triton_python_backend_shm_region_"
 
 
 class TritonServerError(RuntimeError):
@@ -206,11 +211,14 @@ def _http_status(url: str, timeout: float = 2.0) -> int | None:
 class TritonServer:
     """One ``tritonserver`` subprocess in its own process group.
 
-    Ports left at 0 are picked free at :meth:`start`. By default every model in
-    the repository is loaded (``--model-control-mode=none``). ``extra_args`` are
-    appended verbatim (e.g. ``["--allow-metrics=false"]``); ``env`` entries
-    override the computed environment (``None`` removes a variable). The server's
-    stdout and stderr (python-model prints included) go to ``log_file``.
+    Ports left at 0 are picked free at every :meth:`start`. By default every
+    model in the repository is loaded (``--model-control-mode=none``).
+    ``extra_args`` are appended verbatim (e.g. ``["--allow-metrics=false"]``);
+    ``env`` entries override the computed environment (``None`` removes a
+    variable). stdout and stderr of the server and of python-model stubs go to
+    ``log_file`` (default: ``tritonserver.log`` in a temporary workdir).
+    ``exit_timeout_s`` sets Triton's own grace period for in-flight requests on
+    shutdown (``--exit-timeout-secs``, Triton's default is 30 s).
     """
 
     model_repository: str | os.PathLike[str]
@@ -222,37 +230,42 @@ class TritonServer:
     env: dict[str, str | None] = field(default_factory=dict)
     log_file: str | os.PathLike[str] | None = None
     model_control_mode: str = "none"
+    exit_timeout_s: int | None = None
     executable: str | None = None
     workdir: str | os.PathLike[str] | None = None
 
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _own_workdir: bool = field(default=False, init=False, repr=False)
-    _log_handle: object | None = field(default=None, init=False, repr=False)
+    _auto_ports: tuple[str, ...] = field(default=(), init=False, repr=False)
+    _log_handle: BinaryIO | None = field(default=None, init=False, repr=False)
+    _log_start: int = field(default=0, init=False, repr=False)
     _saved_log: str | None = field(default=None, init=False, repr=False)
+    _shm_regions: set[str] = field(default_factory=set, init=False, repr=False)
 
     # --- addresses ---------------------------------------------------------
     @property
     def http_url(self) -> str:
-        """``localhost:PORT`` as tritonclient.http expects it."""
+        """``localhost:PORT``, the form tritonclient.http expects."""
         return f"localhost:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        """``localhost:PORT`` as tritonclient.grpc expects it."""
+        """``localhost:PORT``, the form tritonclient.grpc expects."""
         return f"localhost:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        """Full Prometheus endpoint URL."""
+        """Prometheus endpoint (nothing listens there with ``--allow-metrics=false``)."""
         return f"http://localhost:{self.metrics_port}/metrics"
 
     @property
     def pid(self) -> int | None:
+        """Server process id (also its process-group id), None before start."""
         return self._proc.pid if self._proc is not None else None
 
     # --- lifecycle ---------------------------------------------------------
     def command(self, backend_dir: str | None = None) -> list[str]:
-        """The command line :meth:`start` runs (ports must already be chosen)."""
+        """The command line :meth:`start` runs (with the ports currently set)."""
         exe = self.executable or find_tritonserver()
         cmd = [
             exe,
@@ -263,6 +276,8 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             f"--log-verbose={int(self.log_verbose)}",
         ]
+        if self.exit_timeout_s is not None:
+            cmd.append(f"--exit-timeout-secs={int(self.exit_timeout_s)}")
         if backend_dir is not None:
             cmd.append(f"--backend-directory={backend_dir}")
         cmd.extend(self.extra_args)
@@ -271,85 +286,63 @@ class TritonServer:
     def start(self, timeout: float = 120.0) -> TritonServer:
         """Launch the server and block until ``/v2/health/ready`` answers 200.
 
-        Readiness is polled over HTTP, so ``--allow-http=false`` is not supported.
-        Raises :class:`TritonServerError` with the log tail if the process exits
-        first or the timeout passes (the process is then stopped).
+        Readiness is polled over HTTP, so ``--allow-http=false`` is refused.
+        If the process exits first or ``timeout`` passes, the server is stopped
+        and :class:`TritonServerError` carries the log's error lines and tail.
+        A bind clash on ports we picked ourselves is retried with new ports.
         """
         if self.is_running():
-            raise TritonServerError(f"tritonserver already running (pid {self._proc.pid})")
+            raise TritonServerError(f"tritonserver already running (pid {self.pid})")
         if any(a.strip().lower() in ("--allow-http=false", "--allow-http=0") for a in self.extra_args):
             raise TritonServerError("readiness is checked over HTTP; do not pass --allow-http=false")
-        repo = Path(self.model_repository)
-        if not repo.is_dir():
-            raise TritonServerError(f"model repository {repo} is not a directory")
-        exe = self.executable or find_tritonserver()
-        self.executable = exe
+        if not Path(self.model_repository).is_dir():
+            raise TritonServerError(f"model repository {self.model_repository} is not a directory")
+        self.executable = self.executable or find_tritonserver()
 
         if self.workdir is None:
             self.workdir = tempfile.mkdtemp(prefix="pagedserve-triton-")
             self._own_workdir = True
         workdir = Path(self.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
-        backend_dir = prepare_backend_dir(workdir, exe)
-
-        taken: set[int] = {p for p in (self.http_port, self.grpc_port, self.metrics_port) if p}
-        for attr in ("http_port", "grpc_port", "metrics_port"):
-            if not getattr(self, attr):
-                port = free_port(taken)
-                taken.add(port)
-                setattr(self, attr, port)
-
+        backend_dir = prepare_backend_dir(workdir, self.executable)
         if self.log_file is None:
             self.log_file = str(workdir / "tritonserver.log")
         Path(self.log_file).parent.mkdir(parents=True, exist_ok=True)
-        self._saved_log = None
-        log = open(self.log_file, "ab", buffering=0)
-        self._log_handle = log
-        try:
-            self._proc = subprocess.Popen(
-                self.command(backend_dir),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=_server_env(exe, self.env),
-                cwd=str(workdir),
-                start_new_session=True,  # own process group: stubs die with it on stop()
+
+        if not self._auto_ports:
+            self._auto_ports = tuple(
+                a for a in ("http_port", "grpc_port", "metrics_port") if not getattr(self, a)
             )
-        except OSError as exc:
-            self._close_log()
-            raise TritonServerError(f"could not execute {exe}: {exc}") from exc
-        atexit.register(self._kill_at_exit)
-
-        ready_url = f"http://127.0.0.1:{self.http_port}/v2/health/ready"
         deadline = time.monotonic() + timeout
-        while True:
-            code = self._proc.poll()
-            if code is not None:
-                self.stop()
-                raise TritonServerError(
-                    f"tritonserver exited with code {code} before becoming ready; "
-                    f"{self._failure_details()}"
-                )
-            if _http_status(ready_url) == 200:
+        attempts = 3 if self._auto_ports else 1
+        for attempt in range(attempts):
+            self._pick_ports()
+            self._launch(backend_dir, workdir)
+            try:
+                self._wait_ready(deadline)
                 return self
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TritonServerError(
-                    f"tritonserver not ready after {timeout:.0f}s; {self._failure_details()}"
-                )
-            time.sleep(0.25)
+            except TritonServerError:
+                port_clash = any("already in use" in ln for ln in self.error_lines())
+                if attempt + 1 < attempts and port_clash and time.monotonic() < deadline:
+                    continue
+                raise
+        raise AssertionError("unreachable")
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGINT (graceful), then SIGKILL of the whole process group; wait for exit.
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGINT (graceful), wait, then SIGKILL the whole process group and wait.
 
-        Returns the server's exit code (None if it was never started). The group
-        kill also reaps python-backend stubs a dying server may leave behind, so
-        ports and shared memory are free when this returns.
+        ``timeout`` defaults to Triton's exit timeout plus 10 s, so a graceful
+        shutdown is not cut short. The group kill also takes python-backend stubs
+        a dying server may leave behind, so ports are free when this returns.
+        Returns the server's exit code (None if it was never started).
         """
         proc = self._proc
         if proc is None:
             return None
-        pgid = proc.pid  # start_new_session=True makes the server its group leader
+        if timeout is None:
+            timeout = float(self.exit_timeout_s if self.exit_timeout_s is not None else 30) + 10.0
+        pgid = proc.pid  # start_new_session=True made the server its group leader
+        self._shm_regions |= _stub_shm_regions(pgid)
         if proc.poll() is None:
             try:
                 proc.send_signal(signal.SIGINT)
@@ -359,27 +352,37 @@ class TritonServer:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 pass
-        # Kill whatever is left in the group (a hung server or orphaned stubs).
+        self._shm_regions |= _stub_shm_regions(pgid)
         try:
-            os.killpg(pgid, signal.SIGKILL)
+            os.killpg(pgid, signal.SIGKILL)  # a hung server, or stubs it orphaned
         except (ProcessLookupError, PermissionError):
             pass
         try:
-            proc.wait(timeout=max(timeout, 5.0))
+            proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired as exc:
             raise TritonServerError(f"tritonserver pid {proc.pid} did not exit after SIGKILL") from exc
-        self._wait_group_gone(pgid, timeout=5.0)
+        _wait_group_gone(pgid, timeout=5.0)
+        # A killed stub cannot unlink its shared-memory region; do it for it.
+        for region in self._shm_regions:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join("/dev/shm", region))
+        self._shm_regions.clear()
         self._close_log()
         atexit.unregister(self._kill_at_exit)
         return proc.returncode
 
     def cleanup(self) -> None:
-        """Remove the temporary workdir created by :meth:`start` (keeps :meth:`log_tail` working)."""
+        """Stop if needed and delete the temporary workdir :meth:`start` created.
+
+        The end of the log is kept in memory first, so :meth:`log_tail` and
+        :meth:`error_lines` still work afterwards.
+        """
         if self.is_running():
             self.stop()
         if self._own_workdir and self.workdir is not None:
-            if self.log_file and Path(self.log_file).is_relative_to(Path(self.workdir)):
-                self._saved_log = self._read_log_tail_text()
+            if self.log_file and Path(self.log_file).resolve().is_relative_to(Path(self.workdir).resolve()):
+                self._saved_log = self._read_log()
+                self.log_file = None
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
             self._own_workdir = False
@@ -390,7 +393,7 @@ class TritonServer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        self.cleanup()
 
     def is_running(self) -> bool:
         """True while the server process exists (it may not be ready yet)."""
@@ -398,85 +401,151 @@ class TritonServer:
 
     # --- readiness ---------------------------------------------------------
     def is_ready(self) -> bool:
-        """Server-level readiness (``/v2/health/ready``)."""
-        return self.is_running() and _http_status(f"http://127.0.0.1:{self.http_port}/v2/health/ready") == 200
+        """Server-level readiness (``GET /v2/health/ready`` is 200)."""
+        return self.is_running() and _http_status(self._http("/v2/health/ready")) == 200
 
     def wait_model_ready(self, name: str, timeout: float = 60.0, version: str | int | None = None) -> None:
-        """Block until ``/v2/models/{name}[/versions/{v}]/ready`` answers 200."""
+        """Block until ``/v2/models/{name}[/versions/{version}]/ready`` answers 200.
+
+        Useful with ``model_control_mode="explicit"`` or after a reload; with the
+        default mode every model is ready once :meth:`start` returns.
+        """
         path = f"/v2/models/{name}" + (f"/versions/{version}" if version is not None else "") + "/ready"
-        url = f"http://127.0.0.1:{self.http_port}{path}"
         deadline = time.monotonic() + timeout
         while True:
             if not self.is_running():
-                raise TritonServerError(
-                    f"tritonserver is not running; log ends with:\n{self.log_tail(40)}"
-                )
-            if _http_status(url) == 200:
+                raise TritonServerError(f"tritonserver is not running; {self._failure_details()}")
+            if _http_status(self._http(path)) == 200:
                 return
             if time.monotonic() > deadline:
-                raise TritonServerError(
-                    f"model {name!r} not ready after {timeout:.0f}s; log ends with:\n{self.log_tail(40)}"
-                )
+                raise TritonServerError(f"model {name!r} not ready after {timeout:.0f}s; {self._failure_details()}")
             time.sleep(0.25)
 
     # --- logs --------------------------------------------------------------
     def log_tail(self, n: int = 50) -> str:
-        """Last ``n`` lines of the server log ("" if there is none yet)."""
-        text = self._read_log_tail_text()
-        if text is None:
-            text = self._saved_log or ""
-        return "\n".join(deque(text.splitlines(), maxlen=n))
-
-    def _read_log_tail_text(self, max_bytes: int = 256 * 1024) -> str | None:
-        if not self.log_file:
-            return None
-        try:
-            with open(self.log_file, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - max_bytes))
-                return f.read().decode("utf-8", errors="replace")
-        except OSError:
-            return None
+        """Last ``n`` lines this run wrote to the log ("" if none)."""
+        return "\n".join(deque(self._read_log().splitlines(), maxlen=n))
 
     def error_lines(self, n: int = 10) -> list[str]:
-        """Last ``n`` error lines of the log (glog ``E`` lines and ``error:`` lines).
+        """Last ``n`` error lines of this run's log.
 
-        Model load failures are logged well before the shutdown chatter that ends
-        the log, so a plain tail often misses the reason.
+        Model-load failures are logged long before the shutdown chatter that
+        ends the log, so a plain tail often misses the reason.
         """
-        text = self._read_log_tail_text(max_bytes=4 * 1024 * 1024) or self._saved_log or ""
-        hits = [ln for ln in text.splitlines() if _ERROR_LINE.match(ln)]
-        return hits[-n:]
+        return [ln for ln in self._read_log().splitlines() if _ERROR_LINE.match(ln)][-n:]
 
     # --- internals ---------------------------------------------------------
+    def _http(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.http_port}{path}"
+
+    def _pick_ports(self) -> None:
+        taken = {getattr(self, a) for a in ("http_port", "grpc_port", "metrics_port")} - {0}
+        for attr in self._auto_ports:
+            taken.discard(getattr(self, attr))
+        for attr in self._auto_ports:
+            port = free_port(taken)
+            taken.add(port)
+            setattr(self, attr, port)
+
+    def _launch(self, backend_dir: str | None, workdir: Path) -> None:
+        assert self.log_file is not None and self.executable is not None
+        self._close_log()
+        log = open(self.log_file, "ab", buffering=0)
+        self._log_handle = log
+        self._log_start = log.tell()
+        self._saved_log = None
+        try:
+            self._proc = subprocess.Popen(
+                self.command(backend_dir),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_server_env(self.executable, self.env),
+                cwd=str(workdir),
+                start_new_session=True,  # own process group, so stop() can take the stubs too
+            )
+        except OSError as exc:
+            self._close_log()
+            raise TritonServerError(f"could not execute {self.executable}: {exc}") from exc
+        atexit.register(self._kill_at_exit)
+
+    def _wait_ready(self, deadline: float) -> None:
+        assert self._proc is not None
+        url = self._http("/v2/health/ready")
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                self.stop()
+                raise TritonServerError(
+                    f"tritonserver exited with code {code} before becoming ready; {self._failure_details()}"
+                )
+            if _http_status(url) == 200:
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TritonServerError(f"tritonserver not ready in time; {self._failure_details()}")
+            time.sleep(0.25)
+
     def _failure_details(self) -> str:
-        errors = "\n".join(self.error_lines())
-        return (
-            f"errors in log {self.log_file}:\n{errors or '(none)'}\n"
-            f"log ends with:\n{self.log_tail(30)}"
-        )
+        errors = "\n".join(self.error_lines()) or "(none)"
+        return f"errors in log {self.log_file}:\n{errors}\nlog ends with:\n{self.log_tail(30)}"
+
+    def _read_log(self, max_bytes: int = 4 * 1024 * 1024) -> str:
+        """This run's log text (at most the last ``max_bytes``)."""
+        if not self.log_file:
+            return self._saved_log or ""
+        try:
+            with open(self.log_file, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(self._log_start, size - max_bytes))
+                return f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return self._saved_log or ""
 
     def _close_log(self) -> None:
         handle, self._log_handle = self._log_handle, None
         if handle is not None:
-            handle.close()  # type: ignore[attr-defined]
+            handle.close()
 
     def _kill_at_exit(self) -> None:
         """Never leave a server holding ports when the Python process ends."""
-        try:
-            self.stop(timeout=10.0)
-        except Exception:  # noqa: BLE001 - best effort during interpreter exit
-            pass
+        with contextlib.suppress(Exception):
+            self.stop(timeout=5.0)
 
-    @staticmethod
-    def _wait_group_gone(pgid: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            except PermissionError:
-                return
-            time.sleep(0.05)
+
+def _stub_shm_regions(pgid: int) -> set[str]:
+    """Shared-memory region names on the command lines of the group's stubs (Linux /proc)."""
+    regions: set[str] = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return regions
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            # Fields after the ")" closing the command name: state ppid pgrp ...
+            if int(stat.rsplit(b")", 1)[1].split()[2]) != pgid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        for arg in args:
+            name = arg.decode(errors="replace")
+            if name.startswith(_SHM_PREFIX) and "/" not in name:
+                regions.add(name)
+    return regions
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    """Wait until no process of the group is left (zombies reaped by init count as gone late)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)

@@ -1,0 +1,102 @@
+"""A real tritonserver with our model repository, started once for the integration tests."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import urllib.request
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from pagedserve.client.repository import write_repository
+from pagedserve.client.triton_server import TritonServer
+
+ENGINE = {
+    "dtype": "float32",
+    "max_num_seqs": "16",
+    "max_queue_size": "8",
+    "max_model_len": "1024",
+    "kv_cache_bytes": str(256 * 1024**2),
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "integration" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("triton")
+    repository = write_repository(workdir / "model_repository", engine=ENGINE)
+    triton = TritonServer(repository, log_file=workdir / "tritonserver.log")
+    triton.start(timeout=300)
+    try:
+        yield triton
+    finally:
+        triton.stop()
+
+
+def tensor(name: str, value: Any, dtype: str | None = None, shape: list[int] | None = None):
+    array = np.array(value if isinstance(value, list) else [value])
+    if dtype is None:
+        dtype = {"b": "BOOL", "i": "INT32", "u": "UINT64", "f": "FP32"}.get(array.dtype.kind, "BYTES")
+    if dtype == "BYTES":
+        array = np.array([v.encode() if isinstance(v, str) else bytes(v) for v in array.reshape(-1)], dtype=np.object_)
+    else:
+        array = array.astype({"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_, "INT64": np.int64}[dtype])
+    if shape is not None:
+        array = array.reshape(shape)
+    t = grpcclient.InferInput(name, list(array.shape), dtype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def stream_request(server, inputs, model: str = "llm", timeout: float = 120.0, cancel_after: int | None = None):
+    """Send one streaming request; return (list of results, error or None)."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    collected, error = [], None
+    try:
+        client.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex)
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                break
+            collected.append(result)
+            if cancel_after is not None and len(collected) >= cancel_after:
+                break
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        client.stop_stream(cancel_requests=cancel_after is not None)
+        client.close()
+    return collected, error
+
+
+def texts(results) -> list[str]:
+    return ["".join(t.decode() for t in r.as_numpy("text_output")) for r in results]
+
+
+def llm_inputs(prompt: str | None = None, messages=None, stream: bool = True, **sampling):
+    inputs = [tensor("messages", json.dumps(messages))] if messages is not None else [tensor("text_input", prompt)]
+    inputs += [tensor("stream", stream), tensor("sampling_parameters", json.dumps(sampling))]
+    if stream:
+        inputs.append(tensor("exclude_input_in_output", True))
+    return inputs
+
+
+def metric(server, name: str) -> float:
+    """Value of an unlabelled-by-us metric (summed over label sets) from the metrics port."""
+    body = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", body, re.M)]
+    if not values:
+        raise AssertionError(f"metric {name} not exported")
+    return sum(values)

@@ -1,0 +1,51 @@
+"""gRPC streaming through the `llm` ensemble, as users call it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.backend import SamplingParams
+from pagedserve.client.client import LLMClient
+
+from .conftest import llm_inputs, stream_request, texts
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_streamed_deltas_equal_the_non_streamed_text_and_the_engine(server, engine):
+    prompt = "The three primary colors are"
+    streamed, error = stream_request(server, llm_inputs(prompt, max_tokens=40, temperature=0))
+    assert error is None and len(streamed) > 5
+    whole, error = stream_request(server, llm_inputs(prompt, stream=False, exclude_input_in_output=None, max_tokens=40, temperature=0) )
+    assert error is None and len(whole) == 1
+    [offline] = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)
+    assert "".join(texts(streamed)) == offline.text
+    assert texts(whole)[0] == prompt + offline.text  # vLLM contract: prompt prepended unless excluded
+
+
+def test_chat_messages_answer_paris(server):
+    assert LLMClient(server.grpc_url).generate(messages=CAPITAL, max_tokens=30, temperature=0) == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("question", ["Translate to Japanese: good morning", "Write 'cat' in Japanese."])
+def test_cjk_answers_stream_without_replacement_characters(server, engine, question):
+    chunks = list(LLMClient(server.grpc_url).stream(messages=[{"role": "user", "content": question}], max_tokens=40, temperature=0))
+    text = "".join(c.text for c in chunks)
+    assert any(ord(ch) > 0x3000 for ch in text)
+    assert not any("\ufffd" in c.text for c in chunks)
+    [offline] = engine.generate([engine.encode(messages=[{"role": "user", "content": question}])], SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)
+    assert text == offline.text
+
+
+def test_finish_reason_is_none_until_the_last_response(server):
+    results, error = stream_request(server, llm_inputs("Count: one, two,", max_tokens=6, temperature=0) + [])
+    assert error is None
+    chunks = list(LLMClient(server.grpc_url).stream("Count: one, two,", max_tokens=6, temperature=0))
+    assert [c.finish_reason for c in chunks[:-1]] == ["None"] * (len(chunks) - 1)
+    assert chunks[-1].finish_reason == "length" and chunks[-1].final
+    assert sum(c.num_output_tokens for c in chunks) == 6
+
+
+def test_stop_string_is_trimmed_in_the_stream(server):
+    text = LLMClient(server.grpc_url).generate(messages=CAPITAL, max_tokens=30, temperature=0, stop=["is P"])
+    assert text == "The capital of France "
