@@ -51,9 +51,9 @@ class EngineThread:
             raise EngineDeadError("the engine is shutting down")
         ids = [int(t) for t in prompt_token_ids]
         self.engine.validate(ids, params)
-        limit = self.engine.config.max_queue_size
         with self._lock:
-            if self.engine.scheduler.num_waiting + len(self._adds) >= limit:
+            if self.engine.scheduler.is_full(arriving=len(self._adds)):
+                limit = self.engine.config.max_queue_size
                 raise QueueFullError(f"server busy: the waiting queue is full (max_queue_size={limit}); retry later")
             self._adds.append((request_id, ids, params, on_output))
         self._wake.set()

@@ -60,8 +60,14 @@ class Scheduler:
         self._static_batch_open = True
 
     # -- requests --------------------------------------------------------------
+    def is_full(self, arriving: int = 0) -> bool:
+        """True when `arriving` more requests would overflow the waiting queue
+        (max_queue_size beyond the free running slots)."""
+        free_slots = max(0, self.max_num_seqs - len(self.running))
+        return len(self.waiting) + arriving >= self.max_queue_size + free_slots
+
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_queue_size:
+        if self.is_full():
             raise QueueFullError(
                 f"server busy: {len(self.waiting)} requests are waiting "
                 f"(max_queue_size={self.max_queue_size}); retry later"

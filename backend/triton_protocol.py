@@ -50,6 +50,7 @@ ENGINE_OUTPUTS = (
     "context_ids",
     "trim_chars",
     "skip_special_tokens",
+    "finished",
     "finish_reason",
     "cumulative_logprob",
     "logprobs",
@@ -218,6 +219,7 @@ def engine_response(request: EngineRequest, output: RequestOutput, tokenizer: An
         "context_ids": np.asarray(context, dtype=np.int32),
         "trim_chars": np.asarray([output.trim_chars], dtype=np.int32),
         "skip_special_tokens": np.asarray([request.params.skip_special_tokens], dtype=np.bool_),
+        "finished": np.asarray([output.finished], dtype=np.bool_),
         "finish_reason": empty_str,
         "cumulative_logprob": np.array([], dtype=np.float32),
         "logprobs": empty_str,
@@ -261,6 +263,16 @@ def postprocess_text(inputs: Mapping[str, np.ndarray], tokenizer: Any) -> str:
     trim = scalar(inputs, "trim_chars") or 0
     text = decode_delta(tokenizer, context, new_ids, skip, allow_partial=True) if new_ids else ""
     return text[: len(text) - trim] if trim else text
+
+
+TEXT_LEVEL_INPUTS = ("text_input", "messages", "apply_chat_template")
+CLIENT_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
+
+
+def text_response(engine_outputs: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str, np.ndarray]:
+    """`llm`'s response: the text delta of an `llm_engine` response plus its client-facing outputs."""
+    text = postprocess_text(engine_outputs, tokenizer)
+    return {"text_output": np.array([text], dtype=np.object_), **{n: engine_outputs[n] for n in CLIENT_OUTPUTS}}
 
 
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:

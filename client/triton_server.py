@@ -145,7 +145,8 @@ def prepare_backend_dir(
     for src in sources:
         if not src.is_file():
             raise TritonServerError(f"nvidia-pytriton install is incomplete: missing {src}")
-        # Copies, not symlinks: ld.so would resolve $ORIGIN differently for links.
+        # Real copies (the verified layout); the copied stub then finds the wheel's
+        # libraries through LD_LIBRARY_PATH, see _server_env.
         shutil.copy2(src, target / src.name)
     return str(backends)
 
@@ -219,6 +220,9 @@ class TritonServer:
     ``log_file`` (default: ``tritonserver.log`` in a temporary workdir).
     ``exit_timeout_s`` sets Triton's own grace period for in-flight requests on
     shutdown (``--exit-timeout-secs``, Triton's default is 30 s).
+
+    Leaving a ``with`` block stops the server and deletes the temporary workdir
+    (log included); the end of the log stays available through :meth:`log_tail`.
     """
 
     model_repository: str | os.PathLike[str]

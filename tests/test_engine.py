@@ -80,8 +80,8 @@ def test_invalid_requests_name_the_field(engine):
 
 
 def test_queue_bound_says_busy(model_path):
-    small = LLMEngine(dtype="float32", max_queue_size=2)
-    small.add_request("a")
-    small.add_request("b")
+    small = LLMEngine(dtype="float32", max_queue_size=2, max_num_seqs=1)
+    for prompt in ("a", "b", "c"):  # one runs, two wait
+        small.add_request(prompt)
     with pytest.raises(QueueFullError, match="retry later"):
-        small.add_request("c")
+        small.add_request("d")

@@ -88,12 +88,16 @@ def test_a_request_that_cannot_grow_preempts_itself_last():
     assert plan(batch) == [] and a.status is SequenceStatus.WAITING
 
 
-def test_queue_bound_refuses_with_a_busy_error():
-    kv, sched = make(queue=2)
-    sched.add(seq("a", 4))
-    sched.add(seq("b", 4))
+def test_queue_bound_refuses_with_a_busy_error_beyond_free_running_slots():
+    kv, sched = make(queue=2, max_seqs=1)
+    for name in "abc":  # one will run at once, two may wait
+        sched.add(seq(name, 4, start=ord(name)))
     with pytest.raises(QueueFullError, match="retry later"):
-        sched.add(seq("c", 4))
+        sched.add(seq("d", 4))
+    sched.schedule()
+    assert sched.num_running == 1 and sched.num_waiting == 2
+    with pytest.raises(QueueFullError):
+        sched.add(seq("d", 4))
 
 
 def test_abort_frees_blocks_at_once_from_running_and_waiting():

@@ -100,3 +100,16 @@ def metric(server, name: str) -> float:
     if not values:
         raise AssertionError(f"metric {name} not exported")
     return sum(values)
+
+
+def wait_idle(server, timeout: float = 60.0) -> None:
+    """Until no request runs or waits and no KV block is used (the gauges refresh every 0.25 s)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (metric(server, "pagedserve:kv_blocks_used") == 0 and metric(server, "vllm:num_requests_running") == 0
+                and metric(server, "vllm:num_requests_waiting") == 0):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the engine did not become idle")

@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 
 from pagedserve.client.client import LLMClient
 
-from .conftest import stream_request, tensor
+from .conftest import stream_request, tensor, wait_idle
 
 
 def good_request_still_works(server):
@@ -76,4 +76,5 @@ def test_queue_full_is_refused_at_once_with_busy(server):
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()
+    wait_idle(server)
     good_request_still_works(server)

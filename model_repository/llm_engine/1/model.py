@@ -20,7 +20,7 @@ from pagedserve.backend.engine_thread import EngineThread
 from pagedserve.backend.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from pagedserve.backend.outputs import RequestOutput
 from pagedserve.backend.triton_glue import model_parameters, request_inputs, to_tensors
-from pagedserve.backend.triton_protocol import EngineRequest, engine_response, merge_outputs, parse_engine_request
+from pagedserve.backend.triton_protocol import EngineRequest, engine_response, merge_outputs, parse_engine_request, scalar
 from pagedserve.backend.values import to_bool
 
 logger = logging.getLogger("pagedserve")
@@ -47,7 +47,8 @@ class TritonPythonModel:
         self.tokenizer = self.engine.tokenizer
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = EngineMetrics(labels) if enable_metrics else None
-        self.active: dict[str, ActiveRequest] = {}
+        self.active: dict[str, ActiveRequest] = {}  # until the final response is sent
+        self.lock = threading.Lock()  # a sender's factory is gone once its final response is sent
         self.ids = itertools.count()
         self.outbox: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
@@ -61,15 +62,36 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            request_id = f"{request.request_id() or 'req'}#{next(self.ids)}"
+            inputs = request_inputs(request)
+            if "cancel_request_id" in inputs:
+                self._cancel(inputs, sender)
+                continue
+            request_id = request.request_id()
+            if not request_id or request_id in self.active:
+                request_id = f"{request_id or 'req'}#{next(self.ids)}"
             try:
-                parsed = parse_engine_request(request_inputs(request), self.tokenizer, request.parameters())
-                self.active[request_id] = ActiveRequest(sender, parsed, time.monotonic())
+                parsed = parse_engine_request(inputs, self.tokenizer, request.parameters())
+                with self.lock:
+                    self.active[request_id] = ActiveRequest(sender, parsed, time.monotonic())
                 self.loop.submit(request_id, parsed.prompt_token_ids, parsed.params, self.outbox.put)
             except Exception as error:
-                self.active.pop(request_id, None)
+                with self.lock:
+                    self.active.pop(request_id, None)
                 sender.send(pb_utils.InferenceResponse(error=_triton_error(error)), flags=FINAL)
         return None
+
+    def _cancel(self, inputs, sender):
+        """A control request: abort the request named by `cancel_request_id`."""
+        try:
+            target = scalar(inputs, "cancel_request_id")
+            with self.lock:
+                active = self.active.get(target)
+            if active is not None:
+                active.abort_sent = True
+                self.loop.abort(target)
+            sender.send(flags=FINAL)
+        except Exception as error:
+            sender.send(pb_utils.InferenceResponse(error=_triton_error(error)), flags=FINAL)
 
     # -- responses out -----------------------------------------------------------
     def _send_loop(self):
@@ -77,15 +99,14 @@ class TritonPythonModel:
             output = self.outbox.get()
             if output is None:
                 return
-            active = self.active.get(output.request_id)
+            with self.lock:  # the watcher must not ask a finished sender whether it was cancelled
+                active = self.active.pop(output.request_id, None) if output.finished else self.active.get(output.request_id)
             if active is None:
                 continue
             try:
                 self._send(active, output)
             except Exception:
                 logger.exception("sending a response for %s failed", output.request_id)
-            if output.finished:
-                self.active.pop(output.request_id, None)
 
     def _send(self, active: ActiveRequest, output: RequestOutput) -> None:
         now = time.monotonic()
@@ -114,10 +135,11 @@ class TritonPythonModel:
     def _watch_loop(self):
         next_gauges = 0.0
         while not self.stopping.wait(WATCH_INTERVAL_S):
-            for request_id, active in list(self.active.items()):
-                if not active.abort_sent and active.sender.is_cancelled():
-                    active.abort_sent = True
-                    self.loop.abort(request_id)
+            with self.lock:
+                for request_id, active in self.active.items():
+                    if not active.abort_sent and active.sender.is_cancelled():
+                        active.abort_sent = True
+                        self.loop.abort(request_id)
             if self.metrics is not None and time.monotonic() >= next_gauges:
                 self.metrics.refresh(self.engine.stats())
                 next_gauges = time.monotonic() + GAUGE_INTERVAL_S
