@@ -96,6 +96,14 @@ class TritonPythonModel:
             pass
 
     def finalize(self):
+        """Abort in-flight requests in the engine so every relay ends, then join the threads."""
         self.stopping.set()
         self.watcher.join(5)
+        with self.lock:
+            in_flight = list(self.active)
+        for request_id in in_flight:
+            try:
+                self._cancel_in_engine(request_id)
+            except Exception:  # llm_engine already unloaded: its finalize ended the streams
+                pass
         self.relays.shutdown(wait=True, cancel_futures=True)
