@@ -11,6 +11,8 @@ import torch
 
 from pagedserve.kernels import paged_attention_ref, write_kv_cache_ref
 
+from .errors import ConfigError
+
 
 @dataclass
 class AttentionMetadata:
@@ -37,8 +39,10 @@ def select_attention_backend(name: str, device: torch.device) -> AttentionBacken
     """auto: the Triton kernels on CUDA, the torch reference elsewhere."""
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TORCH_BACKEND
-    from pagedserve.kernels.dispatch import triton_attention_backend  # needs triton
-
+    try:
+        from pagedserve.kernels.dispatch import triton_attention_backend  # needs triton
+    except ImportError as error:
+        raise ConfigError("attention_backend", f"the Triton attention kernel is not available ({error}); use 'torch'") from None
     return triton_attention_backend()
 
 

@@ -37,7 +37,7 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 1024**2
     """KV cache budget in bytes on CPU."""
     gpu_memory_utilization: float = 0.90
-    """Fraction of free GPU memory (after weights) given to the KV cache."""
+    """Fraction of total GPU memory pagedserve may use; the KV cache gets what the weights leave of it."""
     num_kv_blocks: int = 0
     """Exact number of KV blocks; 0 derives it from the budgets above."""
     max_num_seqs: int = 64

@@ -53,6 +53,9 @@ class LLMEngine:
         elif overrides:
             raise TypeError("pass either an EngineConfig or keyword settings, not both")
         self.config = config
+        for name, default in (("quantization", "none"), ("kv_cache_dtype", "auto")):
+            if getattr(config, name) != default:  # the quantized kernels are not wired in yet
+                raise ConfigError(name, f"{getattr(config, name)!r} is not available in this build; use {default!r}")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = _resolve_device(config.device)
