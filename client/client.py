@@ -64,6 +64,13 @@ def parse_result(result: Any) -> Chunk:
     )
 
 
+def chunk_or_raise(result: Any, error: Exception | None) -> Chunk:
+    """One stream callback's outcome: its chunk, or the server's error raised."""
+    if error is not None:
+        raise error
+    return parse_result(result)
+
+
 class LLMClient:
     """Blocking client: `stream()` yields Chunks as tokens arrive; `generate()` returns the text."""
 
@@ -82,10 +89,7 @@ class LLMClient:
                 self.model, build_inputs(grpcclient, prompt, messages, stream=True, **sampling), request_id=uuid.uuid4().hex
             )
             while True:
-                result, error = results.get()
-                if error is not None:
-                    raise error
-                chunk = parse_result(result)
+                chunk = chunk_or_raise(*results.get())
                 yield chunk
                 if chunk.final:
                     return
@@ -116,9 +120,7 @@ class AsyncLLMClient:
             yield {"model_name": self.model, "inputs": inputs, "request_id": uuid.uuid4().hex}
 
         async for result, error in self.client.stream_infer(requests()):
-            if error is not None:
-                raise error
-            chunk = parse_result(result)
+            chunk = chunk_or_raise(result, error)
             yield chunk
             if chunk.final:
                 return

@@ -1,0 +1,55 @@
+"""Llama-family models (Llama 3 rope scaling, Mistral, Qwen2 with qkv bias, tied and untied
+embeddings) load from sharded safetensors and match transformers, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.backend import LLMEngine, SamplingParams
+
+from .conftest import assert_engine_idle
+
+pytestmark = pytest.mark.slow
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, initializer_range=0.3)
+
+
+def build(kind: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if kind == "llama3":
+        config = LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500000.0,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return LlamaForCausalLM(config)
+    if kind == "mistral":
+        return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None, tie_word_embeddings=False))
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=True))
+    if kind == "llama-tied":
+        return LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=True, attention_bias=True))
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "llama-tied"])
+def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
+    torch.manual_seed(0)
+    reference = build(kind).eval()
+    if kind == "qwen2":  # make the q/k/v biases matter
+        for layer in reference.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    reference.save_pretrained(tmp_path, max_shard_size="2MB")  # several shards + index
+    tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+
+    engine = LLMEngine(model=str(tmp_path), dtype="float32")
+    prompts = [[1, 500, 42, 9000, 123], list(range(200, 290)), [7] * 40 + [1000, 2000]]
+    results = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    with torch.inference_mode():
+        for prompt, result in zip(prompts, results):
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            assert result.token_ids == out[0, len(prompt):].tolist()
+    assert_engine_idle(engine)
