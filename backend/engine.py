@@ -22,7 +22,7 @@ from .outputs import Completion, RequestOutput
 from .request_stream import RequestStream
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import FinishReason, Sequence
 from .tokenizer import apply_chat_template, encode_prompt
 
@@ -243,6 +243,29 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens_total,
             generation_tokens=self.generation_tokens_total,
         )
+
+    def prompt_logprobs(self, token_ids: Seq[int]) -> list[float]:
+        """Logprob of each token after the first given the ones before it (for perplexity).
+
+        Runs one prefill outside the scheduler, on blocks borrowed from the cache
+        (it must be idle) and returned at once.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("prompt_logprobs needs an idle engine")
+        ids = [int(t) for t in token_ids]
+        self.validate(ids, SamplingParams())
+        seq = Sequence("score", ids, SamplingParams())
+        if not self.block_manager.allocate(seq, len(ids)):
+            raise InvalidRequestError("prompt", "does not fit the KV cache")
+        try:
+            batch = ScheduledBatch()
+            batch.add(seq, len(ids))
+            logits = self.runner.all_logits(batch)[:-1]
+            logprobs = logits.log_softmax(dim=-1)
+            targets = torch.tensor(ids[1:], device=logprobs.device)
+            return logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        finally:
+            self.block_manager.free(seq)
 
     # -- offline ---------------------------------------------------------------
     def generate(

@@ -113,3 +113,10 @@ class ModelRunner:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32), []
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return logits, inputs.sampling_seqs
+
+    @torch.inference_mode()
+    def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits of every scheduled token, [num_tokens, vocab] float32 (for scoring prompts)."""
+        inputs = self.prepare(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+        return self.model.compute_logits(hidden)

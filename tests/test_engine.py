@@ -85,3 +85,17 @@ def test_queue_bound_says_busy(model_path):
         small.add_request(prompt)
     with pytest.raises(QueueFullError, match="retry later"):
         small.add_request("d")
+
+
+def test_prompt_logprobs_give_the_same_perplexity_as_transformers(engine, hf_oracle, prompts):
+    import math
+
+    import torch
+
+    ids = prompts[-1]
+    ours = engine.prompt_logprobs(ids)
+    with torch.inference_mode():
+        loss = hf_oracle.model(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    assert len(ours) == len(ids) - 1
+    assert math.exp(-sum(ours) / len(ours)) == pytest.approx(math.exp(loss), rel=1e-4)
+    assert_engine_idle(engine)
