@@ -302,6 +302,14 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+    """auto: bfloat16 on CUDA and on CPUs with native bf16 math (about 2x float32's
+    speed there), float32 elsewhere."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    try:
+        native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native_bf16 = False
+    return torch.bfloat16 if native_bf16 else torch.float32

@@ -1,8 +1,17 @@
-"""Scatter the new tokens' K/V into their cache slots (slot = block * block_size + offset)."""
+"""Scatter the new tokens' K/V into their cache slots (slot = block * block_size + offset).
+
+Negative slots mean "skip this token" (padding). A float8_e4m3fn cache is
+quantized with a per-tensor scale: stored = clamp(x / scale, -448, 448), computed
+in float32 and rounded to nearest-even (scales are ignored for other dtypes).
+The Triton kernel of the same signature is `write_kv_cache_triton` in
+kernels/cache_write_triton.py; this module imports no triton.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from .paged_attention import FP8_DTYPE, FP8_MAX
 
 
 def write_kv_cache_ref(
@@ -11,7 +20,21 @@ def write_kv_cache_ref(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> None:
     """key/value [num_tokens, kv_heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]."""
-    key_cache.view(-1, *key_cache.shape[2:])[slot_mapping] = key.to(key_cache.dtype)
-    value_cache.view(-1, *value_cache.shape[2:])[slot_mapping] = value.to(value_cache.dtype)
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key_cache.view(-1, *key_cache.shape[2:])[slot_mapping] = quantize(key, key_cache.dtype, k_scale)
+    value_cache.view(-1, *value_cache.shape[2:])[slot_mapping] = quantize(value, value_cache.dtype, v_scale)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float | torch.Tensor | None) -> torch.Tensor:
+    """x in the cache dtype; fp8: clamp(x / scale) in float32, then round to nearest-even."""
+    if dtype != FP8_DTYPE:
+        return x.to(dtype)
+    s = 1.0 if scale is None else float(scale)
+    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(dtype)

@@ -8,8 +8,15 @@ Layout (shared by every implementation):
   query_start_loc [num_seqs + 1] int32   offsets of each sequence's new tokens in query
 A sequence's new tokens sit at the end of its context: query token i of a
 sequence with q new tokens and context s attends to keys 0 .. s - q + i.
+GQA: query head h reads kv head h // (num_heads // num_kv_heads).
+
+FP8 KV cache: key_cache/value_cache may be torch.float8_e4m3fn with per-tensor
+scales (keyword-only k_scale, v_scale; dequantized = stored * scale; scales are
+ignored for other cache dtypes, and default to 1.0).
 
 `paged_attention_ref` is the torch reference: the CPU path and the test oracle.
+It imports no triton; the Triton kernel is `paged_attention_triton` in
+kernels/paged_attention_triton.py (same signature).
 """
 
 from __future__ import annotations
@@ -26,10 +33,18 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decodes are batched (one gather, one padded SDPA with GQA folded into the
-    query axis); prefill chunks run one sequence at a time."""
+    query axis); prefill chunks run one sequence at a time.
+
+    An fp8 cache is dequantized after the gather (only the blocks read), in
+    float32 then cast to the query dtype, so the oracle adds no fp8-specific error."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    fp8 = is_fp8(key_cache)
+    ks, vs = kv_scales(key_cache, k_scale, v_scale)
     block_size = key_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -44,6 +59,8 @@ def paged_attention_ref(
         table = block_tables[rows, :num_blocks].long()
         keys = _gather(key_cache, table)  # [b, kvh, L, d]
         values = _gather(value_cache, table)
+        if fp8:
+            keys, values = _dequant(keys, ks, query.dtype), _dequant(values, vs, query.dtype)
         q = query[tokens].view(len(decodes), num_kv_heads, -1, head_dim)
         positions = torch.arange(keys.shape[2], device=query.device)
         mask = (positions[None, :] < context[:, None])[:, None, None, :]
@@ -58,6 +75,8 @@ def paged_attention_ref(
         table = block_tables[i : i + 1, :num_blocks].long()
         keys = _gather(key_cache, table)[0, :, :seq_len]  # [kvh, L, d]
         values = _gather(value_cache, table)[0, :, :seq_len]
+        if fp8:
+            keys, values = _dequant(keys, ks, query.dtype), _dequant(values, vs, query.dtype)
         q = query[starts[i] : starts[i + 1]].transpose(0, 1)  # [h, q, d]
         if seq_len == q_len:
             attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
@@ -80,3 +99,24 @@ def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     num_blocks, block_size, kv_heads, head_dim = cache.shape
     rows = cache.view(num_blocks, -1).index_select(0, table.reshape(-1))
     return rows.view(b, n * block_size, kv_heads, head_dim).transpose(1, 2)
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_DTYPE
+
+
+def kv_scales(
+    cache: torch.Tensor, k_scale: float | torch.Tensor | None, v_scale: float | torch.Tensor | None
+) -> tuple[float, float]:
+    """Per-tensor scales as Python floats: 1.0 when absent or when the cache is not fp8."""
+    if not is_fp8(cache):
+        return 1.0, 1.0
+    return (1.0 if k_scale is None else float(k_scale)), (1.0 if v_scale is None else float(v_scale))
+
+
+def _dequant(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return (x.float() * scale).to(dtype)
