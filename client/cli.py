@@ -87,7 +87,8 @@ def run_serve(args: argparse.Namespace) -> int:
         f"Ctrl-C stops the server.",
         flush=True,
     )
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly on SIGTERM too
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):  # also when started with SIGINT ignored (background jobs)
+        signal.signal(stop_signal, signal.default_int_handler)
     try:
         while server.is_running():
             time.sleep(0.5)
