@@ -27,6 +27,16 @@ class AttentionMetadata:
 
 
 @dataclass
+class LayerKVCache:
+    """One layer's paged K and V, with the per-tensor scales of an fp8 cache (else 1)."""
+
+    key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+@dataclass
 class AttentionBackend:
     write_cache: Callable[..., None]
     attend: Callable[..., torch.Tensor]
@@ -51,12 +61,13 @@ def attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: LayerKVCache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    key_cache, value_cache = kv_cache
-    backend.write_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+    scales = dict(k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)
+    backend.write_cache(key, value, kv_cache.key, kv_cache.value, meta.slot_mapping, **scales)
     return backend.attend(
-        query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+        query, kv_cache.key, kv_cache.value, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+        max_seq_len=meta.max_seq_len, **scales,
     )

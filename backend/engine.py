@@ -19,6 +19,7 @@ from .errors import ConfigError, InvalidRequestError
 from .loader import load_model, resolve_model_path
 from .model_runner import ModelRunner, kv_block_bytes
 from .outputs import Completion, RequestOutput
+from .quantization import quantize_model
 from .request_stream import RequestStream
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -29,6 +30,16 @@ from .tokenizer import apply_chat_template, encode_prompt
 logger = logging.getLogger("pagedserve")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Text whose prefill sets the fp8 KV scales: varied prose, code, numbers and chat markup.
+KV_CALIBRATION_TEXT = (
+    "Photosynthesis converts light energy into chemical energy stored in glucose. In 1969 the Apollo 11 "
+    "crew landed on the Moon; Neil Armstrong stepped out first. def mean(xs):\n    return sum(xs) / len(xs)\n"
+    "Q: What is 17 times 23? A: 391. The quick brown fox jumps over the lazy dog. Markets rose 2.5% on "
+    "Tuesday after the central bank held rates steady. <|im_start|>user\nCan you suggest a recipe for "
+    "dinner?<|im_end|>\n<|im_start|>assistant\nSure! A simple pasta with garlic, olive oil and chili takes "
+    "fifteen minutes. Bonjour, comment allez-vous ? Ich lerne Deutsch. 日本語も少し話せます。"
+)
 
 
 @dataclass
@@ -53,9 +64,6 @@ class LLMEngine:
         elif overrides:
             raise TypeError("pass either an EngineConfig or keyword settings, not both")
         self.config = config
-        for name, default in (("quantization", "none"), ("kv_cache_dtype", "auto")):
-            if getattr(config, name) != default:  # the quantized kernels are not wired in yet
-                raise ConfigError(name, f"{getattr(config, name)!r} is not available in this build; use {default!r}")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = _resolve_device(config.device)
@@ -66,6 +74,8 @@ class LLMEngine:
 
         started = time.perf_counter()
         loaded = load_model(self.model_path, self.dtype, self.device)
+        if config.quantization != "none":
+            quantize_model(loaded.model, config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         context = self.model_config.max_position_embeddings
@@ -76,7 +86,8 @@ class LLMEngine:
                 "max_model_len", f"must be <= the model's context length {context}, got {config.max_model_len}"
             )
 
-        num_blocks = self._num_kv_blocks(self.dtype)
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
+        num_blocks = self._num_kv_blocks(self.kv_dtype)
         capacity = num_blocks * config.block_size
         self.max_model_len = config.max_model_len or min(context, capacity)
         if self.max_model_len > capacity:
@@ -94,8 +105,10 @@ class LLMEngine:
             policy=config.scheduling_policy,
         )
         self.runner = ModelRunner(
-            loaded.model, num_blocks, config.block_size, self.dtype, self.device, config.attention_backend
+            loaded.model, num_blocks, config.block_size, self.kv_dtype, self.device, config.attention_backend
         )
+        if config.kv_cache_dtype == "fp8":
+            self.runner.calibrate_kv_scales(self.encode(KV_CALIBRATION_TEXT)[: self.max_model_len])
         self.sampler = Sampler(self.model_config.eos_token_ids, config.seed, self.device)
         self.streams: dict[str, RequestStream] = {}
         self.prompt_tokens_total = 0

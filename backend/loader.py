@@ -211,6 +211,7 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
     hidden = field("llama.embedding_length")
     names = {t.name for t in reader.tensors}
     eos = field("tokenizer.ggml.eos_token_id")
+    layer_types = {t.qtype for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith("_q.weight")}
     vocab = field("llama.vocab_size") or field("tokenizer.ggml.tokens")  # skipped array: its length
     return ModelConfig(
         architecture="llama",
@@ -227,7 +228,17 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         eos_token_ids=[int(eos)] if eos is not None else [],
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        source_group_size=_quant_block_size(layer_types),
     )
+
+
+def _quant_block_size(qtypes: set[int]) -> int | None:
+    """The block size of a GGUF's quantized layer weights (32 for Q4_0/Q4_1/Q8_0, ...)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    sizes = {GGML_QUANT_SIZES[GGMLQuantizationType(q)][0] for q in qtypes}
+    sizes.discard(1)  # float tensors
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 _GGUF_NAMES = {

@@ -36,6 +36,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     checkpoint_dtype: str = "float32"
+    source_group_size: int | None = None
+    """Block size of the checkpoint's own weight quantization (GGUF Q4_1: 32), if any."""
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":

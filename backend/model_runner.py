@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata, select_attention_backend
+from .attention import TORCH_BACKEND, AttentionBackend, AttentionMetadata, LayerKVCache, select_attention_backend
 from .model_config import ModelConfig
 from .models.llama import LlamaForCausalLM
+from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -26,6 +27,10 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_seqs: list[Sequence]
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+CALIBRATION_MARGIN = 2.0  # headroom above the calibrated amax before fp8 saturates
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -49,11 +54,42 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.backend = select_attention_backend(attention_backend, device)
-        shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+        self.kv_caches = self._allocate_kv(num_blocks, kv_dtype)
+
+    def _allocate_kv(self, num_blocks: int, dtype: torch.dtype) -> list[LayerKVCache]:
+        shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        return [
+            LayerKVCache(torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(self.config.num_layers)
         ]
+
+    @torch.inference_mode()
+    def calibrate_kv_scales(self, token_ids: list[int]) -> None:
+        """Per-layer fp8 KV scales from one full-precision prefill of calibration text.
+
+        Scales are fixed before serving: cached entries must keep the scale they
+        were written with."""
+        seq = Sequence("calibration", list(token_ids), SamplingParams())
+        num_blocks = -(-len(token_ids) // self.block_size)
+        seq.block_table = list(range(num_blocks))
+        batch = ScheduledBatch()
+        batch.add(seq, len(token_ids))
+        inputs = self.prepare(batch)
+        scratch = self._allocate_kv(num_blocks, self.model.embed_tokens.weight.dtype)
+        layer_of = {id(kv.key): i for i, kv in enumerate(scratch)}
+        amax = [[0.0, 0.0] for _ in scratch]
+
+        def recording_write(key, value, key_cache, value_cache, slot_mapping, **scales):
+            layer = layer_of[id(key_cache)]
+            amax[layer][0] = max(amax[layer][0], key.abs().max().item())
+            amax[layer][1] = max(amax[layer][1], value.abs().max().item())
+            TORCH_BACKEND.write_cache(key, value, key_cache, value_cache, slot_mapping, **scales)
+
+        recorder = AttentionBackend(write_cache=recording_write, attend=TORCH_BACKEND.attend)
+        self.model(inputs.input_ids, inputs.positions, scratch, inputs.meta, recorder)
+        for kv, (k_max, v_max) in zip(self.kv_caches, amax):
+            kv.k_scale = max(k_max, 1e-6) * CALIBRATION_MARGIN / FP8_MAX
+            kv.v_scale = max(v_max, 1e-6) * CALIBRATION_MARGIN / FP8_MAX
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         seqs = batch.seqs

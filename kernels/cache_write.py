@@ -28,8 +28,11 @@ def write_kv_cache_ref(
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    key_cache.view(-1, *key_cache.shape[2:])[slot_mapping] = quantize(key, key_cache.dtype, k_scale)
-    value_cache.view(-1, *value_cache.shape[2:])[slot_mapping] = quantize(value, value_cache.dtype, v_scale)
+    for x, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        x = quantize(x, cache.dtype, scale)
+        if cache.dtype == FP8_DTYPE:  # index_put may lack fp8 kernels: write the bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:])[slot_mapping] = x
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float | torch.Tensor | None) -> torch.Tensor:

@@ -36,6 +36,7 @@ def paged_attention_ref(
     *,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Decodes are batched (one gather, one padded SDPA with GQA folded into the
     query axis); prefill chunks run one sequence at a time.
@@ -97,7 +98,8 @@ def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     advanced indexing."""
     b, n = table.shape
     num_blocks, block_size, kv_heads, head_dim = cache.shape
-    rows = cache.view(num_blocks, -1).index_select(0, table.reshape(-1))
+    raw = cache.view(torch.uint8) if is_fp8(cache) else cache  # index_select may lack fp8 kernels
+    rows = raw.view(num_blocks, -1).index_select(0, table.reshape(-1)).view(cache.dtype)
     return rows.view(b, n * block_size, kv_heads, head_dim).transpose(1, 2)
 
 

@@ -9,8 +9,11 @@ import os
 import pytest
 import torch
 
-from pagedserve.backend import LLMEngine
-from pagedserve.backend.loader import default_model_path
+if not torch.cuda.is_available():  # Triton kernels run through the interpreter on CPU;
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # it must be set before triton is imported
+
+from pagedserve.backend import LLMEngine  # noqa: E402
+from pagedserve.backend.loader import default_model_path  # noqa: E402
 
 
 LONG_TEXT = (

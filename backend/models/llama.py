@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionBackend, AttentionMetadata, attention
+from ..attention import AttentionBackend, AttentionMetadata, LayerKVCache, attention
 from ..model_config import ModelConfig
 
 
@@ -94,7 +94,7 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,
         rotary: RotaryEmbedding,
         positions: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -145,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:

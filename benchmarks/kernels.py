@@ -1,0 +1,273 @@
+"""Kernel micro-benchmarks at Llama-3-8B shapes, reported against measured device ceilings.
+
+Rows: dense bf16 matmul (torch, the baseline), W4A16 (Triton), FP8 weights (Triton; FP8
+tensor cores on sm89+, W8A16 before), torch._scaled_mm (FP8 GEMM only, pre-quantized
+activations, for reference), and paged decode attention if
+`pagedserve.kernels.paged_attention_triton` exists (baseline: SDPA over the cache
+gathered through the block table, and SDPA alone on a pre-gathered cache).
+
+Ceilings are measured, not taken from a spec sheet: bandwidth = a 1 GiB device-to-device
+copy (read + write bytes), bf16 = an 8192^3 torch matmul, fp8 = an 8192^3
+torch._scaled_mm. GB/s counts the minimal traffic (weights + activations in + output);
+for decode-sized M that is the weight-bytes roofline. Times are medians of
+triton.testing.do_bench (L2 flushed between runs).
+
+    python benchmarks/kernels.py [--m 1,4,16,64,2048,4096] [--shapes qo,kv,gate_up,down]
+                                 [--no-attention] [--rep 100]
+    python benchmarks/kernels.py --smoke    # tiny shapes on CPU via TRITON_INTERPRET=1;
+                                            # checks the plumbing, timings meaningless
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, INTERMEDIATE = 4096, 14336
+N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
+# (name, N = out_features, K = in_features) of Llama-3-8B's linear layers.
+SHAPES = {
+    "qo": ("q_proj / o_proj", HIDDEN, HIDDEN),
+    "kv": ("k_proj / v_proj", N_KV_HEADS * HEAD_DIM, HIDDEN),
+    "gate_up": ("gate_proj / up_proj", INTERMEDIATE, HIDDEN),
+    "down": ("down_proj", HIDDEN, INTERMEDIATE),
+}
+SMOKE_SHAPES = {"qo": ("q_proj / o_proj (smoke)", 256, 256), "down": ("down_proj (smoke)", 256, 512)}
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    m: int
+    n: int
+    k: int
+    seconds: float
+    nbytes: float
+    flops: float
+    peak: str  # which compute ceiling applies: "bf16" or "fp8"
+    baseline: Optional[float] = None  # seconds of the bf16 baseline for the same problem
+
+
+@dataclass
+class Ceilings:
+    bandwidth: float  # bytes / s
+    bf16: float  # flop / s
+    fp8: Optional[float]
+
+
+def make_timer(device: torch.device, rep_ms: int) -> Callable[[Callable[[], object]], float]:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        def timer(fn):
+            fn()  # first call: compile + config timing, kept out of the measurement
+            torch.cuda.synchronize()
+            return do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") / 1e3
+    else:
+        def timer(fn):
+            fn()
+            t = time.perf_counter()
+            fn()
+            return time.perf_counter() - t
+    return timer
+
+
+def measure_ceilings(device: torch.device, timer, smoke: bool) -> Ceilings:
+    n = 1 << (20 if smoke else 29)  # bf16 elements: 1 GiB on a GPU
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() * 2 / timer(lambda: dst.copy_(src))
+    del src, dst
+    s = 256 if smoke else 8192
+    a = torch.randn(s, s, device=device, dtype=torch.bfloat16)
+    b = torch.randn(s, s, device=device, dtype=torch.bfloat16)
+    bf16 = 2 * s**3 / timer(lambda: a @ b)
+    fp8 = None
+    if device.type == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9):
+        try:
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+            one = torch.ones((), device=device)
+            fp8 = 2 * s**3 / timer(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                                             out_dtype=torch.bfloat16))
+        except Exception as e:  # noqa: BLE001 - report and go on without the fp8 ceiling
+            print(f"fp8 ceiling not measured: torch._scaled_mm failed ({e})")
+    return Ceilings(bandwidth, bf16, fp8)
+
+
+def bench_linear(shapes, ms: List[int], device, timer) -> List[Row]:
+    from pagedserve.kernels.fp8 import quantize_fp8, quantize_per_token_fp8
+    from pagedserve.kernels.fp8_triton import default_mode, fp8_matmul_triton
+    from pagedserve.kernels.int4 import quantize_int4
+    from pagedserve.kernels.int4_triton import w4a16_matmul_triton
+
+    mode = default_mode(device)
+    scaled_mm = (device.type == "cuda" and hasattr(torch, "_scaled_mm")
+                 and torch.cuda.get_device_capability(device) >= (8, 9))
+    rows: List[Row] = []
+    for key, (label, n, k) in shapes.items():
+        gen = torch.Generator(device=device).manual_seed(0)
+        w = (torch.randn(n, k, device=device, generator=gen) * 0.02).to(torch.bfloat16)
+        w4 = quantize_int4(w)
+        w8 = quantize_fp8(w)
+        w8_t = w8.weight.t()  # column-major [K, N] operand for _scaled_mm
+        for m in ms:
+            x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+            io = 2 * (m * k + m * n)
+            flops = 2.0 * m * n * k
+            base = timer(lambda: F.linear(x, w))
+            rows.append(Row("bf16 matmul (torch)", label, m, n, k, base, 2 * n * k + io, flops, "bf16", base))
+            t = timer(lambda: w4a16_matmul_triton(x, w4))
+            rows.append(Row("w4a16 (triton)", label, m, n, k, t, w4.nbytes + io, flops, "bf16", base))
+            t = timer(lambda: fp8_matmul_triton(x, w8))
+            rows.append(Row(f"fp8 weights, {mode} (triton)", label, m, n, k, t, w8.nbytes + io, flops,
+                            "fp8" if mode == "fp8" else "bf16", base))
+            if scaled_mm and m % 16 == 0:
+                xq, _ = quantize_per_token_fp8(x)
+                one = torch.ones((), device=device)
+                try:
+                    t = timer(lambda: torch._scaled_mm(xq, w8_t, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+                    rows.append(Row("fp8 _scaled_mm (gemm only)", label, m, n, k, t, n * k + m * k + 2 * m * n,
+                                    flops, "fp8", base))
+                except Exception as e:  # noqa: BLE001
+                    print(f"_scaled_mm skipped for {label} M={m}: {e}")
+            del x
+        del w, w4, w8, w8_t
+    return rows
+
+
+def bench_attention(device, timer, smoke: bool) -> List[Row]:
+    try:
+        from pagedserve.kernels.paged_attention_triton import paged_attention_triton
+    except ImportError as e:
+        print(f"paged attention: skipped ({e})")
+        return []
+    batch, context, block_size = (4, 256, 16) if smoke else (64, 4096, 16)
+    heads, kv_heads, head_dim = (8, 2, 64) if smoke else (N_HEADS, N_KV_HEADS, HEAD_DIM)
+    blocks_per_seq = context // block_size
+    num_blocks = batch * blocks_per_seq
+    gen = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, generator=gen).to(dt)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, generator=gen).to(dt)
+    block_tables = torch.randperm(num_blocks, device=device, generator=gen).view(batch, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    query = torch.randn(batch, heads, head_dim, device=device, generator=gen).to(dt)
+    scale = 1.0 / math.sqrt(head_dim)
+    group = heads // kv_heads
+
+    def gather(cache):  # [B, kvh, L, d] through the block table
+        return cache[block_tables.long()].view(batch, context, kv_heads, head_dim).transpose(1, 2)
+
+    def sdpa(k, v):  # GQA folded into the query axis: [B, kvh, group, d]
+        q = query.view(batch, kv_heads, group, head_dim)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    kg, vg = gather(key_cache).contiguous(), gather(value_cache).contiguous()
+    label = f"decode B={batch} ctx={context} {heads}q/{kv_heads}kv d={head_dim}"
+    nbytes = 2 * key_cache.numel() * key_cache.element_size() + 2 * query.numel() * query.element_size()
+    flops = 4.0 * batch * heads * context * head_dim
+    base = timer(lambda: sdpa(gather(key_cache), gather(value_cache)))
+    rows = [Row("attention: gather + sdpa (torch)", label, batch, heads, context, base, nbytes, flops, "bf16", base)]
+    t = timer(lambda: sdpa(kg, vg))
+    rows.append(Row("attention: sdpa, pre-gathered (torch)", label, batch, heads, context, t, nbytes, flops, "bf16", base))
+    try:
+        t = timer(lambda: paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens,
+                                                 query_start_loc, scale))
+        rows.append(Row("paged attention (triton)", label, batch, heads, context, t, nbytes, flops, "bf16", base))
+    except TypeError as e:  # the kernel's signature changed under us
+        print(f"paged attention: call failed ({e})")
+    return rows
+
+
+def render(rows: List[Row], ceil: Ceilings) -> str:
+    out = ["| kernel | shape | M | N | K | time (us) | GB/s | % BW | TFLOP/s | % peak | speedup vs bf16 |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        gbs = r.nbytes / r.seconds
+        fl = r.flops / r.seconds
+        peak = ceil.fp8 if r.peak == "fp8" and ceil.fp8 else ceil.bf16
+        speed = f"{r.baseline / r.seconds:.2f}x" if r.baseline else "-"
+        out.append(f"| {r.kernel} | {r.shape} | {r.m} | {r.n} | {r.k} | {r.seconds * 1e6:.1f} | {gbs / 1e9:.0f} | "
+                   f"{100 * gbs / ceil.bandwidth:.0f}% | {fl / 1e12:.1f} | {100 * fl / peak:.0f}% ({r.peak}) | {speed} |")
+    return "\n".join(out)
+
+
+def targets(rows: List[Row], ceil: Ceilings) -> List[str]:
+    """The goals this project reports against (not asserted)."""
+    lines = []
+
+    def verdict(ok):
+        return "met" if ok else "MISSED"
+
+    for r in rows:
+        bw = r.nbytes / r.seconds / ceil.bandwidth
+        speed = r.baseline / r.seconds if r.baseline else 0.0
+        if r.kernel == "paged attention (triton)":
+            lines.append(f"- paged decode attention {100 * bw:.0f}% of measured bandwidth (target >= 80%): {verdict(bw >= 0.8)}")
+        elif r.kernel.startswith("w4a16") and r.m <= 16:
+            lines.append(f"- W4A16 {r.shape} M={r.m}: {100 * bw:.0f}% of weight-bytes roofline (target >= 70%): "
+                         f"{verdict(bw >= 0.7)}" + (f"; {speed:.2f}x bf16 (target >= 2.5x): {verdict(speed >= 2.5)}"
+                                                    if r.m == 1 else ""))
+        elif r.kernel.startswith("fp8 weights") and r.m >= 2048:
+            lines.append(f"- FP8 {r.shape} M={r.m}: {speed:.2f}x bf16 (target >= 1.5x): {verdict(speed >= 1.5)}")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", default="1,4,16,64,2048,4096", help="comma-separated token counts (GEMM M)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
+    p.add_argument("--no-attention", action="store_true")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time per measurement, ms")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through the Triton interpreter")
+    args = p.parse_args()
+
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any triton kernel module is imported
+        device = torch.device("cpu")
+        shapes = SMOKE_SHAPES
+        ms = [1, 4, 16, 64]
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("benchmarks/kernels.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is "
+                     "False). Kernel correctness on CPU: `pytest tests/kernels` (Triton interpreter); "
+                     "plumbing check: `python benchmarks/kernels.py --smoke`.")
+        device = torch.device("cuda")
+        shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
+        ms = [int(v) for v in args.m.split(",")]
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter, smoke run)"
+    print(f"device: {name}")
+    print(f"torch {torch.__version__}", end="")
+    try:
+        import triton
+
+        print(f", triton {triton.__version__}")
+    except ImportError:
+        sys.exit("\ntriton is not installed")
+    timer = make_timer(device, args.rep)
+    ceil = measure_ceilings(device, timer, args.smoke)
+    fp8_txt = f"{ceil.fp8 / 1e12:.0f} TFLOP/s" if ceil.fp8 else "n/a"
+    print(f"measured ceilings: bandwidth {ceil.bandwidth / 1e9:.0f} GB/s (1 GiB D2D copy), "
+          f"bf16 matmul {ceil.bf16 / 1e12:.0f} TFLOP/s, fp8 _scaled_mm {fp8_txt}\n")
+
+    rows = bench_linear(shapes, ms, device, timer)
+    if not args.no_attention:
+        rows += bench_attention(device, timer, args.smoke)
+    print(render(rows, ceil))
+    print("\ntargets (reported, not asserted)" + (" -- smoke run, numbers meaningless:" if args.smoke else ":"))
+    print("\n".join(targets(rows, ceil)) or "- none applicable to the selected sizes")
+
+
+if __name__ == "__main__":
+    main()

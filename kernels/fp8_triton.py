@@ -1,0 +1,238 @@
+"""FP8 (e4m3) weight GEMM in Triton, two paths sharing one kernel:
+
+* "fp8"   (compute capability >= 8.9): activations are quantized per token to e4m3 by a
+          small kernel, then `tl.dot` runs on fp8 x fp8 operands (FP8 tensor cores);
+          the fp32 product is multiplied by x_scale[m] * w_scale[n] in the epilogue.
+* "w8a16" (older GPUs): the weight is read as raw bytes and decoded from e4m3 bits to
+          fp32 with integer ops (exact; no fp8 type, which Triton rejects before sm89),
+          cast to the activation dtype and multiplied on 16-bit tensor cores; w_scale[n]
+          is applied in the epilogue.
+
+Small M uses the same split-K + deterministic reduction as the INT4 kernel.
+
+Under TRITON_INTERPRET=1 both paths run (the interpreter keeps fp8 as uint8 and decodes
+it for `tl.dot`); the default there is "fp8" (what an H100 runs), PAGEDSERVE_FP8_MODE
+overrides it. The activation quantizer rounds to the e4m3 grid in fp32 before the cast,
+so the cast is exact on every backend (the interpreter's own fp32->fp8 rounding is not
+round-to-nearest-even) and the result equals `fp8.quantize_per_token_fp8` bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8 import FP8_DTYPE, FP8_MAX, AMAX_EPS, Fp8Weight
+from .int4_triton import (
+    GemmConfig, choose_split_k, interpreting, launch_splitk_reduce, num_sms, timed_choice, _bucket,
+)
+
+
+@triton.jit
+def _round_to_e4m3_grid(v):
+    """Round fp32 |v| <= 448 to the nearest e4m3 value (ties to even), still in fp32."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    # Normal range: keep 3 of 23 mantissa bits, round half to even; carries go to the exponent.
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    normal = bits.to(tl.float32, bitcast=True)
+    # Subnormal range (|v| < 2^-6): grid step 2^-9; adding 1.5 * 2^23 rounds to an integer.
+    sub = ((a * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    r = tl.where(a < 0.015625, sub, normal).to(tl.int32, bitcast=True)
+    sign = v.to(tl.int32, bitcast=True) & -2147483648  # keep -0.0 like torch's cast
+    return (r | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
+                            FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), EPS), FP8_MAX_C)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + offs < K
+        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX_C), FP8_MAX_C)
+        v = _round_to_e4m3_grid(v)
+        tl.store(q_ptr + row * stride_qm + k0 + offs, v.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_e4m3(b):
+    """uint8 e4m3fn bit patterns -> exact fp32 values (NaN codes are not expected)."""
+    u = b.to(tl.int32)
+    e = (u >> 3) & 0xF
+    m = u & 0x7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125
+    r = tl.where(e == 0, sub, normal)
+    return tl.where(u >= 128, -r, r)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr,
+    M, N, K, k_per_split,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_om, stride_os,
+    A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        mask_k = kk < k_end
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + kk[None, :] * stride_ak,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        # B tile [BLOCK_K, BLOCK_N] read from the [N, K] weight (K-major operand).
+        b = tl.load(b_ptr + offs_n[None, :] * stride_bn + kk[:, None] * stride_bk,
+                    mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+        if A_FP8:
+            acc = tl.dot(a, b, acc)
+        else:
+            bf = _decode_e4m3(b)
+            if DOT_F32:
+                acc = tl.dot(a.to(tl.float32), bf, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, bf.to(a.dtype), acc)
+
+    if A_FP8:
+        acc = acc * tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+    acc = acc * tl.load(b_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    out_offs = offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
+        tl.store(out_ptr + pid_k * stride_os + out_offs, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# ------------------------------------------------------------------ host side
+
+def default_mode(device: torch.device) -> str:
+    env = os.environ.get("PAGEDSERVE_FP8_MODE")
+    if env in ("fp8", "w8a16"):
+        return env
+    if device.type == "cuda":
+        return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else "w8a16"
+    return "fp8"
+
+
+def per_token_quant_fp8_triton(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `fp8.quantize_per_token_fp8` for x [M, K] (bit-identical)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m:
+        block = min(4096, max(16, triton.next_power_of_2(k)))
+        _per_token_quant_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0),
+                                      FP8_MAX_C=FP8_MAX, EPS=AMAX_EPS, BLOCK=block, num_warps=4)
+    return q, s
+
+
+def _candidates(m: int, n: int, k: int, mode: str):
+    if interpreting():
+        bm = 16 if m <= 16 else 32
+        bn = max(16, min(64, triton.next_power_of_2(n)))
+        bk = max(32, min(128, triton.next_power_of_2(k)))
+        return [GemmConfig(bm, bn, bk, split_k=1)]
+    if m <= 16:
+        raw = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 64, 4, 4)]
+    elif m <= 64:
+        raw = [(64, 64, 128, 4, 4), (32, 128, 128, 4, 4), (64, 128, 128, 4, 3)]
+    elif mode == "fp8":
+        raw = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (64, 128, 128, 4, 4), (128, 128, 64, 4, 4)]
+    else:
+        raw = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4)]
+    return [GemmConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in raw]
+
+
+_TUNED: Dict[Tuple, GemmConfig] = {}
+
+
+def _launch(a, a_scale, w: Fp8Weight, bias, out, cfg: GemmConfig, a_fp8: bool) -> None:
+    m, k = a.shape
+    n = w.weight.shape[0]
+    bk = cfg.block_k
+    k_iters = triton.cdiv(k, bk)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = cfg.split_k if cfg.split_k is not None else choose_split_k(tiles, k_iters, num_sms(a.device))
+    split = max(1, min(split, k_iters))
+    k_per_split = triton.cdiv(k_iters, split) * bk
+    split = triton.cdiv(k, k_per_split)
+    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
+    b = w.weight if a_fp8 else w.weight.view(torch.uint8)
+    _fp8_gemm_kernel[(tiles, split)](
+        a, b, a_scale if a_fp8 else w.scale, w.scale, bias if bias is not None else w.scale, dst,
+        m, n, k, k_per_split,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), n, m * n,
+        A_FP8=a_fp8, HAS_BIAS=bias is not None, SPLIT=split > 1, DOT_F32=interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        launch_splitk_reduce(dst, bias, out)
+
+
+def fp8_matmul_triton(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None, *,
+                      mode: Optional[str] = None, config: Optional[GemmConfig] = None) -> torch.Tensor:
+    """y = x @ (w.weight * w.scale)^T (+ bias) for bf16/fp16 x [..., K]; returns x.dtype.
+
+    mode: "fp8" (per-token e4m3 activations, FP8 tensor cores) or "w8a16"; default by
+    device capability (see module doc).
+    """
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"fp8_matmul_triton takes bf16/fp16 activations, got {x.dtype}")
+    if x.device.type != "cuda" and not interpreting():
+        raise RuntimeError("Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 for CPU)")
+    mode = mode or default_mode(x.device)
+    if mode not in ("fp8", "w8a16"):
+        raise ValueError(f"mode must be 'fp8' or 'w8a16', got {mode!r}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*lead, n)
+    a_fp8 = mode == "fp8"
+    if a_fp8:
+        a, a_scale = per_token_quant_fp8_triton(x2)
+    else:
+        a, a_scale = x2, None
+    if config is None:
+        key = (x.device, _bucket(m), n, k, x.dtype, mode, bias is not None)
+        config = timed_choice(_TUNED, key, _candidates(m, n, k, mode),
+                              lambda c: _launch(a, a_scale, w, bias, out, c, a_fp8))
+    _launch(a, a_scale, w, bias, out, config, a_fp8)
+    return out.view(*lead, n)

@@ -1,0 +1,503 @@
+"""INT4 (W4A16) weights: packing, RTN error bound, AWQ / GPTQ loaders, reference and
+Triton kernel (compiled on CUDA, through the Triton interpreter on CPU).
+
+Format: W = q * scale + offset per group (float offset, the scales' dtype).
+
+Stated bounds (checked below):
+  * RTN over each group's own [min, max]: every element |w - dequant(w)| <= scale/2
+    of its group (stored scale, ~(max - min)/15); on Gaussian weights the relative
+    Frobenius error is 0.0998 (G=128) / 0.0897 (G=64) / 0.0782 (G=32), asserted below
+    0.1005 / 0.091 / 0.081 and never above the old integer-zero-point RTN (0.1005 /
+    0.0910 / 0.0808); far smaller on groups that do not straddle 0.
+  * Exact round trip of weights on a d * q + m grid (GGUF Q4_1: fp16 d, m, G = 32)
+    and of the old integer-zero-point grids.
+  * reference vs float64 dense product of the dequantized weight: relative Frobenius
+    error < 4e-3 (bf16 output), < 5e-4 (fp16), < 1e-6 (fp32).
+  * Triton vs float64: < 8e-3 (bf16; the interpreter truncates fp32->bf16 instead of
+    rounding, ~2x the reference's error), < 5e-4 (fp16).
+  * AWQ / GPTQ loaders: bit-exact codes and scales; offsets = -zero * scale rounded
+    once to the scale dtype, so |dequant - (q - zero) * scale| <= u * zero * scale
+    (+ fp32 rounding), u = 2^-11 fp16 (<= scale/128), 2^-8 bf16, 0 for fp32 scales.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagedserve.kernels.int4 import (  # noqa: E402
+    Int4Weight,
+    default_scale_dtype,
+    dequantize_int4,
+    int4_from_awq,
+    int4_from_gptq,
+    offsets_from_zeros,
+    pack_int4,
+    quantize_int4,
+    unpack_int4,
+    w4a16_matmul_ref,
+)
+from pagedserve.kernels.linear import int4_linear  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None
+    or not (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs triton with CUDA or TRITON_INTERPRET=1",
+)
+
+# Bounds on relative Frobenius error against the float64 product, per output dtype.
+REF_TOL = {torch.bfloat16: 4e-3, torch.float16: 5e-4, torch.float32: 1e-6}
+TRITON_TOL = {torch.bfloat16: 8e-3, torch.float16: 5e-4}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ----------------------------------------------------------------- own checkpoint packers
+# Written from the formats' documented bit orders, independently of the loaders:
+#  AutoAWQ GEMM (awq/modules/linear/gemm.py, WQLinear_GEMM.from_linear): qweight [K, N/8],
+#    qzeros [K/G, N/8], packed along N; nibble i of packed column c holds column
+#    8c + [0, 2, 4, 6, 1, 3, 5, 7][i]; zeros stored as is; W = (q - z) * s.
+#  AutoGPTQ (nn_modules/qlinear/qlinear_cuda_old.py, QuantLinear.pack): qweight [K/8, N],
+#    nibble j of row r holds input 8r + j; qzeros [K/G, N/8] sequential along N holding
+#    zero - 1 (v1); scales [K/G, N]; g_idx [K].
+AWQ_DOC_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def _bits_to_int32(v: torch.Tensor) -> torch.Tensor:
+    v = v & 0xFFFFFFFF
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
+def awq_pack(vals: torch.Tensor) -> torch.Tensor:
+    r, c = vals.shape
+    v = vals.to(torch.int64).view(r, c // 8, 8)
+    out = torch.zeros(r, c // 8, dtype=torch.int64)
+    for i, col in enumerate(AWQ_DOC_ORDER):
+        out |= v[:, :, col] << (4 * i)
+    return _bits_to_int32(out)
+
+
+def gptq_pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """[K, N] -> [K/8, N], sequential along K."""
+    k, n = q.shape
+    v = q.to(torch.int64).view(k // 8, 8, n)
+    out = torch.zeros(k // 8, n, dtype=torch.int64)
+    for j in range(8):
+        out |= v[:, j] << (4 * j)
+    return _bits_to_int32(out)
+
+
+def gptq_pack_zeros(z: torch.Tensor, v1: bool = True) -> torch.Tensor:
+    """[G, N] -> [G, N/8], sequential along N, v1 stores zero - 1 (masked to 4 bits)."""
+    v = (z.to(torch.int64) - (1 if v1 else 0)) & 0xF
+    g, n = v.shape
+    v = v.view(g, n // 8, 8)
+    out = torch.zeros(g, n // 8, dtype=torch.int64)
+    for j in range(8):
+        out |= v[:, :, j] << (4 * j)
+    return _bits_to_int32(out)
+
+
+def _dense_from_codes(q_nk, z_gn, s_gn, g_idx):
+    """The checkpoint's own weight W[n, k] = (q[n, k] - z[g_idx[k], n]) * s[g_idx[k], n],
+    in float64 (exact)."""
+    z = z_gn.to(torch.float64)[g_idx].t()
+    s = s_gn.to(torch.float64)[g_idx].t()
+    return (q_nk.to(torch.float64) - z) * s
+
+
+# Unit roundoff of the cast of -zero * scale to the scale dtype (see offsets_from_zeros).
+OFFSET_U = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+
+
+def _check_loaded(qw, q_nk, z_gn, s_gn, g_idx) -> float:
+    """Loaded weight vs checkpoint: offsets are -z * s rounded once to the scale dtype;
+    dequantization is exactly fp32 q * s + offset; the distance to the checkpoint's
+    (q - z) * s is within that one rounding (+ fp32 rounding). Returns max error / scale."""
+    want_off = (-(z_gn.to(torch.float64) * s_gn.to(torch.float64))).to(s_gn.dtype)
+    assert qw.offsets.dtype == s_gn.dtype and torch.equal(qw.offsets, want_off)
+    assert torch.equal(qw.scales, s_gn)
+    deq = dequantize_int4(qw)
+    s32 = s_gn.to(torch.float32)[g_idx].t()
+    assert torch.equal(deq, q_nk.to(torch.float32) * s32 + want_off.to(torch.float32)[g_idx].t())
+    truth = _dense_from_codes(q_nk, z_gn, s_gn, g_idx)
+    zs = (z_gn.to(torch.float64) * s_gn.to(torch.float64))[g_idx].t()
+    err = (deq.double() - truth).abs()
+    bound = OFFSET_U[s_gn.dtype] * zs + 2.0**-23 * (q_nk.double() * s32.double() + zs)
+    assert bool((err <= bound).all()), float((err - bound).max())
+    return float((err / s32.double()).max())
+
+
+def _random_codes(n, k, group, gen, zlo=0, zhi=16):
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int64)
+    z = torch.randint(zlo, zhi, (k // group, n), generator=gen, dtype=torch.int64)
+    s = (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    return q, z, s
+
+
+# ----------------------------------------------------------------- packing / quantization
+
+def test_pack_bit_order_and_roundtrip():
+    col = torch.arange(8, dtype=torch.uint8).view(8, 1)  # k = 0..7 of one output column
+    assert pack_int4(col).item() == 0x76543210
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (64, 24), generator=gen, dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (8, 24) and packed.dtype == torch.int32
+    assert torch.equal(unpack_int4(packed), q)
+    assert torch.equal(unpack_int4(packed.t().contiguous().t()), q)  # non-contiguous path
+
+
+def _rtn_integer_zero(w: torch.Tensor, g: int) -> torch.Tensor:
+    """The previous format's RTN (range widened to include 0, integer zero point,
+    fp32 scale), dequantized: the baseline the float offset must not lose to."""
+    n, k = w.shape
+    v = w.float().view(n, k // g, g)
+    lo, hi = v.amin(-1, keepdim=True).clamp(max=0), v.amax(-1, keepdim=True).clamp(min=0)
+    s = ((hi - lo) / 15).clamp(min=1e-30)
+    z = torch.round(-lo / s).clamp(0, 15)
+    return ((torch.round(v / s) + z).clamp(0, 15) - z).mul(s).view(n, k)
+
+
+GAUSS_TOL = {128: 0.1005, 64: 0.091, 32: 0.081}
+
+
+@pytest.mark.parametrize("dtype,scale_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
+                                               (torch.float32, torch.float16), (torch.bfloat16, torch.float16),
+                                               (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("group_size", [128, 64, 32])
+def test_rtn_error_bound(dtype, scale_dtype, group_size):
+    gen = torch.Generator().manual_seed(2)
+    n, k = 48, 512
+    w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype)
+    w[3, :group_size] = (torch.rand(group_size, generator=gen) + 0.5).to(dtype)  # one all-positive group
+    w[4, :group_size] = (-torch.rand(group_size, generator=gen) * 0.02 - 0.3).to(dtype)  # narrow, far from 0
+    q = quantize_int4(w, group_size, scale_dtype=scale_dtype)
+    sd = scale_dtype or default_scale_dtype(dtype)
+    assert q.shape == (n, k) and q.scales.dtype == sd and q.offsets.dtype == sd
+    assert q.nbytes == k // 2 * n + (k // group_size) * n * 2 * sd.itemsize
+    # offset = group minimum, rounded down only where the scale dtype cannot hold it
+    gmin = w.float().view(n, k // group_size, group_size).amin(-1).t()
+    assert bool((q.offsets.float() <= gmin).all())
+    exact = gmin.to(sd).float() == gmin
+    assert torch.equal(q.offsets.float()[exact], gmin[exact])
+    assert bool(exact.all()) or scale_dtype is not None  # the default dtype holds every minimum
+    deq = dequantize_int4(q)
+    scale = q.scales.to(torch.float32).t().repeat_interleave(group_size, dim=1)
+    err = (deq - w.float()).abs()
+    assert bool((err <= scale * 0.5 * (1 + 1e-5)).all()), float((err / scale).max())
+    # groups not straddling 0: their own range, not one widened to 0 (~2/3 and ~1/15 of the error)
+    old = (_rtn_integer_zero(w[3:5].float(), group_size) - w[3:5].float()).abs()[:, :group_size].amax(-1)
+    new = err[3:5, :group_size].amax(-1)
+    assert float(new[0]) < 0.7 * float(old[0]) and float(new[1]) < 0.1 * float(old[1]), (new, old)
+    w_gauss = (torch.randn(n, k, generator=gen) * 0.02).to(dtype)
+    deq = dequantize_int4(quantize_int4(w_gauss, group_size, scale_dtype=scale_dtype))
+    e = rel_err(deq, w_gauss)
+    assert e < GAUSS_TOL[group_size], e
+    assert e <= rel_err(_rtn_integer_zero(w_gauss, group_size), w_gauss), e
+
+
+def test_default_scale_dtype():
+    w = torch.randn(8, 64)
+    for dtype, want in [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                        (torch.float16, torch.float16), (torch.float64, torch.float32)]:
+        assert default_scale_dtype(dtype) == want
+        qw = quantize_int4(w.to(dtype), 32)
+        assert qw.scales.dtype == want and qw.offsets.dtype == want
+    with pytest.raises(ValueError, match="scale_dtype"):
+        quantize_int4(w, 32, scale_dtype=torch.float64)
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_int4(torch.full((8, 64), float("nan")), 32)
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_int4(torch.full((8, 64), -1e6), 32, scale_dtype=torch.float16)  # offset overflows fp16
+
+
+@pytest.mark.parametrize("scale_dtype", [None, torch.float16])
+def test_rtn_exact_on_q4_1_grid(scale_dtype):
+    """GGUF Q4_1 blocks (32 values d * q + m, fp16 d and m, ggml dequantizes in fp32;
+    its quantizer maps each block's min and max to codes 0 and 15) re-quantize exactly."""
+    gen = torch.Generator().manual_seed(3)
+    n, k, g = 64, 512, 32
+    ng = k // g
+    q = torch.randint(0, 16, (n, ng, g), generator=gen)
+    pos = torch.rand(n, ng, g, generator=gen).argsort(-1)[..., :2]  # two distinct random slots
+    q.scatter_(-1, pos[..., :1], 0)
+    q.scatter_(-1, pos[..., 1:], 15)
+    d = torch.exp(torch.empty(n, ng, 1).uniform_(-9.0, -3.5, generator=gen)).half().float()  # ~1e-4 .. 3e-2
+    m = (-d * torch.empty(n, ng, 1).uniform_(-2.0, 15.0, generator=gen)).half().float()
+    m[0, 0] = 0.0
+    w = (q.float() * d + m).view(n, k)
+    assert torch.equal(w.double(), (q.double() * d.double() + m.double()).view(n, k))  # grid exact in fp32
+    qw = quantize_int4(w, g, scale_dtype=scale_dtype)
+    assert torch.equal(qw.scales.float(), d.squeeze(-1).t())
+    assert torch.equal(qw.offsets.float(), m.squeeze(-1).t())
+    assert torch.equal(unpack_int4(qw.qweight).t().long(), q.view(n, k))
+    assert torch.equal(dequantize_int4(qw), w)
+    x = torch.randn(3, k, generator=gen)
+    assert rel_err(w4a16_matmul_ref(x, qw), x.double() @ w.double().t()) < REF_TOL[torch.float32]
+
+
+def test_rtn_exact_on_integer_zero_grid():
+    """Weights on the old format's grid (q - z) * s, s a power of two, come back exactly."""
+    gen = torch.Generator().manual_seed(3)
+    n, k, g = 16, 256, 128
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    q[:, ::g] = 0
+    q[:, 1::g] = 15
+    z = torch.randint(1, 15, (n, k // g), generator=gen)
+    s = 2.0 ** -torch.randint(4, 9, (n, k // g), generator=gen).float()
+    w = (q - z.repeat_interleave(g, 1)) * s.repeat_interleave(g, 1)
+    for sd in (None, torch.float16, torch.bfloat16):
+        qw = quantize_int4(w, g, scale_dtype=sd)
+        assert torch.equal(dequantize_int4(qw), w)
+        assert torch.equal(unpack_int4(qw.qweight).t().long(), q)
+
+
+@pytest.mark.parametrize("dtype,scale_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.float32, torch.float16)])
+def test_rtn_constant_groups(dtype, scale_dtype):
+    """max == min: tiny positive scale, offset = the value (rounded down if the scale
+    dtype cannot hold it), so the group comes back exactly where it can."""
+    vals = torch.tensor([0.0, -0.0, 1.0, -3.25, 0.1, -1e-3])
+    w = vals.repeat_interleave(32).view(1, -1).to(dtype)
+    qw = quantize_int4(w, 32, scale_dtype=scale_dtype)
+    sd = qw.scales.dtype
+    assert bool((qw.scales > 0).all()) and bool((qw.scales.float() <= torch.finfo(sd).tiny * 16).all())
+    deq = dequantize_int4(qw)
+    representable = (vals.to(dtype).to(sd).float() == vals.to(dtype).float()).repeat_interleave(32)
+    assert torch.equal(deq[0][representable], w.float()[0][representable])
+    scale = qw.scales.float().t().repeat_interleave(32, 1)
+    assert bool(((deq - w.float()).abs() <= scale * 0.5 * (1 + 1e-5)).all())
+
+
+@pytest.mark.parametrize("m", [3, 40])  # group-factored path, dequantize-once path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_reference_matmul(m, dtype):
+    gen = torch.Generator().manual_seed(4)
+    n, k = 72, 384
+    qw = quantize_int4(torch.randn(n, k, generator=gen) * 0.05)
+    x = torch.randn(2, m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    y = w4a16_matmul_ref(x, qw, bias)
+    assert y.shape == (2, m, n) and y.dtype == dtype
+    truth = x.double() @ dequantize_int4(qw).double().t() + bias.double()
+    assert rel_err(y, truth) < REF_TOL[dtype]
+
+
+# ----------------------------------------------------------------- checkpoint loaders
+
+def test_awq_known_packing():
+    vals = torch.arange(8).view(1, 8)
+    assert awq_pack(vals).item() == 0x75316420  # nibbles from low: cols 0,2,4,6,1,3,5,7
+    qw = int4_from_awq(awq_pack(torch.arange(8).repeat(8, 1)), awq_pack(torch.zeros(1, 8, dtype=torch.long)),
+                       torch.ones(1, 8, dtype=torch.float16), group_size=8)
+    assert torch.equal(unpack_int4(qw.qweight)[0], torch.arange(8, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("group_size,scale_dtype", [(128, torch.float16), (64, torch.float16),
+                                                   (128, torch.bfloat16), (64, torch.float32)])
+def test_awq_roundtrip_exact(group_size, scale_dtype):
+    gen = torch.Generator().manual_seed(5)
+    n, k = 96, 256
+    q, z, s = _random_codes(n, k, group_size, gen)
+    s = s.to(scale_dtype)
+    qw = int4_from_awq(awq_pack(q.t()), awq_pack(z), s, group_size)
+    assert qw.shape == (n, k) and qw.perm is None
+    assert torch.equal(unpack_int4(qw.qweight).t().long(), q)
+    rel = _check_loaded(qw, q, z, s, torch.arange(k) // group_size)
+    assert rel <= 16 * OFFSET_U[scale_dtype] * (1 + 1e-3)  # <= scale / 128 for fp16 scales
+    if scale_dtype == torch.float32:
+        assert torch.equal(dequantize_int4(qw).double(), _dense_from_codes(q, z, s, torch.arange(k) // group_size))
+
+
+@pytest.mark.parametrize("kind", ["asym_v1", "sym_v1", "asym_v2"])
+def test_gptq_roundtrip_exact(kind):
+    gen = torch.Generator().manual_seed(6)
+    n, k, g = 64, 384, 128
+    q, z, s = _random_codes(n, k, g, gen, zlo=1)  # v1 cannot store a zero of 0 faithfully
+    v1 = kind.endswith("v1")
+    if kind.startswith("sym"):
+        z = torch.full_like(z, 8)
+        assert bool((gptq_pack_zeros(z) == 0x77777777).all())  # what symmetric v1 checkpoints hold
+    g_idx = (torch.arange(k) // g).to(torch.int32)
+    qw = int4_from_gptq(gptq_pack_rows(q.t()), gptq_pack_zeros(z, v1), s, g_idx, g,
+                        checkpoint_format="gptq" if v1 else "gptq_v2")
+    assert qw.perm is None
+    assert torch.equal(qw.qweight, gptq_pack_rows(q.t()))  # same qweight layout as ours
+    _check_loaded(qw, q, z, s, g_idx.long())
+    if kind.startswith("sym"):  # -8 * s is exact in fp16: no rounding at all
+        assert torch.equal(dequantize_int4(qw).double(), _dense_from_codes(q, z, s, g_idx.long()))
+
+
+def test_gptq_v1_stored_15_reads_as_16():
+    """v1 readers add 1 to the stored nibble, so 0xF means zero point 16; kept as is."""
+    n, k, g = 8, 128, 128
+    stored = torch.full((1, n // 8), -1, dtype=torch.int32)  # every nibble 0xF
+    q = torch.full((k, n), 3, dtype=torch.int64)
+    qw = int4_from_gptq(gptq_pack_rows(q), stored, torch.ones(1, n, dtype=torch.float16), None, g)
+    assert torch.equal(qw.offsets, torch.full((1, n), -16.0, dtype=torch.float16))
+    assert torch.equal(dequantize_int4(qw), torch.full((n, k), -13.0))
+
+
+def test_offsets_from_zeros_rounding():
+    """The one rounding of the loaders, on a case that needs it: 15 * s has 15 significant
+    bits, fp16 keeps 11."""
+    s = torch.tensor([[1 + 2.0**-10]], dtype=torch.float16)
+    off = offsets_from_zeros(torch.tensor([[15]], dtype=torch.uint8), s)
+    exact = -15 * (1 + 2.0**-10)
+    assert off.dtype == torch.float16 and off.item() != exact
+    assert abs(off.item() - exact) <= 2.0**-11 * 15 * s.item()
+    assert offsets_from_zeros(torch.tensor([[15]]), s.float()).item() == exact  # fp32 scales: exact
+    with pytest.raises(ValueError, match="overflows"):
+        offsets_from_zeros(torch.tensor([[16]]), torch.tensor([[60000.0]], dtype=torch.float16))
+
+
+def _act_order_checkpoint(n, k, g, gen):
+    perm = torch.randperm(k, generator=gen)
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[perm] = torch.arange(k) // g  # GPTQ desc_act: groups follow the activation order
+    q, z, s = _random_codes(n, k, g, gen, zlo=1)
+    packed = (gptq_pack_rows(q.t()), gptq_pack_zeros(z), s, g_idx.to(torch.int32))
+    return packed, (q, z, s, g_idx)
+
+
+def test_gptq_act_order_exact():
+    gen = torch.Generator().manual_seed(7)
+    (qweight, qzeros, scales, g_idx), codes = _act_order_checkpoint(40, 256, 64, gen)
+    qw = int4_from_gptq(qweight, qzeros, scales, g_idx, 64)
+    assert qw.perm is not None
+    _check_loaded(qw, *codes)
+    x = torch.randn(5, 256, generator=gen)
+    dense = dequantize_int4(qw)
+    assert rel_err(w4a16_matmul_ref(x, qw), x.double() @ dense.double().t()) < REF_TOL[torch.float32]
+    x = torch.randn(40, 256, generator=gen)  # dequantize-once path
+    assert rel_err(w4a16_matmul_ref(x, qw), x.double() @ dense.double().t()) < REF_TOL[torch.float32]
+
+
+def test_loaders_reject_bad_input():
+    gen = torch.Generator().manual_seed(8)
+    q, z, s = _random_codes(16, 256, 128, gen, zlo=1)
+    qweight, qzeros = gptq_pack_rows(q.t()), gptq_pack_zeros(z)
+    bad = torch.arange(256) % 2  # two groups, but 128 alternating members each is fine...
+    bad[:3] = 0  # ...until the sizes differ
+    with pytest.raises(ValueError, match="group_size"):
+        int4_from_gptq(qweight, qzeros, s, bad, 128)
+    with pytest.raises(ValueError):
+        int4_from_gptq(qweight, qzeros, s, None, 64)  # scales say 2 groups, not 4
+    with pytest.raises(ValueError):
+        int4_from_gptq(qweight, qzeros, s, None, 128, checkpoint_format="marlin")
+    with pytest.raises(ValueError):
+        int4_from_awq(awq_pack(q.t()), awq_pack(z), s, 64)
+    with pytest.raises(ValueError):
+        Int4Weight(qweight, s, s.clone(), 100, (16, 256))
+    with pytest.raises(ValueError, match="offsets"):
+        Int4Weight(qweight, s, z.to(torch.uint8), 128, (16, 256))  # integer zero points are gone
+    with pytest.raises(ValueError, match="offsets"):
+        Int4Weight(qweight, s, s.float(), 128, (16, 256))  # offsets must share the scales' dtype
+
+
+# ----------------------------------------------------------------- Triton kernel
+
+def _triton():
+    from pagedserve.kernels import int4_triton
+
+    return int4_triton
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,split,bias", [(1, 1, True), (1, 3, False), (5, 2, True), (37, 1, True)])
+def test_triton_matches_reference(dtype, m, split, bias):
+    it = _triton()
+    gen = torch.Generator().manual_seed(10 + m + split)
+    n, k = 80, 384  # N not a multiple of the tile, 3 groups
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w[::7] += 0.3  # groups far from 0: large offsets against a small scale
+    qw = quantize_int4(w).to(DEVICE)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
+    cfg = it.GemmConfig(16, 64, 128, split_k=split)
+    y = it.w4a16_matmul_triton(x, qw, b, config=cfg)
+    truth = x.double() @ dequantize_int4(qw).double().t() + (b.double() if bias else 0)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert rel_err(y, truth) < TRITON_TOL[dtype]
+    assert rel_err(y, w4a16_matmul_ref(x.cpu(), qw.to("cpu"), None if b is None else b.cpu())) < TRITON_TOL[dtype]
+
+
+@needs_triton
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,split", [(4, 2), (33, 1)])
+def test_triton_scale_dtypes(scale_dtype, m, split):
+    """Scales and offsets in each storage dtype (bf16 is the serving default for bf16
+    models), on a Q4_1-like grid with group 32 and offsets of both signs."""
+    it = _triton()
+    gen = torch.Generator().manual_seed(50 + m)
+    n, k = 40, 256
+    w = torch.randn(n, k, generator=gen) * 0.02 + torch.randn(n, 1, generator=gen) * 0.1
+    qw = quantize_int4(w.to(scale_dtype) if scale_dtype != torch.float16 else w, 32, scale_dtype=scale_dtype)
+    assert qw.offsets.dtype == scale_dtype
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    y = it.w4a16_matmul_triton(x.to(DEVICE), qw.to(DEVICE), b.to(DEVICE), config=it.GemmConfig(16, 64, 32, split_k=split))
+    truth = x.double() @ dequantize_int4(qw).double().t() + b.double()
+    assert rel_err(y, truth) < TRITON_TOL[torch.bfloat16]
+
+
+@needs_triton
+@pytest.mark.parametrize("group_size", [64, 32])
+def test_triton_small_groups_and_act_order(group_size):
+    it = _triton()
+    gen = torch.Generator().manual_seed(20 + group_size)
+    (qweight, qzeros, scales, g_idx), _ = _act_order_checkpoint(48, 256, group_size, gen)
+    qw = int4_from_gptq(qweight, qzeros, scales, g_idx, group_size)
+    dense = dequantize_int4(qw)
+    qw = qw.to(DEVICE)
+    x = torch.randn(2, 3, 256, generator=gen).to(torch.float16).to(DEVICE)
+    y = it.w4a16_matmul_triton(x, qw)  # default (heuristic) config
+    assert y.shape == (2, 3, 48)
+    assert rel_err(y, x.double() @ dense.double().t().to(x.device)) < TRITON_TOL[torch.float16]
+
+
+def test_int4_linear_dispatch(monkeypatch):
+    gen = torch.Generator().manual_seed(30)
+    qw = quantize_int4(torch.randn(32, 256, generator=gen) * 0.05)
+    x = torch.randn(3, 256, generator=gen).to(torch.bfloat16)
+    b = torch.randn(32, generator=gen).to(torch.bfloat16)
+    monkeypatch.delenv("PAGEDSERVE_FORCE_TRITON", raising=False)
+    assert torch.equal(int4_linear(x, qw, b), w4a16_matmul_ref(x, qw, b))  # CPU -> reference
+    if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
+        monkeypatch.setenv("PAGEDSERVE_FORCE_TRITON", "1")
+        y = int4_linear(x, qw, b)
+        assert rel_err(y, w4a16_matmul_ref(x, qw, b)) < TRITON_TOL[torch.bfloat16]
+
+
+# ----------------------------------------------------------------- GPU, real shapes
+
+LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("shape", list(LLAMA3_8B))
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_gpu_llama_shapes(shape, m):
+    it = _triton()
+    n, k = LLAMA3_8B[shape]
+    gen = torch.Generator(device="cuda").manual_seed(40)
+    qw = quantize_int4((torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16))  # bf16 scales
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    y = it.w4a16_matmul_triton(x, qw, b)
+    truth = x.double() @ dequantize_int4(qw).double().t() + b.double()
+    assert rel_err(y, truth) < REF_TOL[torch.bfloat16] * 1.5
