@@ -22,6 +22,7 @@ from .errors import ConfigError
 from .gguf_file import GGUFFile
 from .model_config import ModelConfig
 from .models.llama import LlamaForCausalLM, RotaryEmbedding
+from .quantization import QUANTIZED_LINEARS, PackedInt4Loader
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -100,7 +101,10 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> LoadedMod
         files = _safetensors_files(path)
         tensors, count = _safetensors_tensors(files), _count_safetensors(files)
     model = build_empty_model(config, dtype, device, config.max_position_embeddings)
-    load_weights(model, tensors, count)
+    packed = PackedInt4Loader(config.packed_int4, config.source_group_size) if config.packed_int4 else None
+    load_weights(model, tensors, count, packed)
+    if packed is not None:
+        packed.install(model, device, dtype)
     return LoadedModel(model=model.eval(), config=config, tokenizer=load_tokenizer(path))
 
 
@@ -110,6 +114,10 @@ def build_empty_model(
     """Allocate the model without initializing weights (they are loaded next)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
+        if config.packed_int4:  # filled from the packed checkpoint tensors after loading
+            for layer in model.layers:
+                for module_name, linear_name in QUANTIZED_LINEARS:
+                    setattr(getattr(layer, module_name), linear_name, torch.nn.Identity())
     model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -121,8 +129,14 @@ def build_empty_model(
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], total: int) -> None:
-    """Copy Hugging Face-named tensors into the model (q/k/v and gate/up fused)."""
+def load_weights(
+    model: LlamaForCausalLM,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    total: int,
+    packed: PackedInt4Loader | None = None,
+) -> None:
+    """Copy Hugging Face-named tensors into the model (q/k/v and gate/up fused); packed
+    4-bit projections go to `packed`."""
     config = model.config
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
     fused = {
@@ -136,6 +150,11 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Ten
     expected = {name for name in params if not (config.tie_word_embeddings and name == "lm_head.weight")}
     loaded: set[str] = set()
     for name, tensor in tqdm(tensors, total=total, desc="Loading weights", unit="tensor", leave=False):
+        if packed is not None and (match := _LAYER.fullmatch(name)):
+            module, _, kind = match.group(2).rpartition(".")
+            if packed.accepts(module, kind):
+                packed.add(int(match.group(1)), module, kind, tensor)
+                continue
         target, rows = _target(name, fused)
         if target is None or target not in params:
             continue

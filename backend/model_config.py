@@ -38,6 +38,8 @@ class ModelConfig:
     checkpoint_dtype: str = "float32"
     source_group_size: int | None = None
     """Block size of the checkpoint's own weight quantization (GGUF Q4_1: 32), if any."""
+    packed_int4: str | None = None
+    """"awq" or "gptq"/"gptq_v2" when the checkpoint stores packed 4-bit linear weights."""
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
@@ -75,6 +77,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(config, generation_config),
             bos_token_id=config.get("bos_token_id"),
             checkpoint_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+            **_packed_int4(config.get("quantization_config")),
         )
 
     @classmethod
@@ -98,6 +101,25 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def _packed_int4(spec: dict[str, Any] | None) -> dict[str, Any]:
+    """AWQ (GEMM) and GPTQ 4-bit checkpoints: the format and group size, or a clear refusal."""
+    if not spec:
+        return {}
+    method = str(spec.get("quant_method", "")).lower()
+    if method not in ("awq", "gptq"):
+        raise ConfigError("model", f"checkpoint quantization {method!r} is not supported (awq and gptq 4-bit are)")
+    bits = spec.get("bits", spec.get("w_bit", 4))
+    if bits != 4:
+        raise ConfigError("model", f"{method} checkpoints with {bits} bits are not supported (4 is)")
+    if method == "awq" and str(spec.get("version", "gemm")).lower() != "gemm":
+        raise ConfigError("model", "only GEMM-version AWQ checkpoints are supported")
+    if method == "gptq" and spec.get("desc_act"):
+        raise ConfigError("model", "act-order (desc_act) GPTQ checkpoints are not supported: their q/k/v cannot be fused")
+    group = int(spec.get("group_size", spec.get("q_group_size", 128)))
+    fmt = "awq" if method == "awq" else str(spec.get("checkpoint_format", "gptq")).lower()
+    return {"packed_int4": fmt, "source_group_size": group}
 
 
 def _eos_ids(config: dict[str, Any], generation: dict[str, Any] | None) -> list[int]:
