@@ -8,7 +8,8 @@
           cast to the activation dtype and multiplied on 16-bit tensor cores; w_scale[n]
           is applied in the epilogue.
 
-Small M uses the same split-K + deterministic reduction as the INT4 kernel.
+Launch scaffolding (split-K with a deterministic reduction for small M, timed config
+choice, tile order) is shared with the INT4 kernel in `gemm_triton`.
 
 Under TRITON_INTERPRET=1 both paths run (the interpreter keeps fp8 as uint8 and decodes
 it for `tl.dot`); the default there is "fp8" (what an H100 runs), PAGEDSERVE_FP8_MODE
@@ -20,15 +21,16 @@ round-to-nearest-even) and the result equals `fp8.quantize_per_token_fp8` bit fo
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .fp8 import FP8_DTYPE, FP8_MAX, AMAX_EPS, Fp8Weight
-from .int4_triton import (
-    GemmConfig, choose_split_k, interpreting, launch_splitk_reduce, num_sms, timed_choice, _bucket,
+from .gemm_triton import (
+    GemmConfig, bucket_m, check_activations, grouped_tile, interpreter_tile, interpreting,
+    launch_splitk_reduce, plan_split, split_k_range, store_tile, timed_choice,
 )
 
 
@@ -88,23 +90,11 @@ def _fp8_gemm_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, mask_m, mask_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
+    k_begin, k_end = split_k_range(pid_k, K, k_per_split)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + offs_k
         mask_k = kk < k_end
@@ -125,14 +115,8 @@ def _fp8_gemm_kernel(
     if A_FP8:
         acc = acc * tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
     acc = acc * tl.load(b_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-    out_offs = offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT:
-        tl.store(out_ptr + pid_k * stride_os + out_offs, acc, mask=out_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    store_tile(acc, out_ptr, bias_ptr, pid_k, offs_m, offs_n, mask_m, mask_n, stride_om, stride_os,
+               HAS_BIAS, SPLIT)
 
 
 # ------------------------------------------------------------------ host side
@@ -160,8 +144,7 @@ def per_token_quant_fp8_triton(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
 
 def _candidates(m: int, n: int, k: int, mode: str):
     if interpreting():
-        bm = 16 if m <= 16 else 32
-        bn = max(16, min(64, triton.next_power_of_2(n)))
+        bm, bn = interpreter_tile(m, n)
         bk = max(32, min(128, triton.next_power_of_2(k)))
         return [GemmConfig(bm, bn, bk, split_k=1)]
     if m <= 16:
@@ -175,27 +158,17 @@ def _candidates(m: int, n: int, k: int, mode: str):
     return [GemmConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in raw]
 
 
-_TUNED: Dict[Tuple, GemmConfig] = {}
-
-
 def _launch(a, a_scale, w: Fp8Weight, bias, out, cfg: GemmConfig, a_fp8: bool) -> None:
     m, k = a.shape
     n = w.weight.shape[0]
-    bk = cfg.block_k
-    k_iters = triton.cdiv(k, bk)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    split = cfg.split_k if cfg.split_k is not None else choose_split_k(tiles, k_iters, num_sms(a.device))
-    split = max(1, min(split, k_iters))
-    k_per_split = triton.cdiv(k_iters, split) * bk
-    split = triton.cdiv(k, k_per_split)
-    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
+    tiles, split, k_per_split, dst = plan_split(cfg, m, n, k, out)
     b = w.weight if a_fp8 else w.weight.view(torch.uint8)
     _fp8_gemm_kernel[(tiles, split)](
         a, b, a_scale if a_fp8 else w.scale, w.scale, bias if bias is not None else w.scale, dst,
         m, n, k, k_per_split,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), n, m * n,
         A_FP8=a_fp8, HAS_BIAS=bias is not None, SPLIT=split > 1, DOT_F32=interpreting(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
@@ -210,12 +183,7 @@ def fp8_matmul_triton(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor
     device capability (see module doc).
     """
     n, k = w.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"fp8_matmul_triton takes bf16/fp16 activations, got {x.dtype}")
-    if x.device.type != "cuda" and not interpreting():
-        raise RuntimeError("Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 for CPU)")
+    check_activations(x, k, "fp8_matmul_triton")
     mode = mode or default_mode(x.device)
     if mode not in ("fp8", "w8a16"):
         raise ValueError(f"mode must be 'fp8' or 'w8a16', got {mode!r}")
@@ -231,8 +199,8 @@ def fp8_matmul_triton(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor
     else:
         a, a_scale = x2, None
     if config is None:
-        key = (x.device, _bucket(m), n, k, x.dtype, mode, bias is not None)
-        config = timed_choice(_TUNED, key, _candidates(m, n, k, mode),
+        key = ("fp8", x.device, bucket_m(m), n, k, x.dtype, mode, bias is not None)
+        config = timed_choice(key, _candidates(m, n, k, mode),
                               lambda c: _launch(a, a_scale, w, bias, out, c, a_fp8))
     _launch(a, a_scale, w, bias, out, config, a_fp8)
     return out.view(*lead, n)

@@ -22,10 +22,10 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from pagedserve.kernels.fp8 import (  # noqa: E402
+from .gemm_checks import (  # first: sets TRITON_INTERPRET=1 without CUDA
+    DEVICE, HAS_CUDA, REF_TOL, TRITON_TOL, llama_case, llama_shapes, needs_triton, rel_err,
+)
+from pagedserve.kernels.fp8 import (
     FP8_DTYPE,
     Fp8Weight,
     dequantize_fp8,
@@ -34,27 +34,13 @@ from pagedserve.kernels.fp8 import (  # noqa: E402
     quantize_fp8,
     quantize_per_token_fp8,
 )
-from pagedserve.kernels.linear import fp8_linear  # noqa: E402
+from pagedserve.kernels.linear import fp8_linear
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None
-    or not (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="needs triton with CUDA or TRITON_INTERPRET=1",
-)
 needs_fp8_tc = pytest.mark.skipif(
     HAS_CUDA and torch.cuda.get_device_capability() < (8, 9), reason="FP8 tensor cores need sm89+"
 )
 
-REF_TOL = {torch.bfloat16: 4e-3, torch.float16: 5e-4, torch.float32: 1e-6}
-TRITON_TOL = {torch.bfloat16: 8e-3, torch.float16: 5e-4}
 ACT_QUANT_TOL = 0.04
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _triton():
@@ -149,18 +135,25 @@ def test_triton_per_token_quant_bit_exact():
 CASES = [(1, 1, True), (3, 2, False), (40, 1, True)]
 
 
+def _triton_case(seed, dtype, m, split, bias, mode):
+    """Seeded w [80, 200] (N and K both leave partial tiles), x [m, 200], optional bias,
+    and their Triton product in `mode` with 16x64x64 tiles and `split` K-slices."""
+    ft = _triton()
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 80, 200
+    w = quantize_fp8(torch.randn(n, k, generator=gen) * 0.05).to(DEVICE)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
+    y = ft.fp8_matmul_triton(x, w, b, mode=mode, config=ft.GemmConfig(16, 64, 64, split_k=split))
+    return w, x, b, y
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,split,bias", CASES)
 def test_triton_w8a16(dtype, m, split, bias):
-    ft = _triton()
-    gen = torch.Generator().manual_seed(10 + m)
-    n, k = 80, 200  # N and K both leave partial tiles
-    w = quantize_fp8(torch.randn(n, k, generator=gen) * 0.05).to(DEVICE)
-    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
-    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
-    y = ft.fp8_matmul_triton(x, w, b, mode="w8a16", config=ft.GemmConfig(16, 64, 64, split_k=split))
-    assert y.dtype == dtype and y.shape == (m, n)
+    w, x, b, y = _triton_case(10 + m, dtype, m, split, bias, "w8a16")
+    assert y.dtype == dtype and y.shape == (m, 80)
     truth = x.double() @ dequantize_fp8(w).double().t() + (b.double() if bias else 0)
     assert rel_err(y, truth) < TRITON_TOL[dtype]
 
@@ -170,13 +163,7 @@ def test_triton_w8a16(dtype, m, split, bias):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,split,bias", CASES)
 def test_triton_fp8_tensor_core_path(dtype, m, split, bias):
-    ft = _triton()
-    gen = torch.Generator().manual_seed(20 + m)
-    n, k = 80, 200
-    w = quantize_fp8(torch.randn(n, k, generator=gen) * 0.05).to(DEVICE)
-    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
-    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
-    y = ft.fp8_matmul_triton(x, w, b, mode="fp8", config=ft.GemmConfig(16, 64, 64, split_k=split))
+    w, x, b, y = _triton_case(20 + m, dtype, m, split, bias, "fp8")
     xq, xs = quantize_per_token_fp8(x)
     truth = (xq.double() * xs.double().unsqueeze(1)) @ dequantize_fp8(w).double().t()
     truth = truth + (b.double() if bias else 0)
@@ -214,20 +201,11 @@ def test_fp8_linear_dispatch(monkeypatch):
 
 # ----------------------------------------------------------------- GPU, real shapes
 
-LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("shape", list(LLAMA3_8B))
-@pytest.mark.parametrize("m", [1, 16, 300])
+@llama_shapes
 def test_gpu_llama_shapes(shape, m):
     ft = _triton()
-    n, k = LLAMA3_8B[shape]
-    gen = torch.Generator(device="cuda").manual_seed(40)
-    w = quantize_fp8(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
-    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    w, x, b = llama_case(shape, m)
+    w = quantize_fp8(w)
     y = ft.fp8_matmul_triton(x, w, b)  # mode chosen by device capability
     mode = ft.default_mode(x.device)
     ref = fp8_w8a8_matmul_ref(x, w, b) if mode == "fp8" else fp8_matmul_ref(x, w, b)

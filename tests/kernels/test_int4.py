@@ -28,10 +28,10 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from pagedserve.kernels.int4 import (  # noqa: E402
+from .gemm_checks import (  # first: sets TRITON_INTERPRET=1 without CUDA
+    DEVICE, REF_TOL, TRITON_TOL, llama_case, llama_shapes, needs_triton, rel_err,
+)
+from pagedserve.kernels.int4 import (
     Int4Weight,
     default_scale_dtype,
     dequantize_int4,
@@ -43,24 +43,7 @@ from pagedserve.kernels.int4 import (  # noqa: E402
     unpack_int4,
     w4a16_matmul_ref,
 )
-from pagedserve.kernels.linear import int4_linear  # noqa: E402
-
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None
-    or not (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="needs triton with CUDA or TRITON_INTERPRET=1",
-)
-
-# Bounds on relative Frobenius error against the float64 product, per output dtype.
-REF_TOL = {torch.bfloat16: 4e-3, torch.float16: 5e-4, torch.float32: 1e-6}
-TRITON_TOL = {torch.bfloat16: 8e-3, torch.float16: 5e-4}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm()).item()
+from pagedserve.kernels.linear import int4_linear
 
 
 # ----------------------------------------------------------------- own checkpoint packers
@@ -484,20 +467,11 @@ def test_int4_linear_dispatch(monkeypatch):
 
 # ----------------------------------------------------------------- GPU, real shapes
 
-LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("shape", list(LLAMA3_8B))
-@pytest.mark.parametrize("m", [1, 16, 300])
+@llama_shapes
 def test_gpu_llama_shapes(shape, m):
     it = _triton()
-    n, k = LLAMA3_8B[shape]
-    gen = torch.Generator(device="cuda").manual_seed(40)
-    qw = quantize_int4((torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16))  # bf16 scales
-    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    w, x, b = llama_case(shape, m)
+    qw = quantize_int4(w.to(torch.bfloat16))  # bf16 scales
     y = it.w4a16_matmul_triton(x, qw, b)
     truth = x.double() @ dequantize_int4(qw).double().t() + b.double()
     assert rel_err(y, truth) < REF_TOL[torch.bfloat16] * 1.5
