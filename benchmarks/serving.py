@@ -1,0 +1,521 @@
+"""Serving benchmark, side by side in one run: pagedserve in-flight batching vs
+pagedserve static batching (batches of 8) vs a naive transformers server (one request
+at a time), all started by this script on the same model, dtype and seeded workload,
+all measured by the same load generator (client/loadgen.py: definitions of TTFT, ITL,
+TPOT and throughput are in its docstring).
+
+Sweeps: closed loop at each concurrency (throughput under load), then open loop with
+Poisson arrivals at each request rate (latency under a given load). Request i is the
+same prompt and output length for every system and every point.
+
+Workload (default): random-word prompts of 64-192 tokens (exact, checked with the
+model's tokenizer), outputs of 32-96 tokens forced with ignore_eos, greedy, bfloat16.
+Prefix caching is off in pagedserve: the sweep resends the same prompts at every
+point, and cache hits from the previous point would flatter its TTFT.
+
+Writes a markdown report (table + plots) and PNGs:
+
+    python benchmarks/serving.py            # full sweep, ~30-45 min on 2 CPU cores
+    python benchmarks/serving.py --quick    # a few minutes, results under a temp dir
+    python benchmarks/serving.py --systems inflight,naive --concurrency 1,8 --rates 1
+
+pagedserve is driven over gRPC streaming (--pagedserve-protocol http for Triton's
+generate_stream); the naive server only speaks HTTP/SSE (benchmarks/naive_server.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pagedserve.client.loadgen import BenchConfig, Summary, Workload, load_workload, run_benchmark_async
+from pagedserve.client.repository import write_repository
+from pagedserve.client.triton_server import TritonServer, free_port
+
+HERE = Path(__file__).resolve().parent
+
+SYSTEM_NAMES = {
+    "inflight": "pagedserve in-flight batching",
+    "static": "pagedserve static batching (8)",
+    "naive": "naive transformers server",
+}
+COLORS = {"inflight": "tab:blue", "static": "tab:orange", "naive": "tab:red"}
+
+
+@dataclass
+class Point:
+    """One measured sweep point."""
+
+    system: str  # key of SYSTEM_NAMES
+    mode: str  # "closed" (load = concurrency) or "open" (load = requests/s)
+    load: float
+    summary: Summary
+    wall_s: float
+
+
+@dataclass
+class SystemRun:
+    system: str
+    points: list[Point] = field(default_factory=list)
+    startup_s: float = 0.0
+    loadavg_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    loadavg_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    failure: str | None = None
+    incidents: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- systems
+
+
+class NaiveProcess:
+    """benchmarks/naive_server.py as a subprocess; ready when /v2/health/ready answers."""
+
+    def __init__(self, dtype: str, log_path: Path):
+        self.port = free_port()
+        self.log_path = log_path
+        self.dtype = dtype
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"localhost:{self.port}"
+
+    def start(self, timeout: float = 600) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "naive_server.py"), "--port", str(self.port), "--dtype", self.dtype],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"naive server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"http://{self.url}/v2/health/ready", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"naive server not ready after {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def engine_settings(system: str, dtype: str) -> dict[str, str]:
+    """pagedserve engine parameters for a system (the in-flight engine keeps its defaults)."""
+    settings = {"dtype": dtype, "enable_prefix_caching": "false"}
+    if system == "static":
+        settings |= {"scheduling_policy": "static", "max_num_seqs": "8"}
+    return settings
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+class Target:
+    """One system's server, restartable: a crashed server is replaced by a fresh one."""
+
+    def __init__(self, system: str, args: argparse.Namespace, workdir: Path):
+        self.system, self.args, self.workdir = system, args, workdir
+        self.protocol = "http" if system == "naive" else args.pagedserve_protocol
+        self.server: TritonServer | NaiveProcess | None = None
+        self.starts = 0
+
+    def start(self) -> str:
+        """Start a fresh server; its address for the load generator."""
+        self.starts += 1
+        logs = self.workdir / f"{self.system}-{self.starts}"
+        logs.mkdir(parents=True, exist_ok=True)
+        if self.system == "naive":
+            server = NaiveProcess(self.args.dtype, logs / "naive_server.log")
+            self.server = server
+            server.start(timeout=600)
+            return server.url
+        repository = write_repository(logs / "model_repository", engine=engine_settings(self.system, self.args.dtype))
+        triton = TritonServer(repository, log_file=logs / "tritonserver.log", exit_timeout_s=5, workdir=logs / "triton")
+        self.server = triton
+        triton.start(timeout=600)
+        return triton.grpc_url if self.protocol == "grpc" else triton.http_url
+
+    def crash_lines(self) -> list[str]:
+        """Signs in the server log that a process died (e.g. a python stub's heap corruption)."""
+        if self.server is None:
+            return []
+        log = self.server.log_path if isinstance(self.server, NaiveProcess) else Path(self.server.log_file or "")
+        try:
+            text = log.read_text(errors="replace")
+        except OSError:
+            return []
+        return [line.strip() for line in text.splitlines() if _CRASH.search(line)][-3:]
+
+    def stop(self) -> None:
+        if isinstance(self.server, TritonServer):
+            self.server.cleanup()
+        elif self.server is not None:
+            self.server.stop()
+        self.server = None
+
+
+_CRASH = re.compile(r"malloc\(\)|double free|corrupted|Segmentation fault|segfault|core dumped|Stub process .* (unhealthy|not healthy)|Traceback")
+
+
+def run_system(system: str, args: argparse.Namespace, workload: Workload, workdir: Path,
+               report: Callable[[str], None], raw: list[dict[str, Any]] | None = None) -> SystemRun:
+    """Start one system, run every sweep point against it, stop it.
+
+    A point with failed requests is run once more on a freshly started server (a crashed
+    server would otherwise fail every later point); both attempts are reported. With
+    `raw`, every kept point's full result (request records included) is appended to it.
+    """
+    run = SystemRun(system, loadavg_before=os.getloadavg())
+    target = Target(system, args, workdir)
+    report(f"[{system}] starting {SYSTEM_NAMES[system]} ...")
+    started = time.perf_counter()
+    try:
+        url = target.start()
+    except Exception as exc:  # noqa: BLE001 (the other systems still run)
+        run.failure = f"did not start: {exc}"
+        report(f"[{system}] {run.failure}")
+        target.stop()
+        return run
+    run.startup_s = time.perf_counter() - started
+    report(f"[{system}] ready in {run.startup_s:.0f} s at {url} ({target.protocol})")
+    warm = False
+    try:
+        plan = [("closed", float(c)) for c in args.concurrency] + [("open", r) for r in args.rates]
+        for mode, load in plan:
+            for attempt in (1, 2):
+                config = BenchConfig(
+                    url=url, protocol=target.protocol, model_name="llm", num_requests=requests_for(mode, load, args),
+                    concurrency=int(load) if mode == "closed" else 1,
+                    request_rate=load if mode == "open" else None,
+                    prompt_len_mean=args.prompt_len_mean, prompt_len_range=args.prompt_len_range,
+                    output_len=args.output_len, output_len_range=args.output_len_range,
+                    seed=args.seed, warmup=0 if warm else args.warmup, request_timeout=args.request_timeout,
+                )
+                warm = True
+                t = time.perf_counter()
+                result = asyncio.run(run_benchmark_async(config, workload, progress=args.progress))
+                point = Point(system, mode, load, result.summary, time.perf_counter() - t)
+                report(f"[{system}] {describe(point)}")
+                if not result.summary.num_errors or attempt == 2:
+                    break
+                crash = target.crash_lines()
+                incident = (f"{describe_load(point)}: {result.summary.num_errors} of {result.summary.num_requests} requests "
+                            f"failed ({'; '.join(result.summary.error_examples[:2])})"
+                            + (f"; server log: {' | '.join(crash)}" if crash else "")
+                            + "; re-run on a fresh server")
+                run.incidents.append(incident)
+                report(f"[{system}] {incident}")
+                target.stop()
+                url = target.start()
+                warm = False
+            run.points.append(point)
+            if raw is not None:
+                raw.append({"system": system, "mode": mode, "load": load} | result.to_json())
+    except Exception as exc:  # noqa: BLE001 (a restart that failed: keep what was measured)
+        run.failure = f"stopped early: {type(exc).__name__}: {exc}"
+        report(f"[{system}] {run.failure}")
+    finally:
+        target.stop()
+        run.loadavg_after = os.getloadavg()
+    return run
+
+
+def requests_for(mode: str, load: float, args: argparse.Namespace) -> int:
+    """Closed loop: enough requests that every slot is refilled a few times."""
+    if mode == "closed":
+        return max(args.min_requests, int(args.requests_per_slot * load))
+    return args.rate_requests
+
+
+def describe_load(point: Point) -> str:
+    return f"concurrency {point.load:g}" if point.mode == "closed" else f"{point.load:g} req/s"
+
+
+def describe(point: Point) -> str:
+    s = point.summary
+    return (f"{describe_load(point)}: {s.num_ok}/{s.num_requests} ok, {s.output_tokens_per_s:.1f} out tok/s, {s.requests_per_s:.2f} req/s, "
+            f"TTFT p50 {_s(s.ttft.p50)} p99 {_s(s.ttft.p99)}, TPOT p50 {_ms(s.tpot.p50)} ms ({point.wall_s:.0f} s)")
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _sec(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def table(runs: list[SystemRun], mode: str) -> list[str]:
+    load = "concurrency" if mode == "closed" else "rate (req/s)"
+    lines = [
+        f"| system | {load} | requests | errors | output tok/s | req/s | TTFT p50 (s) | TTFT p99 (s) | "
+        "ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) | E2E p50 (s) | E2E p99 (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        for p in (p for p in run.points if p.mode == mode):
+            s = p.summary
+            lines.append(
+                f"| {SYSTEM_NAMES[p.system]} | {p.load:g} | {s.num_requests} | {s.num_errors} | {s.output_tokens_per_s:.1f} | "
+                f"{s.requests_per_s:.2f} | {_sec(s.ttft.p50)} | {_sec(s.ttft.p99)} | {_ms(s.itl.p50)} | {_ms(s.itl.p99)} | "
+                f"{_ms(s.tpot.p50)} | {_sec(s.e2e.p50)} | {_sec(s.e2e.p99)} |"
+            )
+    return lines
+
+
+def plot(runs: list[SystemRun], plots_dir: Path) -> dict[str, Path]:
+    """Throughput vs concurrency, TPOT vs concurrency, TTFT p50/p99 vs request rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+
+    def closed(run: SystemRun) -> list[Point]:
+        return [p for p in run.points if p.mode == "closed"]
+
+    def opened(run: SystemRun) -> list[Point]:
+        return [p for p in run.points if p.mode == "open"]
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        pts = closed(run)
+        if pts:
+            ax.plot([p.load for p in pts], [p.summary.output_tokens_per_s for p in pts], "o-",
+                    color=COLORS[run.system], label=SYSTEM_NAMES[run.system])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({p.load for r in runs for p in closed(r)}) or [1])
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("concurrent requests (closed loop)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Throughput under load")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths["throughput"] = plots_dir / "serving_throughput_vs_concurrency.png"
+    fig.savefig(paths["throughput"], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        pts = [p for p in closed(run) if p.summary.tpot.p50 is not None]
+        if pts:
+            ax.plot([p.load for p in pts], [p.summary.tpot.p50 * 1000 for p in pts], "o-",
+                    color=COLORS[run.system], label=SYSTEM_NAMES[run.system])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({p.load for r in runs for p in closed(r)}) or [1])
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("concurrent requests (closed loop)")
+    ax.set_ylabel("TPOT p50 (ms)")
+    ax.set_title("Time per output token under load")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths["tpot"] = plots_dir / "serving_tpot_vs_concurrency.png"
+    fig.savefig(paths["tpot"], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        pts = [p for p in opened(run) if p.summary.ttft.p50 is not None]
+        if pts:
+            rates = [p.load for p in pts]
+            ax.plot(rates, [p.summary.ttft.p50 for p in pts], "o-", color=COLORS[run.system],
+                    label=f"{SYSTEM_NAMES[run.system]} p50")
+            ax.plot(rates, [p.summary.ttft.p99 for p in pts], "s--", color=COLORS[run.system],
+                    label=f"{SYSTEM_NAMES[run.system]} p99")
+    ax.set_yscale("log")
+    ax.set_xlabel("request rate (req/s, Poisson arrivals)")
+    ax.set_ylabel("time to first token (s, log scale)")
+    ax.set_title("TTFT vs request rate")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths["ttft"] = plots_dir / "serving_ttft_vs_rate.png"
+    fig.savefig(paths["ttft"], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def conditions(args: argparse.Namespace, runs: list[SystemRun], started: datetime.datetime, minutes: float) -> list[str]:
+    import torch
+
+    loads = ", ".join(
+        f"{r.system} {r.loadavg_before[0]:.1f} -> {r.loadavg_after[0]:.1f}" for r in runs
+    )
+    return [
+        f"Machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), Python {platform.python_version()}; client, server and load generator "
+        f"share the machine. Run {started:%Y-%m-%d %H:%M}, {minutes:.0f} min in all.",
+        f"1-minute load average before -> after each system: {loads} (other work on a shared machine shows up here).",
+        f"Workload: seeded (seed {args.seed}), prompts {args.prompt_len_mean - args.prompt_len_range}-"
+        f"{args.prompt_len_mean + args.prompt_len_range} tokens (random words, exact counts), outputs "
+        f"{args.output_len - args.output_len_range}-{args.output_len + args.output_len_range} tokens forced with "
+        f"ignore_eos, greedy, {args.dtype}, model SmolLM2-135M-Instruct. Closed loop: max({args.min_requests}, "
+        f"{args.requests_per_slot:g} x concurrency) requests per point; open loop: {args.rate_requests} requests per rate. "
+        f"{args.warmup} warm-up requests per system (not measured).",
+        f"pagedserve: default engine settings except dtype and enable_prefix_caching=false; static: scheduling_policy=static, "
+        f"max_num_seqs=8; driven over {args.pagedserve_protocol}. Naive: benchmarks/naive_server.py (transformers "
+        f"generate, one request at a time, SSE over HTTP).",
+    ]
+
+
+def write_report(path: Path, runs: list[SystemRun], plots: dict[str, Path], lines: list[str]) -> None:
+    rel = {k: os.path.relpath(v, path.parent) for k, v in plots.items()}
+    out = ["## Serving under load (Triton server, streaming clients)", "",
+           "`python benchmarks/serving.py` (one run, all systems side by side; `pagedserve bench` is the same load "
+           "generator for one point). TTFT: request sent to first token; ITL: gap between streamed tokens; TPOT: "
+           "(E2E - TTFT) / (output tokens - 1) per request; throughput: output tokens of successful requests over "
+           "first-send-to-last-finish.", ""]
+    out += [f"{line}" for line in lines] + [""]
+    for run in runs:
+        if run.failure:
+            out.append(f"**{SYSTEM_NAMES[run.system]}: {run.failure}**")
+            out.append("")
+        for incident in run.incidents:
+            out.append(f"- {SYSTEM_NAMES[run.system]}, {incident}.")
+    if any(run.incidents for run in runs):
+        out.append("")
+    out += ["### Closed loop: throughput and latency vs concurrency", ""] + table(runs, "closed") + [""]
+    out += [f"![throughput vs concurrency]({rel['throughput']})", "", f"![TPOT vs concurrency]({rel['tpot']})", ""]
+    out += ["### Open loop: Poisson arrivals", ""] + table(runs, "open") + [""]
+    out += [f"![TTFT vs request rate]({rel['ttft']})", ""]
+    out += headline(runs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(out).rstrip() + "\n")
+
+
+def headline(runs: list[SystemRun]) -> list[str]:
+    """Throughput ratios at the highest concurrency every system reached."""
+    by = {r.system: {p.load: p for p in r.points if p.mode == "closed"} for r in runs if r.points}
+    if "inflight" not in by:
+        return []
+    common = set(by["inflight"])
+    for points in by.values():
+        common &= set(points)
+    if not common:
+        return []
+    top = max(common)
+    best = by["inflight"][top].summary.output_tokens_per_s
+    parts = [f"{SYSTEM_NAMES[s]} {best / points[top].summary.output_tokens_per_s:.1f}x"
+             for s, points in by.items() if s != "inflight" and points[top].summary.output_tokens_per_s > 0]
+    if not parts:
+        return []
+    return [f"At concurrency {top:g}, in-flight batching delivers {best:.0f} output tok/s: vs " + ", vs ".join(parts) + ".", ""]
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few minutes: fewer points, fewer and shorter requests")
+    parser.add_argument("--systems", default="inflight,static,naive", help="comma list of inflight, static, naive")
+    parser.add_argument("--concurrency", default=None, help="closed-loop levels (default 1,2,4,8,16,32)")
+    parser.add_argument("--rates", default=None, help="open-loop request rates in req/s (default 0.25,0.5,1,2)")
+    parser.add_argument("--min-requests", type=int, default=None, help="closed loop: at least this many requests (default 16)")
+    parser.add_argument("--requests-per-slot", type=float, default=None, help="closed loop: requests per concurrent slot (default 2)")
+    parser.add_argument("--rate-requests", type=int, default=None, help="open loop: requests per rate (default 24)")
+    parser.add_argument("--prompt-len-mean", type=int, default=None, help="default 128 (quick: 64)")
+    parser.add_argument("--prompt-len-range", type=int, default=None, help="default 64 (quick: 32)")
+    parser.add_argument("--output-len", type=int, default=None, help="default 64 (quick: 32)")
+    parser.add_argument("--output-len-range", type=int, default=None, help="default 32 (quick: 16)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests when a system starts")
+    parser.add_argument("--pagedserve-protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds a request may take before it counts as failed (default 600)")
+    parser.add_argument("--out-dir", default=None,
+                        help="where serving_results.md and plots/ go (default: benchmarks/, with --quick a temp dir)")
+    parser.add_argument("--json-out", default=None, help="also write every point's summary and request records here")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no per-point progress bars")
+    args = parser.parse_args(argv)
+
+    full = dict(concurrency="1,2,4,8,16,32", rates="0.25,0.5,1,2", min_requests=16, requests_per_slot=2.0,
+                rate_requests=24, prompt_len_mean=128, prompt_len_range=64, output_len=64, output_len_range=32)
+    quick = dict(concurrency="1,4,16", rates="0.5,2", min_requests=4, requests_per_slot=1.0,
+                 rate_requests=8, prompt_len_mean=64, prompt_len_range=32, output_len=32, output_len_range=16)
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.rates = [float(r) for r in args.rates.split(",") if r]
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(args.systems) - set(SYSTEM_NAMES)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEM_NAMES)}")
+    if args.out_dir is None:
+        args.out_dir = tempfile.mkdtemp(prefix="pagedserve-serving-quick-") if args.quick else str(HERE)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out_dir = Path(args.out_dir)
+    started, t0 = datetime.datetime.now(), time.perf_counter()
+
+    def report(message: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.0f} s] {message}", flush=True)
+
+    # One workload object for every point and system: same prompts, tokenizer loaded once.
+    workload = load_workload(BenchConfig(
+        prompt_len_mean=args.prompt_len_mean, prompt_len_range=args.prompt_len_range,
+        output_len=args.output_len, output_len_range=args.output_len_range, seed=args.seed))
+    raw: list[dict[str, Any]] | None = [] if args.json_out else None
+    points = len(args.concurrency) + len(args.rates)
+    report(f"systems {', '.join(args.systems)}; {points} points each; results to {out_dir}")
+    runs: list[SystemRun] = []
+    with tempfile.TemporaryDirectory(prefix="pagedserve-serving-") as tmp:
+        for system in args.systems:
+            runs.append(run_system(system, args, workload, Path(tmp), report, raw))
+    minutes = (time.perf_counter() - t0) / 60
+    plots = plot(runs, out_dir / "plots")
+    results = out_dir / "serving_results.md"
+    write_report(results, runs, plots, conditions(args, runs, started, minutes))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"runs": [asdict(r) for r in runs], "raw": raw}) + "\n")
+    print("\n" + results.read_text())
+    report(f"wrote {results} and {', '.join(str(p) for p in plots.values())}")
+    return 1 if any(r.failure for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
