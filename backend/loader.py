@@ -79,6 +79,20 @@ def load_tokenizer(path: str) -> Any:
     return tokenizer
 
 
+def tokenizer_dir(path: str) -> str:
+    """A Hugging Face tokenizer directory for the model, for tools that take one
+    (genai-perf's --tokenizer, Triton's OpenAI frontend): the model directory itself,
+    or for a GGUF file its converted tokenizer in the cache."""
+    path = resolve_model_path(path)
+    if not path.endswith(".gguf"):
+        return path
+    load_tokenizer(path)
+    cache = _tokenizer_cache_dir(path)
+    if not os.path.exists(os.path.join(cache, "tokenizer_config.json")):
+        raise ConfigError("model", f"could not write the converted tokenizer to {cache}; set PAGEDSERVE_CACHE_DIR to a writable directory")
+    return cache
+
+
 def _tokenizer_cache_dir(path: str) -> str:
     import hashlib
 

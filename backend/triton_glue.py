@@ -20,7 +20,17 @@ def model_parameters(args: Mapping[str, str]) -> dict[str, str]:
 
 
 def request_inputs(request: Any) -> dict[str, np.ndarray]:
-    return {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
+    """The request's (or BLS response's) tensors as numpy arrays of our own.
+
+    Copied: `as_numpy()` may view the shared memory of the request, which the backend
+    frees once `execute()` returns (decoupled models outlive that), and of a BLS
+    response, which goes when the response object does.
+    """
+    return tensor_arrays(request.inputs())
+
+
+def tensor_arrays(tensors: Any) -> dict[str, np.ndarray]:
+    return {tensor.name(): np.array(tensor.as_numpy(), copy=True) for tensor in tensors}
 
 
 def to_tensors(pb_utils: Any, arrays: Mapping[str, np.ndarray]) -> list[Any]:

@@ -13,7 +13,7 @@ model's tokenizer), outputs of 32-96 tokens forced with ignore_eos, greedy, bflo
 Prefix caching is off in pagedserve: the sweep resends the same prompts at every
 point, and cache hits from the previous point would flatter its TTFT.
 
-Writes a markdown report (table + plots) and PNGs:
+Writes its section of RESULTS.md (tables, plots, conditions) and the PNGs under plots/:
 
     python benchmarks/serving.py            # full sweep, ~30-45 min on 2 CPU cores
     python benchmarks/serving.py --quick    # a few minutes, results under a temp dir
@@ -314,43 +314,29 @@ def plot(runs: list[SystemRun], plots_dir: Path) -> dict[str, Path]:
     def opened(run: SystemRun) -> list[Point]:
         return [p for p in run.points if p.mode == "open"]
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        pts = closed(run)
-        if pts:
-            ax.plot([p.load for p in pts], [p.summary.output_tokens_per_s for p in pts], "o-",
-                    color=COLORS[run.system], label=SYSTEM_NAMES[run.system])
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({p.load for r in runs for p in closed(r)}) or [1])
-    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_xlabel("concurrent requests (closed loop)")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("Throughput under load")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths["throughput"] = plots_dir / "serving_throughput_vs_concurrency.png"
-    fig.savefig(paths["throughput"], dpi=120)
-    plt.close(fig)
+    def versus_concurrency(name: str, value: Callable[[Summary], float | None], ylabel: str, title: str) -> None:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for run in runs:
+            pts = [p for p in closed(run) if value(p.summary) is not None]
+            if pts:
+                ax.plot([p.load for p in pts], [value(p.summary) for p in pts], "o-",
+                        color=COLORS[run.system], label=SYSTEM_NAMES[run.system])
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({p.load for r in runs for p in closed(r)}) or [1])
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("concurrent requests (closed loop)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        paths[name] = plots_dir / f"serving_{name}_vs_concurrency.png"
+        fig.savefig(paths[name], dpi=120)
+        plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        pts = [p for p in closed(run) if p.summary.tpot.p50 is not None]
-        if pts:
-            ax.plot([p.load for p in pts], [p.summary.tpot.p50 * 1000 for p in pts], "o-",
-                    color=COLORS[run.system], label=SYSTEM_NAMES[run.system])
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({p.load for r in runs for p in closed(r)}) or [1])
-    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_xlabel("concurrent requests (closed loop)")
-    ax.set_ylabel("TPOT p50 (ms)")
-    ax.set_title("Time per output token under load")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths["tpot"] = plots_dir / "serving_tpot_vs_concurrency.png"
-    fig.savefig(paths["tpot"], dpi=120)
-    plt.close(fig)
+    versus_concurrency("throughput", lambda s: s.output_tokens_per_s, "output tokens/s", "Throughput under load")
+    versus_concurrency("tpot", lambda s: None if s.tpot.p50 is None else s.tpot.p50 * 1000, "TPOT p50 (ms)",
+                       "Time per output token under load")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
@@ -362,6 +348,8 @@ def plot(runs: list[SystemRun], plots_dir: Path) -> dict[str, Path]:
             ax.plot(rates, [p.summary.ttft.p99 for p in pts], "s--", color=COLORS[run.system],
                     label=f"{SYSTEM_NAMES[run.system]} p99")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("request rate (req/s, Poisson arrivals)")
     ax.set_ylabel("time to first token (s, log scale)")
     ax.set_title("TTFT vs request rate")
@@ -418,8 +406,23 @@ def write_report(path: Path, runs: list[SystemRun], plots: dict[str, Path], line
     out += ["### Open loop: Poisson arrivals", ""] + table(runs, "open") + [""]
     out += [f"![TTFT vs request rate]({rel['ttft']})", ""]
     out += headline(runs)
+    replace_section(path, "\n".join(out).rstrip())
+
+
+BEGIN, END = "<!-- serving.py: begin -->", "<!-- serving.py: end -->"
+
+
+def replace_section(path: Path, text: str) -> None:
+    """Put `text` between this script's markers in `path` (appended the first time), so
+    a re-run updates its own section of RESULTS.md and leaves the others alone."""
+    old = path.read_text() if path.exists() else "# Benchmark results\n"
+    block = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in old and END in old:
+        new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip() + "\n\n" + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(out).rstrip() + "\n")
+    path.write_text(new)
 
 
 def headline(runs: list[SystemRun]) -> list[str]:
@@ -461,10 +464,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests when a system starts")
     parser.add_argument("--pagedserve-protocol", choices=("grpc", "http"), default="grpc")
-    parser.add_argument("--request-timeout", type=float, default=600.0,
-                        help="seconds a request may take before it counts as failed (default 600)")
+    parser.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds a request may take before it counts as failed (default 300)")
     parser.add_argument("--out-dir", default=None,
-                        help="where serving_results.md and plots/ go (default: benchmarks/, with --quick a temp dir)")
+                        help="where RESULTS.md (its serving section) and plots/ go (default: benchmarks/, with --quick a temp dir)")
     parser.add_argument("--json-out", default=None, help="also write every point's summary and request records here")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no per-point progress bars")
     args = parser.parse_args(argv)
@@ -508,11 +511,11 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_system(system, args, workload, Path(tmp), report, raw))
     minutes = (time.perf_counter() - t0) / 60
     plots = plot(runs, out_dir / "plots")
-    results = out_dir / "serving_results.md"
+    results = out_dir / "RESULTS.md"
     write_report(results, runs, plots, conditions(args, runs, started, minutes))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"runs": [asdict(r) for r in runs], "raw": raw}) + "\n")
-    print("\n" + results.read_text())
+    print("\n" + results.read_text().split(BEGIN)[1].split(END)[0])
     report(f"wrote {results} and {', '.join(str(p) for p in plots.values())}")
     return 1 if any(r.failure for r in runs) else 0
 

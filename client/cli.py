@@ -1,4 +1,4 @@
-"""`pagedserve` command line: serve, generate, chat, bench."""
+"""`pagedserve` command line: serve, generate, chat, bench, tokenizer."""
 
 from __future__ import annotations
 
@@ -47,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="load-generate against a running server")
     add_bench_arguments(bench)
 
+    tokenizer = commands.add_parser(
+        "tokenizer", help="print a Hugging Face tokenizer directory for the model (genai-perf --tokenizer)")
+    tokenizer.add_argument("--model", default="", help="model directory or .gguf file (default: the bundled one)")
+    tokenizer.set_defaults(run=run_tokenizer)
+
     args = parser.parse_args(argv)
     return args.run(args) or 0
 
@@ -60,6 +65,13 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "stop": args.stop,
     }
+
+
+def run_tokenizer(args: argparse.Namespace) -> int:
+    from pagedserve.backend.loader import tokenizer_dir
+
+    print(tokenizer_dir(args.model))
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ an ensemble because Triton (2.51) does not pass a client's cancellation into an
 ensemble's steps: here the watcher sees it and tells llm_engine to abort.
 """
 
+import faulthandler
 import json
 import threading
 import uuid
@@ -15,7 +16,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pagedserve.backend.loader import load_tokenizer, resolve_model_path
-from pagedserve.backend.triton_glue import model_parameters, request_inputs, to_tensors
+from pagedserve.backend.triton_glue import model_parameters, request_inputs, tensor_arrays, to_tensors
 from pagedserve.backend.triton_protocol import ENGINE_OUTPUTS, TEXT_LEVEL_INPUTS, parse_prompt, text_response
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -25,6 +26,7 @@ WATCH_INTERVAL_S = 0.02
 
 class TritonPythonModel:
     def initialize(self, args):
+        faulthandler.enable()  # a fatal error in the stub prints every thread's Python stack to the server log
         self.tokenizer = load_tokenizer(resolve_model_path(model_parameters(args).get("model", "")))
         self.relays = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="llm-relay")
         self.active: dict[str, object] = {}  # request id -> response sender, until its final response
@@ -42,8 +44,9 @@ class TritonPythonModel:
             except Exception as error:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
                 continue
-            forwarded = [t for t in request.inputs() if t.name() not in TEXT_LEVEL_INPUTS]
-            forwarded.append(pb_utils.Tensor("input_ids", np.asarray(prompt_ids, dtype=np.int32)))
+            # New tensors over our own copies: the relay runs after execute() returns.
+            forwarded = {name: array for name, array in inputs.items() if name not in TEXT_LEVEL_INPUTS}
+            forwarded["input_ids"] = np.asarray(prompt_ids, dtype=np.int32)
             request_id = uuid.uuid4().hex
             with self.lock:
                 self.active[request_id] = sender
@@ -51,31 +54,50 @@ class TritonPythonModel:
         return None
 
     def _relay(self, request_id, sender, inputs, parameters):
-        """Stream llm_engine's responses back as text; the final flag rides on the last one."""
+        """Stream llm_engine's responses back as text; the final flag rides on the last one.
+
+        The engine's stream is always read to its end, even once our final response is
+        out or the client is gone: a BLS stream dropped before its final response frees
+        the request that the engine's last response still refers to (the server
+        segfaults).
+        """
+        done = False  # our final response went out, or the client cannot take more
         try:
             engine_request = pb_utils.InferenceRequest(
-                model_name=ENGINE, inputs=inputs, requested_output_names=list(ENGINE_OUTPUTS),
+                model_name=ENGINE, inputs=to_tensors(pb_utils, inputs), requested_output_names=list(ENGINE_OUTPUTS),
                 request_id=request_id, parameters=json.loads(parameters or "{}"),
             )
             for response in engine_request.exec(decoupled=True):
+                if done:
+                    continue
                 if response.has_error():
-                    self._send_final(request_id, sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(response.error().message())))
-                    return
-                if not response.output_tensors():
+                    reply, final = pb_utils.InferenceResponse(error=pb_utils.TritonError(response.error().message())), True
+                elif not response.output_tensors():
                     continue  # a flag-only final: ours went with the last data
-                outputs = {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in ENGINE_OUTPUTS}
-                reply = pb_utils.InferenceResponse(output_tensors=to_tensors(pb_utils, text_response(outputs, self.tokenizer)))
-                if bool(outputs["finished"][0]):
-                    self._send_final(request_id, sender, reply)
                 else:
-                    sender.send(reply)
+                    outputs = tensor_arrays(response.output_tensors())
+                    reply = pb_utils.InferenceResponse(output_tensors=to_tensors(pb_utils, text_response(outputs, self.tokenizer)))
+                    final = bool(outputs["finished"][0])
+                done = final
+                if not self._deliver(request_id, sender, reply, final) and not final:
+                    done = True  # the client is gone: stop generating, keep draining
+                    self._cancel_in_engine(request_id)
         except Exception as error:
-            self._send_final(request_id, sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}")))
+            if not done:
+                self._deliver(request_id, sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}")), True)
 
-    def _send_final(self, request_id, sender, response):
-        with self.lock:  # the watcher must not ask a finished sender whether it was cancelled
-            self.active.pop(request_id, None)
-        sender.send(response, flags=FINAL)
+    def _deliver(self, request_id, sender, response, final) -> bool:
+        """Send to the client; False when that failed (a broken or cancelled request)."""
+        if final:
+            with self.lock:  # the watcher must not ask a finished sender whether it was cancelled
+                self.active.pop(request_id, None)
+        try:
+            sender.send(response, flags=FINAL if final else 0)
+            return True
+        except Exception:
+            with self.lock:
+                self.active.pop(request_id, None)
+            return False
 
     def _watch_loop(self):
         while not self.stopping.wait(WATCH_INTERVAL_S):
