@@ -37,15 +37,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from pagedserve.client.loadgen import BenchConfig, Summary, Workload, load_workload, run_benchmark_async
 from pagedserve.client.repository import write_repository
-from pagedserve.client.triton_server import TritonServer, free_port
+from pagedserve.client.triton_server import TritonServer, free_port, http_status
 
 HERE = Path(__file__).resolve().parent
 
@@ -106,12 +104,8 @@ class NaiveProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"naive server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"http://{self.url}/v2/health/ready", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if http_status(f"http://{self.url}/v2/health/ready") == 200:
+                return
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"naive server not ready after {timeout:.0f} s; see {self.log_path}")

@@ -197,7 +197,7 @@ def _server_env(executable: str, overrides: dict[str, str | None]) -> dict[str, 
     return env
 
 
-def _http_status(url: str, timeout: float = 2.0) -> int | None:
+def http_status(url: str, timeout: float = 2.0) -> int | None:
     """HTTP status of a GET, or None when nothing answers."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -406,7 +406,7 @@ class TritonServer:
     # --- readiness ---------------------------------------------------------
     def is_ready(self) -> bool:
         """Server-level readiness (``GET /v2/health/ready`` is 200)."""
-        return self.is_running() and _http_status(self._http("/v2/health/ready")) == 200
+        return self.is_running() and http_status(self._http("/v2/health/ready")) == 200
 
     def wait_model_ready(self, name: str, timeout: float = 60.0, version: str | int | None = None) -> None:
         """Block until ``/v2/models/{name}[/versions/{version}]/ready`` answers 200.
@@ -419,7 +419,7 @@ class TritonServer:
         while True:
             if not self.is_running():
                 raise TritonServerError(f"tritonserver is not running; {self._failure_details()}")
-            if _http_status(self._http(path)) == 200:
+            if http_status(self._http(path)) == 200:
                 return
             if time.monotonic() > deadline:
                 raise TritonServerError(f"model {name!r} not ready after {timeout:.0f}s; {self._failure_details()}")
@@ -483,7 +483,7 @@ class TritonServer:
                 raise TritonServerError(
                     f"tritonserver exited with code {code} before becoming ready; {self._failure_details()}"
                 )
-            if _http_status(url) == 200:
+            if http_status(url) == 200:
                 return
             if time.monotonic() > deadline:
                 self.stop()

@@ -135,6 +135,20 @@ def hf_oracle(model_path: str) -> HFOracle:
     return HFOracle(model_path)
 
 
+def assert_greedy_matches_transformers(engine: LLMEngine, reference, prompts: list[list[int]], max_tokens: int) -> None:
+    """The engine's greedy tokens for `prompts`, run as one batch, equal `reference.generate`'s
+    one prompt at a time (exactly `max_tokens` each); then the engine is idle."""
+    from pagedserve.backend import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    results = engine.generate(prompts, params, use_tqdm=False)
+    with torch.inference_mode():
+        for prompt, result in zip(prompts, results):
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+            assert result.token_ids == out[0, len(prompt):].tolist()
+    assert_engine_idle(engine)
+
+
 def assert_engine_idle(engine: LLMEngine) -> None:
     """No leaked KV block and no request left in any queue."""
     kv = engine.block_manager

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.backend import LLMEngine, SamplingParams
+from pagedserve.backend import LLMEngine
 
-from .conftest import assert_engine_idle
+from .conftest import assert_greedy_matches_transformers
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +47,4 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
 
     engine = LLMEngine(model=str(tmp_path), dtype="float32")
     prompts = [[1, 500, 42, 9000, 123], list(range(200, 290)), [7] * 40 + [1000, 2000]]
-    results = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
-    with torch.inference_mode():
-        for prompt, result in zip(prompts, results):
-            out = reference.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-            assert result.token_ids == out[0, len(prompt):].tolist()
-    assert_engine_idle(engine)
+    assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=12)

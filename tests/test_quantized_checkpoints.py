@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagedserve.backend import LLMEngine, SamplingParams
+from pagedserve.backend import LLMEngine
 
-from .conftest import assert_engine_idle
+from .conftest import assert_greedy_matches_transformers
 from .test_models import COMMON
 
 pytestmark = pytest.mark.slow
@@ -75,9 +75,4 @@ def test_packed_checkpoint_matches_transformers_on_the_dense_weights(fmt, tmp_pa
     engine = LLMEngine(model=str(packed_dir), dtype="float32")
     assert type(engine.runner.model.layers[0].self_attn.qkv_proj).__name__ == "QuantizedLinear"
     prompts = [[1, 500, 42, 9000, 123], list(range(300, 340))]
-    results = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
-    with torch.inference_mode():
-        for prompt, result in zip(prompts, results):
-            out = reference.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
-            assert result.token_ids == out[0, len(prompt):].tolist()
-    assert_engine_idle(engine)
+    assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=10)

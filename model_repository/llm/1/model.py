@@ -57,9 +57,8 @@ class TritonPythonModel:
         """Stream llm_engine's responses back as text; the final flag rides on the last one.
 
         The engine's stream is always read to its end, even once our final response is
-        out or the client is gone: a BLS stream dropped before its final response frees
-        the request that the engine's last response still refers to (the server
-        segfaults).
+        out or the client is gone: dropping a BLS stream before its final response may
+        free what the engine's last response still refers to in the server.
         """
         done = False  # our final response went out, or the client cannot take more
         try:
