@@ -1,6 +1,6 @@
 """The one attention interface of the models: write new K/V to the paged cache,
-then attend over it. The implementation (torch reference or Triton kernel) is
-chosen once per engine; the model's call site never changes."""
+then attend over it. The kernels (torch reference or Triton) are chosen once per
+engine by kernels/dispatch.py; the model's call site never changes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from pagedserve.kernels import paged_attention_ref, write_kv_cache_ref
+from pagedserve.kernels.dispatch import attention_kernels
 
 from .errors import ConfigError
 
@@ -37,27 +37,26 @@ class LayerKVCache:
 
 
 @dataclass
-class AttentionBackend:
+class AttentionKernels:
+    """The two functions one engine's attention calls (see kernels/dispatch.py)."""
+
     write_cache: Callable[..., None]
     attend: Callable[..., torch.Tensor]
 
 
-TORCH_BACKEND = AttentionBackend(write_cache=write_kv_cache_ref, attend=paged_attention_ref)
+TORCH_KERNELS = AttentionKernels(*attention_kernels("torch", torch.device("cpu")))
 
 
-def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """auto: the Triton kernels on CUDA, the torch reference elsewhere."""
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TORCH_BACKEND
+def select_attention_kernels(name: str, device: torch.device) -> AttentionKernels:
+    """The kernels for the `attention_backend` setting; auto: Triton on CUDA, torch elsewhere."""
     try:
-        from pagedserve.kernels.dispatch import triton_attention_backend  # needs triton
-    except ImportError as error:
+        return AttentionKernels(*attention_kernels(name, device))
+    except ImportError as error:  # no triton, or one without what the kernels need
         raise ConfigError("attention_backend", f"the Triton attention kernel is not available ({error}); use 'torch'") from None
-    return triton_attention_backend()
 
 
 def attention(
-    backend: AttentionBackend,
+    kernels: AttentionKernels,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -66,8 +65,8 @@ def attention(
     scale: float,
 ) -> torch.Tensor:
     scales = dict(k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)
-    backend.write_cache(key, value, kv_cache.key, kv_cache.value, meta.slot_mapping, **scales)
-    return backend.attend(
+    kernels.write_cache(key, value, kv_cache.key, kv_cache.value, meta.slot_mapping, **scales)
+    return kernels.attend(
         query, kv_cache.key, kv_cache.value, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
         max_seq_len=meta.max_seq_len, **scales,
     )

@@ -14,11 +14,9 @@ from array import array
 from dataclasses import dataclass
 from typing import Iterable
 
+from pagedserve.kernels.numerics import cdiv
+
 from .sequence import Sequence
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def hash_block(parent: bytes | None, token_ids: Iterable[int]) -> bytes:

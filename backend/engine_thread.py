@@ -14,7 +14,7 @@ from collections import deque
 from typing import Callable, Iterator, Sequence as Seq
 
 from .engine import LLMEngine
-from .errors import EngineDeadError, QueueFullError
+from .errors import EngineDeadError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -50,11 +50,8 @@ class EngineThread:
         if self._stopping:
             raise EngineDeadError("the engine is shutting down")
         ids = [int(t) for t in prompt_token_ids]
-        self.engine.validate(ids, params)
         with self._lock:
-            if self.engine.scheduler.is_full(arriving=len(self._adds)):
-                limit = self.engine.config.max_queue_size
-                raise QueueFullError(f"server busy: the waiting queue is full (max_queue_size={limit}); retry later")
+            self.engine.check_admission(ids, params, arriving=len(self._adds))
             self._adds.append((request_id, ids, params, on_output))
         self._wake.set()
 
@@ -109,7 +106,7 @@ class EngineThread:
             self._callbacks[request_id] = callback
             try:
                 self.engine.add_request(ids, params, request_id=request_id)
-            except Exception as error:  # validated already; a duplicate id or a race on the queue
+            except Exception as error:  # admitted already: a duplicate id, or a lost race for the last queue slot
                 self._deliver(_error_output(request_id, error))
         while self._aborts:
             output = self.engine.abort(self._aborts.popleft())

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import TORCH_BACKEND, AttentionBackend, AttentionMetadata, LayerKVCache, select_attention_backend
-from .model_config import ModelConfig
+from .attention import AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
 from .models.llama import LlamaForCausalLM
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
@@ -27,16 +26,6 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_seqs: list[Sequence]
-
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-CALIBRATION_MARGIN = 2.0  # headroom above the calibrated amax before fp8 saturates
-
-
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across all layers (K and V)."""
-    element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.kv_size * element
 
 
 class ModelRunner:
@@ -53,43 +42,15 @@ class ModelRunner:
         self.config = model.config
         self.block_size = block_size
         self.device = device
-        self.backend = select_attention_backend(attention_backend, device)
-        self.kv_caches = self._allocate_kv(num_blocks, kv_dtype)
+        self.attention_kernels = select_attention_kernels(attention_backend, device)
+        self.kv_caches = self.allocate_kv(num_blocks, kv_dtype)
 
-    def _allocate_kv(self, num_blocks: int, dtype: torch.dtype) -> list[LayerKVCache]:
+    def allocate_kv(self, num_blocks: int, dtype: torch.dtype) -> list[LayerKVCache]:
         shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
         return [
             LayerKVCache(torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(self.config.num_layers)
         ]
-
-    @torch.inference_mode()
-    def calibrate_kv_scales(self, token_ids: list[int]) -> None:
-        """Per-layer fp8 KV scales from one full-precision prefill of calibration text.
-
-        Scales are fixed before serving: cached entries must keep the scale they
-        were written with."""
-        seq = Sequence("calibration", list(token_ids), SamplingParams())
-        num_blocks = -(-len(token_ids) // self.block_size)
-        seq.block_table = list(range(num_blocks))
-        batch = ScheduledBatch()
-        batch.add(seq, len(token_ids))
-        inputs = self.prepare(batch)
-        scratch = self._allocate_kv(num_blocks, self.model.embed_tokens.weight.dtype)
-        layer_of = {id(kv.key): i for i, kv in enumerate(scratch)}
-        amax = [[0.0, 0.0] for _ in scratch]
-
-        def recording_write(key, value, key_cache, value_cache, slot_mapping, **scales):
-            layer = layer_of[id(key_cache)]
-            amax[layer][0] = max(amax[layer][0], key.abs().max().item())
-            amax[layer][1] = max(amax[layer][1], value.abs().max().item())
-            TORCH_BACKEND.write_cache(key, value, key_cache, value_cache, slot_mapping, **scales)
-
-        recorder = AttentionBackend(write_cache=recording_write, attend=TORCH_BACKEND.attend)
-        self.model(inputs.input_ids, inputs.positions, scratch, inputs.meta, recorder)
-        for kv, (k_max, v_max) in zip(self.kv_caches, amax):
-            kv.k_scale = max(k_max, 1e-6) * CALIBRATION_MARGIN / FP8_MAX
-            kv.v_scale = max(v_max, 1e-6) * CALIBRATION_MARGIN / FP8_MAX
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         seqs = batch.seqs
@@ -144,15 +105,29 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one forward; logits [num_sampling_seqs, vocab] float32 and those sequences."""
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attention_kernels)
         if not inputs.sampling_seqs:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32), []
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return logits, inputs.sampling_seqs
 
     @torch.inference_mode()
-    def all_logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits of every scheduled token, [num_tokens, vocab] float32 (for scoring prompts)."""
+    def run_prefill(
+        self,
+        token_ids: list[int],
+        block_table: list[int],
+        kv_caches: list[LayerKVCache] | None = None,
+        attention: AttentionKernels | None = None,
+    ) -> torch.Tensor:
+        """One whole-prompt prefill outside the scheduler: logits of every token,
+        [num_tokens, vocab] float32. For scoring prompts and fp8 KV calibration, which
+        may pass scratch caches and a recording attention."""
+        seq = Sequence("prefill", list(token_ids), SamplingParams())
+        seq.block_table = list(block_table)
+        batch = ScheduledBatch()
+        batch.add(seq, len(token_ids))
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, kv_caches or self.kv_caches, inputs.meta, attention or self.attention_kernels
+        )
         return self.model.compute_logits(hidden)

@@ -70,7 +70,7 @@ class Sampler:
         p = seq.params
         banned: list[int] = []
         if seq.num_output_tokens < p.min_tokens:
-            banned += p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+            banned += sorted(p.ending_token_ids(self.eos_token_ids))
         output = seq.output_token_ids
         for word in p.bad_words_ids:
             prefix = word[:-1]

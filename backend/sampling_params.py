@@ -60,6 +60,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def ending_token_ids(self, eos_token_ids: list[int]) -> frozenset[int]:
+        """Token ids that end this request once min_tokens exist (and are masked before).
+
+        The one statement of the rule: the sampler masks these, the scheduler finishes on them."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
     @property
     def needs_penalties(self) -> bool:
         return (

@@ -6,16 +6,29 @@ with their cached prefix, their prompt chunked to fit what is left of the
 budget. When KV blocks run out, the newest running request is preempted and
 recomputed later. The `static` policy (a fixed batch runs until its longest
 member ends) exists only so benchmarks can show what in-flight batching buys.
+
+The scheduler owns the per-step state machine, as vLLM v1's does: `schedule()`
+decides the step's work, `update_from_output()` applies what the model computed
+(computed tokens, full blocks named for prefix reuse, the sampled token) and
+finishes requests that hit a stop token id, max_tokens or max_model_len. Only
+the scheduler touches the BlockManager; the engine asks it.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
 
 from .block_manager import BlockManager
-from .errors import QueueFullError
+from .errors import InvalidRequestError, QueueFullError
+from .sampling_params import SamplingParams
 from .sequence import FinishReason, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from .sampler import SamplerOutput
 
 
 @dataclass
@@ -46,32 +59,40 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_queue_size: int,
         policy: str = "inflight",
+        max_model_len: int | None = None,
+        eos_token_ids: list[int] = (),
     ):
-        self.kv = block_manager
+        self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_queue_size = max_queue_size
         self.policy = policy
+        self.max_model_len = max_model_len
+        self.eos_token_ids = list(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.peak_num_running = 0
+        self.prompt_tokens_total = 0
+        """Prompt tokens of every request that started (a recomputed one counts once)."""
+        self.generation_tokens_total = 0
         self._static_batch_open = True
 
     # -- requests --------------------------------------------------------------
-    def is_full(self, arriving: int = 0) -> bool:
-        """True when `arriving` more requests would overflow the waiting queue
-        (max_queue_size beyond the free running slots)."""
+    def check_room(self, arriving: int = 0) -> None:
+        """Raise QueueFullError when one more request (after `arriving` already accepted
+        elsewhere) would overflow the waiting queue: max_queue_size beyond the free
+        running slots."""
         free_slots = max(0, self.max_num_seqs - len(self.running))
-        return len(self.waiting) + arriving >= self.max_queue_size + free_slots
+        waiting = len(self.waiting) + arriving
+        if waiting >= self.max_queue_size + free_slots:
+            raise QueueFullError(
+                f"server busy: {waiting} requests are waiting (max_queue_size={self.max_queue_size}); retry later"
+            )
 
     def add(self, seq: Sequence) -> None:
-        if self.is_full():
-            raise QueueFullError(
-                f"server busy: {len(self.waiting)} requests are waiting "
-                f"(max_queue_size={self.max_queue_size}); retry later"
-            )
+        self.check_room()
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         seq.status = SequenceStatus.WAITING
@@ -89,9 +110,14 @@ class Scheduler:
         return seq
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a request and free its blocks; on an already finished one, only the
+        reason changes (a stop string found in the step that reached max_tokens)."""
+        if seq.status is SequenceStatus.FINISHED:
+            seq.finish_reason = reason
+            return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        self.kv.free(seq)
+        self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)
@@ -107,6 +133,20 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @contextmanager
+    def borrowed_blocks(self, num_tokens: int) -> Iterator[list[int]]:
+        """A block table for num_tokens outside any request, for a one-off prefill
+        (prompt scoring); needs an idle scheduler, and the blocks return at exit."""
+        if self.requests:
+            raise RuntimeError("borrowing KV blocks needs an idle engine")
+        borrower = Sequence("borrowed", [], SamplingParams())
+        if not self.block_manager.allocate(borrower, num_tokens):
+            raise InvalidRequestError("prompt", "does not fit the KV cache")
+        try:
+            yield borrower.block_table
+        finally:
+            self.block_manager.free(borrower)
+
     # -- scheduling ------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -115,6 +155,11 @@ class Scheduler:
         if batch.num_preempted == 0 and self._may_admit():
             self._schedule_waiting(batch, budget)
         self.peak_num_running = max(self.peak_num_running, len(self.running))
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                self.prompt_tokens_total += seq.num_prompt_tokens
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
@@ -122,7 +167,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv.allocate(seq, num_new):
+            while not self.block_manager.allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.num_preempted += 1
@@ -136,13 +181,13 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.kv.find_cached_prefix(seq)
-            num_cached = len(cached) * self.kv.block_size
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
-            if not self.kv.allocate(seq, num_new, cached):
+            if not self.block_manager.allocate(seq, num_new, cached):
                 break
             self.waiting.popleft()
-            self.kv.record_prefix_lookup(seq.num_tokens, num_cached)
+            self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached)
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
@@ -162,9 +207,43 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free all of seq's blocks and queue it first in line to be recomputed."""
         self.running.remove(seq)
-        self.kv.free(seq)
+        self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    # -- after the forward -----------------------------------------------------
+    def update_from_output(
+        self, batch: ScheduledBatch, sampled_seqs: list[Sequence], sampled: "SamplerOutput | None"
+    ) -> list[Sequence]:
+        """Apply one step: advance computed tokens, name newly full blocks, append each
+        sampled token and finish requests it ends. Returns the sequences that got a token."""
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
+        if sampled is None:
+            return []
+        now = time.monotonic()
+        for seq, token, logprob in zip(sampled_seqs, sampled.token_ids, sampled.logprobs):
+            seq.append_token(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self.generation_tokens_total += 1
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+        return sampled_seqs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens and token in params.ending_token_ids(self.eos_token_ids):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

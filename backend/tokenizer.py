@@ -1,13 +1,62 @@
-"""Prompt encoding and stateless delta decoding shared by the engine and the Triton models."""
+"""The model's tokenizer: loading it (with an on-disk cache for the slow GGUF
+conversion), prompt encoding and stateless delta decoding, shared by the engine,
+the Triton models and the client tools."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from typing import Any, Sequence
 
-from .errors import InvalidRequestError
+from .errors import ConfigError, InvalidRequestError
+from .model_files import is_gguf, resolve_model_path
 
 CONTEXT_TOKENS = 4
 """Tokens of left context a delta decode needs (SentencePiece leading spaces)."""
+
+
+def load_tokenizer(path: str) -> Any:
+    """The model's tokenizer. A GGUF's is converted once by transformers (slow) and
+    kept in the cache directory ($PAGEDSERVE_CACHE_DIR, default ~/.cache/pagedserve)."""
+    from transformers import AutoTokenizer
+
+    if not is_gguf(path):
+        return AutoTokenizer.from_pretrained(path)
+    cache = _tokenizer_cache_dir(path)
+    if os.path.exists(os.path.join(cache, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(cache)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    try:
+        partial = f"{cache}.tmp{os.getpid()}"
+        tokenizer.save_pretrained(partial)
+        os.replace(partial, cache)
+    except OSError:
+        pass  # a read-only home only costs the conversion next time
+    return tokenizer
+
+
+def tokenizer_dir(path: str) -> str:
+    """A Hugging Face tokenizer directory for the model, for tools that take one
+    (genai-perf's --tokenizer, Triton's OpenAI frontend): the model directory itself,
+    or for a GGUF file its converted tokenizer in the cache."""
+    path = resolve_model_path(path)
+    if not is_gguf(path):
+        return path
+    load_tokenizer(path)
+    cache = _tokenizer_cache_dir(path)
+    if not os.path.exists(os.path.join(cache, "tokenizer_config.json")):
+        raise ConfigError("model", f"could not write the converted tokenizer to {cache}; set PAGEDSERVE_CACHE_DIR to a writable directory")
+    return cache
+
+
+def _tokenizer_cache_dir(path: str) -> str:
+    """Keyed by the file's path, size and mtime and the transformers version."""
+    import transformers
+
+    stat = os.stat(path)
+    key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve")
+    return os.path.join(root, "tokenizers", hashlib.sha1(key.encode()).hexdigest()[:16])
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:

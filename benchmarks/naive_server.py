@@ -5,8 +5,8 @@ It exists so benchmarks/serving.py can put pagedserve next to what it replaces, 
 by the same load generator over the same wire format. Same model (the bundled
 SmolLM2-135M-Instruct GGUF unless --model), same tokenizer, chosen dtype.
 
-Endpoint (the subset of Triton's `generate_stream` that client/loadgen.py's HTTP mode
-sends, so `pagedserve bench --protocol http --url localhost:PORT` drives it):
+Endpoint (the subset of Triton's `generate_stream` that client/loadgen/transports.py's
+HttpTransport sends, so `pagedserve bench --protocol http --url localhost:PORT` drives it):
 
     POST /v2/models/<any name>/generate_stream      (or POST /generate_stream)
     {"text_input": "...",                            # or "prompt"
@@ -41,7 +41,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from pagedserve.backend.loader import default_model_path, load_tokenizer
+from pagedserve.backend.model_files import default_model_path
+from pagedserve.backend.tokenizer import load_tokenizer
 
 _STREAM_PATH = re.compile(r"^(/v2/models/[^/]+)?/generate_stream/?$")
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import WorkItem, offline_workload  # noqa: E402
 
 from pagedserve.backend import LLMEngine, SamplingParams  # noqa: E402
-from pagedserve.backend.loader import default_model_path  # noqa: E402
+from pagedserve.backend.model_files import default_model_path  # noqa: E402
 
 
 @dataclass

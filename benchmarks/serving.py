@@ -1,8 +1,8 @@
 """Serving benchmark, side by side in one run: pagedserve in-flight batching vs
 pagedserve static batching (batches of 8) vs a naive transformers server (one request
 at a time), all started by this script on the same model, dtype and seeded workload,
-all measured by the same load generator (client/loadgen.py: definitions of TTFT, ITL,
-TPOT and throughput are in its docstring).
+all measured by the same load generator (client/loadgen/; the definitions of TTFT, ITL,
+TPOT and throughput are in the docstring of client/loadgen/stats.py).
 
 Sweeps: closed loop at each concurrency (throughput under load), then open loop with
 Poisson arrivals at each request rate (latency under a given load). Request i is the
@@ -32,8 +32,6 @@ import json
 import os
 import platform
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +41,8 @@ from typing import Any, Callable
 
 from pagedserve.client.loadgen import BenchConfig, Summary, Workload, load_workload, run_benchmark_async
 from pagedserve.client.repository import write_repository
-from pagedserve.client.triton_server import TritonServer, free_port, http_status
+from pagedserve.client.process import ServerProcess, free_port, http_status
+from pagedserve.client.triton_server import TritonServer
 
 HERE = Path(__file__).resolve().parent
 
@@ -83,42 +82,28 @@ class SystemRun:
 class NaiveProcess:
     """benchmarks/naive_server.py as a subprocess; ready when /v2/health/ready answers."""
 
-    def __init__(self, dtype: str, log_path: Path):
+    def __init__(self, dtype: str, log_file: Path):
         self.port = free_port()
-        self.log_path = log_path
-        self.dtype = dtype
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process = ServerProcess(
+            [sys.executable, str(HERE / "naive_server.py"), "--port", str(self.port), "--dtype", dtype],
+            log_file, name="naive server",
+        )
 
     @property
     def url(self) -> str:
         return f"localhost:{self.port}"
 
+    @property
+    def log_file(self) -> str | os.PathLike[str] | None:
+        return self.process.log_file
+
     def start(self, timeout: float = 600) -> None:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "naive_server.py"), "--port", str(self.port), "--dtype", self.dtype],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"naive server exited with {self.proc.returncode}; see {self.log_path}")
-            if http_status(f"http://{self.url}/v2/health/ready") == 200:
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"naive server not ready after {timeout:.0f} s; see {self.log_path}")
+        ready_url = f"http://{self.url}/v2/health/ready"
+        self.process.start()
+        self.process.wait_ready(lambda: http_status(ready_url) == 200, time.monotonic() + timeout, poll_s=0.5)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.process.stop(timeout=20)
 
 
 def engine_settings(system: str, dtype: str) -> dict[str, str]:
@@ -161,9 +146,8 @@ class Target:
         """Signs in the server log that a process died (e.g. a python stub's heap corruption)."""
         if self.server is None:
             return []
-        log = self.server.log_path if isinstance(self.server, NaiveProcess) else Path(self.server.log_file or "")
         try:
-            text = log.read_text(errors="replace")
+            text = Path(self.server.log_file or "").read_text(errors="replace")
         except OSError:
             return []
         return [line.strip() for line in text.splitlines() if _CRASH.search(line)][-3:]

@@ -1,5 +1,5 @@
 """`pagedserve bench`: load-generate against a running server and print TTFT, ITL,
-TPOT, E2E percentiles and throughput (see client/loadgen.py for the definitions).
+TPOT, E2E percentiles and throughput (see client/loadgen/stats.py for the definitions).
 
 Only argparse is imported here: `pagedserve --help` builds this parser every time, so
 the load generator (tritonclient, aiohttp, the tokenizer) loads when the command runs.

@@ -68,7 +68,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_tokenizer(args: argparse.Namespace) -> int:
-    from pagedserve.backend.loader import tokenizer_dir
+    from pagedserve.backend.tokenizer import tokenizer_dir
 
     print(tokenizer_dir(args.model))
     return 0

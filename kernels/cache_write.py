@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged_attention import FP8_DTYPE, FP8_MAX
+from .numerics import FP8_DTYPE, FP8_MAX
 
 
 def write_kv_cache_ref(

@@ -1,59 +1,70 @@
-"""The Triton attention backend, and when to use it.
+"""The one place that chooses between the Triton kernels and their torch references.
 
-Importing a name that needs triton from here raises ImportError when triton is
-missing (backend/attention.py turns that into a ConfigError); `use_triton` works
-either way.
+Callers get plain functions: the engine's attention layer asks `attention_kernels`
+once, the quantized linears call `int4_linear` / `fp8_linear` per step. Triton
+modules are imported only inside the Triton branch, so the torch path never needs
+triton installed; a missing triton surfaces as ImportError from the Triton branch.
+PAGEDSERVE_FORCE_TRITON=1 sends CPU tensors of the linears to the Triton kernels
+too, which only works together with TRITON_INTERPRET=1 (set before triton is first
+imported); that is how the kernels are exercised on machines without a GPU.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Callable, Optional
 
 import torch
 
-try:
-    from .cache_write_triton import write_kv_cache_triton
-    from .paged_attention_triton import paged_attention_triton
-except ImportError as error:  # no triton (or a triton without what the kernels need)
-    _TRITON_ERROR: ImportError | None = error
-else:
-    _TRITON_ERROR = None
+from .cache_write import write_kv_cache_ref
+from .fp8 import Fp8Weight, fp8_matmul_ref
+from .int4 import Int4Weight, w4a16_matmul_ref
+from .paged_attention import paged_attention_ref
 
 FORCE_ENV = "PAGEDSERVE_FORCE_TRITON"
 
-
-def triton_available() -> bool:
-    return _TRITON_ERROR is None
+WriteCacheFn = Callable[..., None]
+AttendFn = Callable[..., torch.Tensor]
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """True for a CUDA tensor when triton is importable; PAGEDSERVE_FORCE_TRITON=1 forces
-    the Triton path on any device (on CPU that needs TRITON_INTERPRET=1 set before
-    the kernels are first imported)."""
-    if not triton_available():
-        return False
-    if os.environ.get(FORCE_ENV, "0") == "1":
-        return True
-    return tensor.is_cuda
+    """Whether a linear on this tensor runs the Triton kernel: on CUDA, or anywhere
+    when PAGEDSERVE_FORCE_TRITON=1."""
+    return tensor.is_cuda or os.environ.get(FORCE_ENV, "0") == "1"
 
 
-if _TRITON_ERROR is None:
+def attention_kernels(name: str, device: torch.device) -> tuple[WriteCacheFn, AttendFn]:
+    """(write_cache, attend) for an `attention_backend` setting: "torch" the references,
+    "auto" the Triton kernels on CUDA and the references elsewhere, anything else the
+    Triton kernels (ImportError when triton or what they need is missing)."""
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return write_kv_cache_ref, paged_attention_ref
+    from .cache_write_triton import write_kv_cache_triton
+    from .paged_attention_triton import paged_attention_triton
 
-    def triton_attention_backend():
-        """AttentionBackend(write_cache=write_kv_cache_triton, attend=paged_attention_triton)."""
-        from pagedserve.backend.attention import AttentionBackend  # lazy: backend imports kernels
-
-        return AttentionBackend(write_cache=write_kv_cache_triton, attend=paged_attention_triton)
-
-
-_NEEDS_TRITON = ("triton_attention_backend", "paged_attention_triton", "write_kv_cache_triton")
-
-
-def __getattr__(name: str):
-    # Only reached for names not defined above, i.e. when the triton import failed.
-    if name in _NEEDS_TRITON:
-        raise ImportError(f"pagedserve.kernels.dispatch.{name} needs triton: {_TRITON_ERROR}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return write_kv_cache_triton, paged_attention_triton
 
 
-__all__ = ["triton_attention_backend", "use_triton", "triton_available"]
+def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) with a packed INT4 weight; returns x.dtype [..., N]."""
+    if use_triton(x):
+        from .int4_triton import w4a16_matmul_triton
+
+        return w4a16_matmul_triton(x, w, bias)
+    return w4a16_matmul_ref(x, w, bias)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] @ (weight * scale)^T (+ bias) with an e4m3 weight; returns x.dtype [..., N].
+
+    On GPUs with compute capability >= 8.9 the activations are quantized per token to
+    e4m3 (FP8 tensor cores); elsewhere the weight is upconverted (W8A16, as the reference).
+    """
+    if use_triton(x):
+        from .fp8_triton import fp8_matmul_triton
+
+        return fp8_matmul_triton(x, w, bias)
+    return fp8_matmul_ref(x, w, bias)
+
+
+__all__ = ["FORCE_ENV", "attention_kernels", "fp8_linear", "int4_linear", "use_triton"]

@@ -18,10 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-# Floor on an amax before it becomes a scale, so all-zero rows do not divide by zero.
-AMAX_EPS = 1e-12
+from .numerics import AMAX_EPS, FP8_DTYPE, FP8_MAX
 
 
 @dataclass

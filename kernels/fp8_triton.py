@@ -27,11 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import FP8_DTYPE, FP8_MAX, AMAX_EPS, Fp8Weight
+from .fp8 import Fp8Weight
 from .gemm_triton import (
     GemmConfig, bucket_m, check_activations, grouped_tile, interpreter_tile, interpreting,
     launch_splitk_reduce, plan_split, split_k_range, store_tile, timed_choice,
 )
+from .numerics import AMAX_EPS, FP8_DTYPE, FP8_MAX
 
 
 @triton.jit

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .numerics import cdiv
+
 
 # ------------------------------------------------------------------ in-kernel helpers
 
@@ -126,8 +128,8 @@ def choose_split_k(tiles: int, k_iters: int, sms: int) -> int:
     """Enough K-slices to give ~2 programs per SM when the output has few tiles."""
     if tiles >= sms or k_iters <= 1:
         return 1
-    split = min(k_iters, -(-2 * sms // tiles), 32)
-    return -(-k_iters // -(-k_iters // split))  # drop empty slices
+    split = min(k_iters, cdiv(2 * sms, tiles), 32)
+    return cdiv(k_iters, cdiv(k_iters, split))  # drop empty slices
 
 
 def plan_split(cfg: GemmConfig, m: int, n: int, k: int,

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .numerics import FP8_DTYPE, cdiv
+
 
 def paged_attention_ref(
     query: torch.Tensor,
@@ -56,7 +58,7 @@ def paged_attention_ref(
         tokens = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=query.device)
         context = torch.tensor([lens[i] for i in decodes], device=query.device)
         max_len = max(lens[i] for i in decodes)
-        num_blocks = -(-max_len // block_size)
+        num_blocks = cdiv(max_len, block_size)
         table = block_tables[rows, :num_blocks].long()
         keys = _gather(key_cache, table)  # [b, kvh, L, d]
         values = _gather(value_cache, table)
@@ -72,7 +74,7 @@ def paged_attention_ref(
         if q_len == 1:
             continue
         seq_len = lens[i]
-        num_blocks = -(-seq_len // block_size)
+        num_blocks = cdiv(seq_len, block_size)
         table = block_tables[i : i + 1, :num_blocks].long()
         keys = _gather(key_cache, table)[0, :, :seq_len]  # [kvh, L, d]
         values = _gather(value_cache, table)[0, :, :seq_len]
@@ -101,10 +103,6 @@ def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     raw = cache.view(torch.uint8) if is_fp8(cache) else cache  # index_select may lack fp8 kernels
     rows = raw.view(num_blocks, -1).index_select(0, table.reshape(-1)).view(cache.dtype)
     return rows.view(b, n * block_size, kv_heads, head_dim).transpose(1, 2)
-
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def is_fp8(cache: torch.Tensor) -> bool:

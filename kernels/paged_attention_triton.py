@@ -1,6 +1,9 @@
 """Triton paged attention: one kernel for a flat batch of prefill chunks and decodes.
 
 Same signature and layout as `paged_attention_ref` (kernels/paged_attention.py).
+Kept as one module past 300 lines: the two kernels, the split-KV heuristic and the
+launcher share one tiling contract (BLOCK_Q/BLOCK_N/NUM_SPLITS, the partials'
+layout), which reads and changes as a unit.
 
 Work decomposition. A program owns (q-block, kv head[, KV split]). A q-block is
 BLOCK_Q consecutive new tokens of ONE sequence; its tile rows are those tokens x
@@ -43,6 +46,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from .numerics import cdiv
 from .paged_attention import is_fp8, kv_scales
 
 LOG2E = 1.4426950408889634
@@ -220,7 +224,7 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, block_n
     keys; a power of two (a constexpr, so few compiled variants)."""
     if num_programs >= num_sms:
         return 1
-    by_occupancy = -(-2 * num_sms // num_programs)
+    by_occupancy = cdiv(2 * num_sms, num_programs)
     by_length = max_seq_len // max(MIN_KEYS_PER_SPLIT, block_n)
     splits = min(by_occupancy, by_length, MAX_SPLITS)
     if splits < 2:

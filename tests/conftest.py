@@ -13,7 +13,7 @@ if not torch.cuda.is_available():  # Triton kernels run through the interpreter 
     os.environ.setdefault("TRITON_INTERPRET", "1")  # it must be set before triton is imported
 
 from pagedserve.backend import LLMEngine  # noqa: E402
-from pagedserve.backend.loader import default_model_path  # noqa: E402
+from pagedserve.backend.model_files import default_model_path  # noqa: E402
 
 
 LONG_TEXT = (
@@ -69,7 +69,7 @@ def model_path() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path: str):
-    from pagedserve.backend.loader import load_tokenizer
+    from pagedserve.backend.tokenizer import load_tokenizer
 
     return load_tokenizer(model_path)
 
@@ -155,4 +155,4 @@ def assert_engine_idle(engine: LLMEngine) -> None:
     assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_used_blocks} KV blocks leaked"
     assert all(b.ref_count == 0 for b in kv.blocks)
     assert not engine.scheduler.waiting and not engine.scheduler.running
-    assert not engine.scheduler.requests and not engine.streams
+    assert not engine.scheduler.requests and not engine.renderers

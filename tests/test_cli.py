@@ -6,7 +6,8 @@ import os
 
 from transformers import AutoTokenizer
 
-from pagedserve.backend.loader import default_model_path, load_tokenizer
+from pagedserve.backend.model_files import default_model_path
+from pagedserve.backend.tokenizer import load_tokenizer
 from pagedserve.client.cli import main
 
 

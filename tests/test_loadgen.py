@@ -1,5 +1,5 @@
 """Load generator: statistics on a synthetic trace, the Poisson schedule, workloads, and
-the request/loop machinery against a fake backend (no server)."""
+the request/loop machinery against a fake transport (no server)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pagedserve.client import loadgen
+from pagedserve.client.loadgen import runner, workloads
 from pagedserve.client.loadgen import (
     Distribution,
     JsonlWorkload,
@@ -173,8 +174,8 @@ def test_synthetic_workload_is_seeded_per_request_and_within_ranges():
 
 
 def test_synthetic_workload_with_a_tokenizer_hits_the_token_count_exactly():
-    loadgen_vocab = list(loadgen.VOCABULARY) + ["xylophone", "box"]
-    words = loadgen.single_token_words(WordTokenizer(), loadgen_vocab)
+    loadgen_vocab = list(workloads.VOCABULARY) + ["xylophone", "box"]
+    words = workloads.single_token_words(WordTokenizer(), loadgen_vocab)
     assert "box" not in words and "xylophone" not in words
     w = SyntheticWorkload(prompt_len_mean=30, prompt_len_range=10, output_len=4, seed=0, tokenizer=WordTokenizer())
     for i in range(50):
@@ -185,7 +186,8 @@ def test_synthetic_workload_with_a_tokenizer_hits_the_token_count_exactly():
 
 @pytest.mark.slow
 def test_synthetic_prompts_have_exact_lengths_with_the_bundled_tokenizer():
-    from pagedserve.backend.loader import default_model_path, load_tokenizer
+    from pagedserve.backend.model_files import default_model_path
+    from pagedserve.backend.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
     w = SyntheticWorkload(prompt_len_mean=100, prompt_len_range=50, seed=0, tokenizer=tokenizer)
@@ -207,7 +209,7 @@ def test_jsonl_workload(tmp_path):
         JsonlWorkload(bad)
 
 
-# --------------------------------------------------------------------------- requests and loops (fake backend)
+# --------------------------------------------------------------------------- requests and loops (fake transport)
 
 
 class FakeClock:
@@ -218,7 +220,7 @@ class FakeClock:
         return self.now
 
 
-class ScriptedBackend:
+class ScriptedTransport:
     """Yields a scripted list of (seconds to wait, tokens) responses on a fake clock."""
 
     def __init__(self, clock: FakeClock, script: list[tuple[float, int]], fail_after: int | None = None):
@@ -236,10 +238,10 @@ class ScriptedBackend:
 
 def test_send_one_times_each_token_bearing_response(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(loadgen.time, "perf_counter", clock)
-    backend = ScriptedBackend(clock, [(0.5, 1), (0.1, 0), (0.1, 2), (0.3, 1)])
-    record = asyncio.run(loadgen.send_one(backend, RequestSpec(3, "p", 4), {"ignore_eos": True}, t0=99.0))
-    assert backend.seen == [{"ignore_eos": True, "max_tokens": 4}]
+    monkeypatch.setattr(runner.time, "perf_counter", clock)
+    transport = ScriptedTransport(clock, [(0.5, 1), (0.1, 0), (0.1, 2), (0.3, 1)])
+    record = asyncio.run(runner.send_one(transport, RequestSpec(3, "p", 4), {"ignore_eos": True}, t0=99.0))
+    assert transport.seen == [{"ignore_eos": True, "max_tokens": 4}]
     assert record.ok and record.start == pytest.approx(1.0) and record.scheduled == pytest.approx(1.0)
     assert record.ttft == pytest.approx(0.5)
     assert record.itl == pytest.approx([0.2, 0.3])  # the empty response folds into the next gap
@@ -250,14 +252,14 @@ def test_send_one_times_each_token_bearing_response(monkeypatch):
 
 def test_send_one_records_an_error_instead_of_raising(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(loadgen.time, "perf_counter", clock)
-    backend = ScriptedBackend(clock, [(0.5, 1), (0.1, 1)], fail_after=1)
-    record = asyncio.run(loadgen.send_one(backend, RequestSpec(0, "p", 4), {}, t0=100.0, scheduled=0.25))
+    monkeypatch.setattr(runner.time, "perf_counter", clock)
+    transport = ScriptedTransport(clock, [(0.5, 1), (0.1, 1)], fail_after=1)
+    record = asyncio.run(runner.send_one(transport, RequestSpec(0, "p", 4), {}, t0=100.0, scheduled=0.25))
     assert not record.ok and "server busy" in record.error
     assert record.e2e is None and record.end == pytest.approx(0.5) and record.scheduled == 0.25
 
 
-class CountingBackend:
+class CountingTransport:
     def __init__(self, tokens: int = 3) -> None:
         self.in_flight = self.most = 0
         self.tokens = tokens
@@ -274,24 +276,24 @@ class CountingBackend:
 
 
 def test_closed_loop_keeps_the_concurrency_and_sends_every_request():
-    backend = CountingBackend()
+    transport = CountingTransport()
     workload = SyntheticWorkload(8, 2, output_len=3, seed=0)
-    records = asyncio.run(loadgen._closed_loop(backend, workload, {}, 3, 10, None, 0, lambda r: None))
+    records = asyncio.run(runner._closed_loop(transport, workload, {}, 3, 10, None, 0, lambda r: None))
     assert [r.index for r in records] == list(range(10))
-    assert backend.most == 3
+    assert transport.most == 3
     assert all(r.ok and r.output_tokens == 3 for r in records)
 
 
 def test_closed_loop_for_a_duration_stops_sending_after_it():
-    backend = CountingBackend()
-    records = asyncio.run(loadgen._closed_loop(backend, SyntheticWorkload(8, 2, output_len=3), {}, 2, None, 0.2, 0, lambda r: None))
+    transport = CountingTransport()
+    records = asyncio.run(runner._closed_loop(transport, SyntheticWorkload(8, 2, output_len=3), {}, 2, None, 0.2, 0, lambda r: None))
     assert records and max(r.start for r in records) < 0.25  # none sent after the duration (+ scheduling slack)
 
 
 def test_open_loop_sends_on_the_poisson_schedule():
-    backend = CountingBackend()
+    transport = CountingTransport()
     done: list[RequestRecord] = []
-    records = asyncio.run(loadgen._open_loop(backend, SyntheticWorkload(8, 2, output_len=2), {}, 200.0, 5, 20, None, done.append))
+    records = asyncio.run(runner._open_loop(transport, SyntheticWorkload(8, 2, output_len=2), {}, 200.0, 5, 20, None, done.append))
     expected = poisson_arrivals(200.0, 5, count=20)
     assert [r.scheduled for r in records] == expected
     assert len(done) == 20

@@ -5,6 +5,7 @@ import pytest
 from pagedserve.backend.block_manager import BlockManager
 from pagedserve.backend.errors import QueueFullError
 from pagedserve.backend.sampling_params import SamplingParams
+from pagedserve.backend.sampler import SamplerOutput
 from pagedserve.backend.scheduler import Scheduler
 from pagedserve.backend.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -19,12 +20,10 @@ def seq(name, n, start=0, max_tokens=16):
 
 
 def run(sched, batch, token=7):
-    """What the engine does after a forward: advance computed tokens, append samples."""
-    for s, n in zip(batch.seqs, batch.num_new_tokens):
-        s.num_computed_tokens += n
-        sched.kv.cache_full_blocks(s)
-        if s.num_computed_tokens == s.num_tokens:
-            s.append_token(token)
+    """A forward that samples `token` for every sequence whose prompt is done."""
+    sampling = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+    sampled = SamplerOutput(token_ids=[token] * len(sampling), logprobs=[None] * len(sampling))
+    return sched.update_from_output(batch, sampling, sampled)
 
 
 def plan(batch):
@@ -132,3 +131,53 @@ def test_static_policy_admits_only_when_the_batch_is_done():
     assert plan(sched.schedule()) == [("b", 1)]  # c waits although a slot is free
     sched.finish(b, FinishReason.LENGTH)
     assert plan(sched.schedule()) == [("c", 4)]
+
+
+def test_update_finishes_on_eos_or_stop_id_only_after_min_tokens():
+    kv = BlockManager(32, 4)
+    sched = Scheduler(kv, 8, 64, 16, eos_token_ids=[0])
+    a = Sequence("a", [5, 6], SamplingParams(max_tokens=16, min_tokens=2, stop_token_ids=[3]))
+    b = Sequence("b", [5, 6], SamplingParams(max_tokens=16, ignore_eos=True))
+    sched.add(a)
+    sched.add(b)
+    run(sched, sched.schedule(), token=0)  # a's first token: below min_tokens; b ignores EOS
+    assert not a.is_finished and not b.is_finished
+    run(sched, sched.schedule(), token=3)  # a's second token is a stop id: done
+    assert a.finish_reason is FinishReason.STOP and a.block_table == []
+    assert not b.is_finished and sched.generation_tokens_total == 4
+
+
+def test_update_finishes_at_max_tokens_and_max_model_len_and_counts_tokens():
+    kv = BlockManager(32, 4)
+    sched = Scheduler(kv, 8, 64, 16, max_model_len=7)
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=2))
+    b = Sequence("b", [4, 5, 6, 7, 8], SamplingParams(max_tokens=16))
+    sched.add(a)
+    sched.add(b)
+    assert run(sched, sched.schedule()) == [a, b]
+    run(sched, sched.schedule())
+    assert a.finish_reason is FinishReason.LENGTH and a.num_output_tokens == 2
+    assert b.finish_reason is FinishReason.LENGTH and b.num_tokens == 7
+    assert sched.prompt_tokens_total == 8 and not sched.has_unfinished()
+    assert kv.num_used_blocks == 0
+
+
+def test_a_later_stop_reason_replaces_length_without_freeing_twice():
+    kv, sched = make()
+    a = seq("a", 3, max_tokens=1)
+    sched.add(a)
+    run(sched, sched.schedule())
+    assert a.finish_reason is FinishReason.LENGTH
+    sched.finish(a, FinishReason.STOP)  # the same token also completed a stop string
+    assert a.finish_reason is FinishReason.STOP and kv.num_free_blocks == kv.num_blocks
+
+
+def test_borrowed_blocks_return_at_exit_and_need_an_idle_scheduler():
+    kv, sched = make(num_blocks=8, block_size=4)
+    with sched.borrowed_blocks(10) as table:
+        assert len(table) == 3 and kv.num_used_blocks == 3
+    assert kv.num_used_blocks == 0
+    sched.add(seq("a", 4))
+    with pytest.raises(RuntimeError, match="idle"):
+        with sched.borrowed_blocks(4):
+            pass

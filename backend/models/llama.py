@@ -8,12 +8,13 @@ into single matmuls; numerics otherwise follow Hugging Face's implementation.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionBackend, AttentionMetadata, LayerKVCache, attention
+from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache, attention
 from ..model_config import ModelConfig
 
 
@@ -96,7 +97,7 @@ class LlamaAttention(nn.Module):
         positions: torch.Tensor,
         kv_cache: LayerKVCache,
         meta: AttentionMetadata,
-        backend: AttentionBackend,
+        kernels: AttentionKernels,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -104,7 +105,7 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = attention(backend, q, k, v, kv_cache, meta, self.scale)
+        out = attention(kernels, q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -130,6 +131,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "self_attn.o_proj": ("self_attn.o_proj",),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+        "mlp.down_proj": ("mlp.down_proj",),
+    }
+    """Each decoder layer's linear layers, with the checkpoint (Hugging Face) projections
+    stacked, in this order, along their output rows. Weight loading, quantize-on-load
+    and packed 4-bit checkpoints all follow this one table."""
+
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.config = config
@@ -147,12 +158,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
-        backend: AttentionBackend,
+        kernels: AttentionKernels,
     ) -> torch.Tensor:
         """Hidden states of every input token, [num_tokens, hidden]."""
         h = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = h + layer.self_attn(layer.input_layernorm(h), self.rotary, positions, kv_cache, meta, backend)
+            h = h + layer.self_attn(layer.input_layernorm(h), self.rotary, positions, kv_cache, meta, kernels)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 

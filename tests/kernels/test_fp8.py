@@ -25,8 +25,8 @@ import torch
 from .gemm_checks import (  # first: sets TRITON_INTERPRET=1 without CUDA
     DEVICE, HAS_CUDA, REF_TOL, TRITON_TOL, llama_case, llama_shapes, needs_triton, rel_err,
 )
+from pagedserve.kernels.dispatch import fp8_linear
 from pagedserve.kernels.fp8 import (
-    FP8_DTYPE,
     Fp8Weight,
     dequantize_fp8,
     fp8_matmul_ref,
@@ -34,7 +34,7 @@ from pagedserve.kernels.fp8 import (
     quantize_fp8,
     quantize_per_token_fp8,
 )
-from pagedserve.kernels.linear import fp8_linear
+from pagedserve.kernels.numerics import FP8_DTYPE
 
 needs_fp8_tc = pytest.mark.skipif(
     HAS_CUDA and torch.cuda.get_device_capability() < (8, 9), reason="FP8 tensor cores need sm89+"

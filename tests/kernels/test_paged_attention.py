@@ -19,6 +19,9 @@ The cache write is checked bit for bit (fp8 included).
 The kernel's caches hold NaN in every slot that is not a real token, and its
 block tables pad with an all-NaN block, so reading past a sequence's end or
 following a padding entry shows up as NaN (see Batch).
+
+One module past 300 lines: the attention, cache-write and dispatch tests share the
+device and interpreter setup, the tolerances above and `Batch`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import pytest
 import torch
 
 from pagedserve.kernels.cache_write import write_kv_cache_ref
+from pagedserve.kernels.numerics import cdiv
 from pagedserve.kernels.paged_attention import paged_attention_ref
 
 CUDA = torch.cuda.is_available()
@@ -92,7 +96,7 @@ class Batch:
         assert all(0 < q <= s for q, s in zip(q_lens, seq_lens))
         g = torch.Generator().manual_seed(seed)
         kv_dtype = kv_dtype or dtype
-        blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+        blocks_per_seq = [cdiv(s, block_size) for s in seq_lens]
         needed = sum(blocks_per_seq)
         num_blocks = needed * spread + 2
         ids = torch.randperm(num_blocks, generator=g)
@@ -189,7 +193,7 @@ def test_tiles_and_block_tables(block_size, block_m, block_n):
     """BLOCK_N below, equal to and above the cache block size; BLOCK_M from one
     token of the head group to many; high, shuffled block ids (spread 8)."""
     b = Batch([1, 40, 1, 9, 1], [77, 40, 300, 213, 16], 8, 2, 64, block_size=block_size, spread=8, seed=block_size + block_n)
-    assert b.ref_block_tables.max() > 2 * sum(-(-s // block_size) for s in [77, 40, 300, 213, 16])
+    assert b.ref_block_tables.max() > 2 * sum(cdiv(s, block_size) for s in [77, 40, 300, 213, 16])
     out = b.triton(num_splits=1, block_m=block_m, block_n=block_n)
     assert rel_err(out, b.reference()) < TOL[torch.float32]
 
@@ -329,12 +333,15 @@ def test_fp8_encoding_exhaustive():
 # ------------------------------------------------------------------------------------ dispatch
 
 def test_dispatch(monkeypatch):
-    from pagedserve.backend.attention import AttentionBackend, select_attention_backend
+    from pagedserve.backend.attention import AttentionKernels, select_attention_kernels
 
-    backend = dispatch.triton_attention_backend()
-    assert isinstance(backend, AttentionBackend)
-    assert backend.write_cache is write_kv_cache_triton and backend.attend is paged_attention_triton
-    assert select_attention_backend("triton", DEVICE).attend is paged_attention_triton
+    assert dispatch.attention_kernels("triton", DEVICE) == (write_kv_cache_triton, paged_attention_triton)
+    assert dispatch.attention_kernels("torch", DEVICE) == (write_kv_cache_ref, paged_attention_ref)
+    auto = (write_kv_cache_triton, paged_attention_triton) if CUDA else (write_kv_cache_ref, paged_attention_ref)
+    assert dispatch.attention_kernels("auto", DEVICE) == auto
+    kernels = select_attention_kernels("triton", DEVICE)
+    assert isinstance(kernels, AttentionKernels)
+    assert kernels.write_cache is write_kv_cache_triton and kernels.attend is paged_attention_triton
     cpu = torch.zeros(1)
     monkeypatch.delenv(dispatch.FORCE_ENV, raising=False)
     assert dispatch.use_triton(cpu) is False
@@ -343,8 +350,8 @@ def test_dispatch(monkeypatch):
 
 
 def test_engine_attention_call():
-    """backend/attention.attention(): write the step's K/V, then attend, Triton vs torch backend."""
-    from pagedserve.backend.attention import TORCH_BACKEND, AttentionMetadata, LayerKVCache, attention
+    """backend/attention.attention(): write the step's K/V, then attend, Triton vs torch kernels."""
+    from pagedserve.backend.attention import TORCH_KERNELS, AttentionMetadata, LayerKVCache, attention, select_attention_kernels
 
     b = Batch([1, 6, 1], [60, 6, 20], 4, 2, 64, seed=21)
     g = torch.Generator().manual_seed(22)
@@ -358,13 +365,13 @@ def test_engine_attention_call():
             slots.append(int(b.block_tables[i, pos // 16]) * 16 + pos % 16)
     slots = torch.tensor(slots, device=DEVICE)
     outs = []
-    for backend, k_cache, v_cache, table in (
-        (TORCH_BACKEND, b.ref_key_cache, b.ref_value_cache, b.ref_block_tables),
-        (dispatch.triton_attention_backend(), b.key_cache, b.value_cache, b.block_tables),
+    for kernels, k_cache, v_cache, table in (
+        (TORCH_KERNELS, b.ref_key_cache, b.ref_value_cache, b.ref_block_tables),
+        (select_attention_kernels("triton", DEVICE), b.key_cache, b.value_cache, b.block_tables),
     ):
         meta = AttentionMetadata(slots, table, b.seq_lens, b.query_start_loc, max_query_len=6, max_seq_len=60)
         kv = LayerKVCache(k_cache.clone(), v_cache.clone())
-        outs.append(attention(backend, b.query, key, value, kv, meta, b.scale))
+        outs.append(attention(kernels, b.query, key, value, kv, meta, b.scale))
     assert rel_err(outs[1], outs[0]) < TOL[torch.float32]
 
 

@@ -3,128 +3,13 @@
 Tokenizes in-process, streams the request through `llm_engine` over BLS, and
 turns each engine response into a text delta. It is a python model rather than
 an ensemble because Triton (2.51) does not pass a client's cancellation into an
-ensemble's steps: here the watcher sees it and tells llm_engine to abort.
+ensemble's steps: here a watcher sees it and tells llm_engine to abort.
+The logic lives in pagedserve.backend.triton_adapter.text_model.
 """
 
-import faulthandler
-import json
-import threading
-import uuid
-from concurrent.futures import ThreadPoolExecutor
-
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pagedserve.backend.loader import load_tokenizer, resolve_model_path
-from pagedserve.backend.triton_glue import model_parameters, request_inputs, tensor_arrays, to_tensors
-from pagedserve.backend.triton_protocol import ENGINE_OUTPUTS, TEXT_LEVEL_INPUTS, parse_prompt, text_response
+from pagedserve.backend.triton_adapter.python_model import triton_python_model
+from pagedserve.backend.triton_adapter.text_model import TextModel
 
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-ENGINE = "llm_engine"
-WATCH_INTERVAL_S = 0.02
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        faulthandler.enable()  # a fatal error in the stub prints every thread's Python stack to the server log
-        self.tokenizer = load_tokenizer(resolve_model_path(model_parameters(args).get("model", "")))
-        self.relays = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="llm-relay")
-        self.active: dict[str, object] = {}  # request id -> response sender, until its final response
-        self.lock = threading.Lock()  # a sender's factory is gone once its final response is sent
-        self.stopping = threading.Event()
-        self.watcher = threading.Thread(target=self._watch_loop, name="llm-watcher", daemon=True)
-        self.watcher.start()
-
-    def execute(self, requests):
-        for request in requests:
-            sender = request.get_response_sender()
-            try:
-                inputs = request_inputs(request)
-                prompt_ids = parse_prompt(inputs, self.tokenizer)
-            except Exception as error:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
-                continue
-            # New tensors over our own copies: the relay runs after execute() returns.
-            forwarded = {name: array for name, array in inputs.items() if name not in TEXT_LEVEL_INPUTS}
-            forwarded["input_ids"] = np.asarray(prompt_ids, dtype=np.int32)
-            request_id = uuid.uuid4().hex
-            with self.lock:
-                self.active[request_id] = sender
-            self.relays.submit(self._relay, request_id, sender, forwarded, request.parameters())
-        return None
-
-    def _relay(self, request_id, sender, inputs, parameters):
-        """Stream llm_engine's responses back as text; the final flag rides on the last one.
-
-        The engine's stream is always read to its end, even once our final response is
-        out or the client is gone: dropping a BLS stream before its final response may
-        free what the engine's last response still refers to in the server.
-        """
-        done = False  # our final response went out, or the client cannot take more
-        try:
-            engine_request = pb_utils.InferenceRequest(
-                model_name=ENGINE, inputs=to_tensors(pb_utils, inputs), requested_output_names=list(ENGINE_OUTPUTS),
-                request_id=request_id, parameters=json.loads(parameters or "{}"),
-            )
-            for response in engine_request.exec(decoupled=True):
-                if done:
-                    continue
-                if response.has_error():
-                    reply, final = pb_utils.InferenceResponse(error=pb_utils.TritonError(response.error().message())), True
-                elif not response.output_tensors():
-                    continue  # a flag-only final: ours went with the last data
-                else:
-                    outputs = tensor_arrays(response.output_tensors())
-                    reply = pb_utils.InferenceResponse(output_tensors=to_tensors(pb_utils, text_response(outputs, self.tokenizer)))
-                    final = bool(outputs["finished"][0])
-                done = final
-                if not self._deliver(request_id, sender, reply, final) and not final:
-                    done = True  # the client is gone: stop generating, keep draining
-                    self._cancel_in_engine(request_id)
-        except Exception as error:
-            if not done:
-                self._deliver(request_id, sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}")), True)
-
-    def _deliver(self, request_id, sender, response, final) -> bool:
-        """Send to the client; False when that failed (a broken or cancelled request)."""
-        if final:
-            with self.lock:  # the watcher must not ask a finished sender whether it was cancelled
-                self.active.pop(request_id, None)
-        try:
-            sender.send(response, flags=FINAL if final else 0)
-            return True
-        except Exception:
-            with self.lock:
-                self.active.pop(request_id, None)
-            return False
-
-    def _watch_loop(self):
-        while not self.stopping.wait(WATCH_INTERVAL_S):
-            with self.lock:
-                cancelled = [rid for rid, sender in self.active.items() if sender.is_cancelled()]
-                for request_id in cancelled:
-                    del self.active[request_id]
-            for request_id in cancelled:
-                self._cancel_in_engine(request_id)
-
-    def _cancel_in_engine(self, request_id):
-        cancel = pb_utils.InferenceRequest(
-            model_name=ENGINE,
-            inputs=[pb_utils.Tensor("cancel_request_id", np.array([request_id.encode()], dtype=np.object_))],
-            requested_output_names=[],
-        )
-        for _ in cancel.exec(decoupled=True):
-            pass
-
-    def finalize(self):
-        """Abort in-flight requests in the engine so every relay ends, then join the threads."""
-        self.stopping.set()
-        self.watcher.join(5)
-        with self.lock:
-            in_flight = list(self.active)
-        for request_id in in_flight:
-            try:
-                self._cancel_in_engine(request_id)
-            except Exception:  # llm_engine already unloaded: its finalize ended the streams
-                pass
-        self.relays.shutdown(wait=True, cancel_futures=True)
+TritonPythonModel = triton_python_model(pb_utils, TextModel)

@@ -1,19 +1,11 @@
-"""Triton model `postprocessing`: released ids (+ their context ids) -> exact text delta."""
+"""Triton model `postprocessing`: released ids (+ their context ids) -> exact text delta.
 
-import numpy as np
+The logic lives in pagedserve.backend.triton_adapter.stateless.
+"""
+
 import triton_python_backend_utils as pb_utils
 
-from pagedserve.backend.loader import load_tokenizer, resolve_model_path
-from pagedserve.backend.triton_glue import model_parameters, stateless_execute
-from pagedserve.backend.triton_protocol import postprocess_text
+from pagedserve.backend.triton_adapter.python_model import triton_python_model
+from pagedserve.backend.triton_adapter.stateless import PostprocessingModel
 
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.tokenizer = load_tokenizer(resolve_model_path(model_parameters(args).get("model", "")))
-
-    def execute(self, requests):
-        return stateless_execute(pb_utils, requests, self._decode)
-
-    def _decode(self, inputs):
-        return {"text_output": np.array([postprocess_text(inputs, self.tokenizer)], dtype=np.object_)}
+TritonPythonModel = triton_python_model(pb_utils, PostprocessingModel)

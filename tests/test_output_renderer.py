@@ -1,8 +1,8 @@
-"""RequestStream: stop strings across token boundaries, held-back text, exact id releases."""
+"""OutputRenderer: stop strings across token boundaries, held-back text, exact id releases."""
 
 from __future__ import annotations
 
-from pagedserve.backend.request_stream import RequestStream
+from pagedserve.backend.output_renderer import OutputRenderer
 from pagedserve.backend.sampling_params import SamplingParams
 from pagedserve.backend.sequence import FinishReason, Sequence
 from pagedserve.backend.tokenizer import decode_delta
@@ -12,19 +12,19 @@ def run(tokenizer, text, **params):
     """Feed text's tokens one at a time; return the outputs and the stop token index."""
     prompt = tokenizer.encode("Story:")
     seq = Sequence("r", prompt, SamplingParams(**params))
-    stream = RequestStream(seq, tokenizer)
+    renderer = OutputRenderer(seq, tokenizer)
     outputs = []
     for token in tokenizer.encode(text, add_special_tokens=False):
         seq.append_token(token)
-        if stream.on_token():
+        if renderer.on_token():
             seq.finish_reason = FinishReason.STOP
-            outputs.append(stream.collect(finished=True))
+            outputs.append(renderer.collect(finished=True))
             return outputs
-        output = stream.collect(finished=False)
+        output = renderer.collect(finished=False)
         if output is not None:
             outputs.append(output)
     seq.finish_reason = FinishReason.LENGTH
-    outputs.append(stream.collect(finished=True))
+    outputs.append(renderer.collect(finished=True))
     return outputs
 
 

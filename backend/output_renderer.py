@@ -1,8 +1,9 @@
-"""RequestStream: turns a sequence's sampled tokens into the deltas a client sees.
+"""OutputRenderer: turns a sequence's sampled tokens into the deltas a client sees.
 
 It renders text incrementally, finds stop strings (also when they span token
 boundaries), holds back the few characters that might start a stop string, and
-releases tokens only at clean text boundaries.
+releases tokens only at clean text boundaries. Stop strings live here rather
+than in the scheduler because only rendered text can show them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from .outputs import RequestOutput
 from .sequence import Sequence
 
 
-class RequestStream:
+class OutputRenderer:
     def __init__(self, seq: Sequence, tokenizer: Any):
         self.seq = seq
         params = seq.params

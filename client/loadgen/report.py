@@ -1,0 +1,28 @@
+"""The plain-text table `pagedserve bench` prints; apart from the statistics so they
+stay pure data (JSON, plots) and the wording can change without touching them."""
+
+from __future__ import annotations
+
+from .stats import Distribution, Summary
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def format_summary(summary: Summary, title: str = "") -> str:
+    """A plain-text table of the run (latencies in ms)."""
+    lines = [title] if title else []
+    lines.append(
+        f"requests {summary.num_requests}  ok {summary.num_ok}  errors {summary.num_errors}  "
+        f"window {summary.window_s:.1f} s  prompt tokens {summary.total_prompt_tokens}  "
+        f"output tokens {summary.total_output_tokens}"
+    )
+    lines.append(f"throughput  {summary.requests_per_s:.2f} req/s  {summary.output_tokens_per_s:.1f} output tok/s")
+    lines.append(f"{'(ms)':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'samples':>10}")
+    for name in ("ttft", "itl", "tpot", "e2e"):
+        d: Distribution = getattr(summary, name)
+        lines.append(f"{name.upper():<6}{_ms(d.mean):>10}{_ms(d.p50):>10}{_ms(d.p90):>10}{_ms(d.p99):>10}{d.count:>10}")
+    for example in summary.error_examples:
+        lines.append(f"error: {example}")
+    return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""How requests reach the server: the `llm` model over gRPC streaming
+(tritonclient.grpc.aio, one stream per request) or over HTTP `generate_stream`
+(server-sent events, aiohttp; the naive baseline server speaks only this).
+
+Both turn a streamed response into :class:`StreamChunk` (token counts), all the
+runner needs, so the timing code is the same whichever protocol is measured.
+Client libraries are imported when a transport is made, not with this module.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Protocol
+
+from .config import BenchConfig
+from .workloads import RequestSpec
+
+
+@dataclass
+class StreamChunk:
+    """One streamed response as the load generator needs it."""
+
+    num_tokens: int
+    prompt_tokens: int | None = None
+
+
+class ServerError(RuntimeError):
+    """The server answered the request with an error."""
+
+
+class Transport(Protocol):
+    """Streams one request's responses; raises :class:`ServerError` (or a client error) on failure."""
+
+    def stream(self, spec: RequestSpec, sampling: dict[str, Any]) -> AsyncIterator[StreamChunk]: ...
+
+    async def close(self) -> None: ...
+
+
+class GrpcTransport:
+    """`llm` over tritonclient.grpc.aio: one bidirectional stream per request.
+
+    After the final response the stream is drained to its natural end (the request
+    iterator has already half-closed it) rather than cancelled: a finished request
+    needs no cancellation, and the server should see a plain close."""
+
+    def __init__(self, url: str, model: str, timeout: float | None = None):
+        import tritonclient.grpc.aio as aioclient
+
+        self._module = aioclient
+        self.client = aioclient.InferenceServerClient(url)
+        self.model = model
+        self.timeout = timeout
+
+    async def stream(self, spec: RequestSpec, sampling: dict[str, Any]) -> AsyncIterator[StreamChunk]:
+        import numpy as np
+
+        from ..client import build_inputs, parse_result
+
+        inputs = build_inputs(self._module, spec.prompt, stream=True, **sampling)
+        count_input = self._module.InferInput("return_num_input_tokens", [1], "BOOL")
+        count_input.set_data_from_numpy(np.array([True]))
+        inputs.append(count_input)
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": inputs, "request_id": uuid.uuid4().hex}
+
+        responses = self.client.stream_infer(requests(), stream_timeout=self.timeout)
+        final = False
+        try:
+            async for result, error in responses:
+                if final:
+                    continue  # draining: nothing more is expected
+                if error is not None:
+                    raise ServerError(str(error))
+                chunk = parse_result(result)
+                num_input = result.as_numpy("num_input_tokens")
+                yield StreamChunk(chunk.num_output_tokens, int(num_input.sum()) if num_input is not None and num_input.size else None)
+                final = chunk.final
+            if not final:
+                raise ServerError("the stream ended without a final response")
+        except BaseException:
+            if not final:
+                responses.cancel()  # give up on the request (error, timeout, or the run was stopped)
+            raise
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class HttpTransport:
+    """Triton's `POST /v2/models/<model>/generate_stream` (SSE); the naive baseline
+    server speaks the same. Responses without `num_output_tokens` count as one token
+    when they carry text."""
+
+    def __init__(self, url: str, model: str, timeout: float | None = None):
+        import aiohttp
+
+        base = url if url.startswith(("http://", "https://")) else f"http://{url}"
+        self.endpoint = f"{base.rstrip('/')}/v2/models/{model}/generate_stream"
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),  # open loop may have many requests in flight
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        )
+
+    async def stream(self, spec: RequestSpec, sampling: dict[str, Any]) -> AsyncIterator[StreamChunk]:
+        body = {
+            "text_input": spec.prompt,
+            "stream": True,
+            "exclude_input_in_output": True,
+            "return_num_input_tokens": True,
+            "return_num_output_tokens": True,
+            "sampling_parameters": json.dumps(sampling),
+        }
+        async with self.session.post(self.endpoint, json=body) as response:
+            if response.status != 200:
+                text = await response.text()
+                raise ServerError(f"HTTP {response.status}: {_event_error(text) or text.strip()[:300]}")
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise ServerError(str(event["error"]))
+                if "num_output_tokens" in event:
+                    tokens = int(event["num_output_tokens"] or 0)
+                else:
+                    tokens = 1 if event.get("text_output") else 0
+                prompt_tokens = event.get("num_input_tokens")
+                yield StreamChunk(tokens, int(prompt_tokens) if isinstance(prompt_tokens, (int, float)) else None)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+def _event_error(text: str) -> str | None:
+    """The error message of an SSE or JSON error body, if it is one."""
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("data:"):
+            line = line[5:]
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and "error" in event:
+            return str(event["error"])
+    return None
+
+
+def make_transport(config: BenchConfig) -> GrpcTransport | HttpTransport:
+    """Call inside the running event loop (aiohttp binds its session to it)."""
+    if config.protocol == "http":
+        return HttpTransport(config.url, config.model_name, config.request_timeout)
+    return GrpcTransport(config.url, config.model_name)

@@ -1,0 +1,19 @@
+"""Numeric constants and integer helpers shared by the kernels and the engine.
+
+Defined once here so the fp8 quantizers, the KV cache writers, the calibration in
+the engine and every tiling computation agree; this module imports only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+AMAX_EPS = 1e-12
+"""Floor on an amax before it becomes a scale, so all-zero rows do not divide by zero."""
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b for integers (b > 0)."""
+    return -(-a // b)

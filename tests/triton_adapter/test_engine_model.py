@@ -1,0 +1,172 @@
+"""llm_engine's request lifecycle, driven by a fake engine thread (no model load)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pagedserve.backend.engine import EngineStats
+from pagedserve.backend.errors import EngineDeadError, QueueFullError
+from pagedserve.backend.triton_adapter.engine_model import EngineModel
+from pagedserve.backend.triton_adapter.metrics import EngineMetrics
+
+from .fakes import FINAL, CharTokenizer, FakeEngineThread, FakePbUtils, Request, TritonError, wait_until
+
+STATS = EngineStats(num_running=2, num_waiting=1, peak_num_running=3, kv_blocks_total=64, kv_blocks_used=10,
+                    kv_blocks_free=54, kv_usage=10 / 64, prefix_hit_rate=0.5, num_preemptions=0,
+                    prompt_tokens=0, generation_tokens=0)
+
+
+@pytest.fixture
+def engine_thread():
+    return FakeEngineThread()
+
+
+@pytest.fixture
+def model(engine_thread):
+    pb_utils = FakePbUtils()
+    model = EngineModel(pb_utils, engine_thread, CharTokenizer(), lambda: STATS, EngineMetrics(pb_utils, {"model": "llm_engine", "version": "1"}))
+    yield model
+    model.finalize()
+
+
+def submit(model, engine_thread, request_id="r1", **inputs) -> Request:
+    request = Request({"input_ids": [5, 6, 7], **inputs}, request_id=request_id)
+    model.execute([request])
+    return request
+
+
+def test_streaming_request_gets_one_response_per_output_with_final_on_the_last(model, engine_thread):
+    request = submit(model, engine_thread, stream=True, return_num_output_tokens=True, return_finish_reason=True)
+    engine_thread.emit("r1", [10, 11])
+    engine_thread.emit("r1", [12], finished=True)
+    sent = request.sender.wait_final()
+    assert [f for _, f in sent] == [0, FINAL]
+    outputs = [r.outputs() for r, _ in sent]
+    assert [o["output_ids"].tolist() for o in outputs] == [[10, 11], [12]]
+    assert [o["finished"].tolist() for o in outputs] == [[False], [True]]
+    assert [o["num_output_tokens"].tolist() for o in outputs] == [[2], [1]]
+    assert outputs[-1]["finish_reason"].tolist() == [b"length"]  # STRING outputs travel as bytes
+
+
+def test_non_streaming_request_gets_one_merged_response(model, engine_thread):
+    request = submit(model, engine_thread, return_num_input_tokens=True)
+    for ids in ([10], [11, 12]):
+        engine_thread.emit("r1", ids)
+    engine_thread.emit("r1", [13], finished=True)
+    sent = request.sender.wait_final()
+    assert len(sent) == 1 and sent[0][1] == FINAL
+    outputs = sent[0][0].outputs()
+    assert outputs["output_ids"].tolist() == [5, 6, 7, 10, 11, 12, 13]  # the prompt too, as vLLM does unless excluded
+    assert outputs["num_input_tokens"].tolist() == [3]
+
+
+def test_invalid_request_gets_invalid_arg_naming_the_field_and_the_model_keeps_serving(model, engine_thread):
+    bad = Request({"input_ids": [5], "sampling_parameters": "{not json"}, request_id="bad")
+    missing = Request({"stream": True}, request_id="missing")
+    model.execute([bad, missing])
+    for request, field in ((bad, "sampling_parameters"), (missing, "input_ids")):
+        (response, flags), = request.sender.wait_final()
+        assert flags == FINAL
+        assert response.error().code() == TritonError.INVALID_ARG
+        assert f"'{field}'" in response.error().message()
+    assert "bad" not in engine_thread.submitted and not model.active
+
+    good = submit(model, engine_thread, request_id="good", stream=True)
+    engine_thread.emit("good", [9], finished=True)
+    assert good.sender.wait_final()[0][0].outputs()["output_ids"].tolist() == [9]
+
+
+@pytest.mark.parametrize(
+    "error, code",
+    [
+        (QueueFullError("server busy: the waiting queue is full"), TritonError.UNAVAILABLE),
+        (EngineDeadError("the engine failed earlier"), TritonError.UNAVAILABLE),
+        (RuntimeError("boom"), TritonError.INTERNAL),
+    ],
+)
+def test_submit_failures_map_to_triton_codes(error, code):
+    pb_utils = FakePbUtils()
+    model = EngineModel(pb_utils, FakeEngineThread(submit_error=error), CharTokenizer(), lambda: STATS)
+    try:
+        request = Request({"input_ids": [1, 2]}, request_id="r")
+        model.execute([request])
+        (response, flags), = request.sender.wait_final()
+        assert flags == FINAL and response.error().code() == code
+        assert str(error) in response.error().message()
+        assert not model.active
+    finally:
+        model.finalize()
+
+
+def test_cancelled_client_aborts_in_the_engine_and_gets_cancelled(model, engine_thread):
+    request = submit(model, engine_thread, stream=True)
+    engine_thread.emit("r1", [10])
+    request.sender.cancelled = True
+    sent = request.sender.wait_final()
+    assert engine_thread.aborted == ["r1"]
+    assert sent[-1][0].error().code() == TritonError.CANCELLED and sent[-1][1] == FINAL
+    wait_until(lambda: not model.active)
+    assert not request.sender.asked_after_final
+
+
+def test_cancel_control_request_aborts_the_named_request(model, engine_thread):
+    target = submit(model, engine_thread, request_id="target", stream=True)
+    control = Request({"cancel_request_id": "target"})
+    model.execute([control])
+    assert control.sender.sent == [(None, FINAL)]
+    assert target.sender.wait_final()[-1][0].error().code() == TritonError.CANCELLED
+    assert engine_thread.aborted == ["target"]
+
+
+def test_engine_failure_is_an_internal_error(model, engine_thread):
+    request = submit(model, engine_thread, stream=True)
+    engine_thread.emit("r1", [], finished=True, finish_reason="error", error="RuntimeError: step failed")
+    (response, flags), = request.sender.wait_final()
+    assert flags == FINAL and response.error().code() == TritonError.INTERNAL
+    assert "step failed" in response.error().message()
+
+
+def test_reused_request_ids_are_served_separately(model, engine_thread):
+    first = submit(model, engine_thread, request_id="same", stream=True)
+    second = submit(model, engine_thread, request_id="same", stream=True)
+    assert len(engine_thread.submitted) == 2
+    for request_id, sender in zip(engine_thread.submitted, (first.sender, second.sender)):
+        engine_thread.emit(request_id, [ord("x")], finished=True)
+        assert sender.wait_final()[0][0].outputs()["finished"].tolist() == [True]
+
+
+def test_finalize_aborts_in_flight_requests(engine_thread):
+    model = EngineModel(FakePbUtils(), engine_thread, CharTokenizer(), lambda: STATS)
+    requests = [submit(model, engine_thread, request_id=f"r{i}", stream=True) for i in range(2)]
+    model.finalize()
+    assert engine_thread.shut_down
+    for request in requests:
+        assert request.sender.wait_final(0)[-1][0].error().code() == TritonError.CANCELLED
+    assert not model.response_thread.is_alive() and not model.watcher_thread.is_alive()
+
+
+def test_metrics_count_what_a_request_used(model, engine_thread):
+    request = submit(model, engine_thread, stream=True)
+    engine_thread.emit("r1", [10], num_output_tokens=1)
+    engine_thread.emit("r1", [11, 12], num_output_tokens=3)
+    engine_thread.emit("r1", [13], finished=True, num_output_tokens=4)
+    request.sender.wait_final()
+    metrics = model.metrics
+    wait_until(lambda: metrics.running.total == STATS.num_running)
+    assert metrics.prompt_tokens.total == 3
+    assert metrics.generation_tokens.total == 4
+    assert len(metrics.ttft.observations) == len(metrics.e2e.observations) == len(metrics.tpot.observations) == 1
+    assert metrics.e2e.observations[0] >= metrics.ttft.observations[0] >= 0
+    assert (metrics.waiting.total, metrics.blocks_used.total, metrics.blocks_total.total) == (1, 10, 64)
+    assert metrics.max_running.total == 3 and metrics.hit_rate.total == 0.5
+
+
+def test_triton_request_parameters_act_as_sampling_parameters(model, engine_thread):
+    request = Request({"input_ids": [1]}, request_id="p", parameters=json.dumps({"max_tokens": 3, "temperature": 0}))
+    model.execute([request])
+    params = engine_thread.submitted["p"][1]
+    assert (params.max_tokens, params.temperature) == (3, 0)
+    assert np.array_equal(engine_thread.submitted["p"][0], [1])
