@@ -2,8 +2,8 @@
 
 The committed `model_repository/` holds defaults. Serving another model (or
 tests with a small KV budget) writes a copy whose config.pbtxt `parameters`
-carry the chosen values; the three models that load a tokenizer all get the
-same `model` path.
+carry the chosen values. The model is named once, in llm_engine's config.pbtxt;
+the models that load a tokenizer read it from there.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Mapping
 from pagedserve.backend.config import EngineConfig
 from pagedserve.backend.errors import ConfigError
 
-MODELS_WITH_TOKENIZER = ("preprocessing", "llm_engine", "postprocessing")
 ENGINE_ONLY_PARAMETERS = {"enable_metrics"}
 
 
@@ -45,9 +44,7 @@ def write_repository(destination: str | os.PathLike, model: str = "", engine: Ma
     if destination.exists():
         shutil.rmtree(destination)
     shutil.copytree(source_repository(), destination, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in MODELS_WITH_TOKENIZER:
-        set_parameters(destination / name / "config.pbtxt", {"model": model})
-    set_parameters(destination / "llm_engine" / "config.pbtxt", engine)
+    set_parameters(destination / "llm_engine" / "config.pbtxt", {"model": model, **engine})
     return destination
 
 

@@ -1,0 +1,57 @@
+"""A non-default model named once (llm_engine's `model`): every model that tokenizes
+uses its tokenizer, so served text equals the engine's offline generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+
+from pagedserve.backend import LLMEngine, SamplingParams
+from pagedserve.client.client import LLMClient
+from pagedserve.client.repository import set_parameters, write_repository
+from pagedserve.client.triton_server import TritonServer, TritonServerError
+
+from .conftest import tensor
+
+PROMPTS = ["The quick brown fox jumps over", "Once upon a time there was"]
+
+
+@pytest.fixture(scope="module")
+def own_model(tmp_path_factory, sentencepiece_tokenizer):
+    """A small random Llama with a tokenizer unlike SmolLM2's, built in-process."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("own-model")
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(sentencepiece_tokenizer), max_position_embeddings=512,
+                         initializer_range=0.3, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    sentencepiece_tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def test_served_text_uses_the_served_models_tokenizer(tmp_path, own_model, sentencepiece_tokenizer):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    offline = LLMEngine(model=own_model, dtype="float32").generate(PROMPTS, params, use_tqdm=False)
+    repository = write_repository(tmp_path / "repo", model=own_model, engine={"dtype": "float32"})
+    for name in ("llm", "preprocessing", "postprocessing"):  # one place names the model
+        assert "string_value" not in (repository / name / "config.pbtxt").read_text()
+    with TritonServer(repository, log_file=tmp_path / "server.log").start(timeout=300) as server:
+        client = LLMClient(server.grpc_url)
+        served = [client.generate(p, max_tokens=12, temperature=0, ignore_eos=True) for p in PROMPTS]
+        assert served == [c.text for c in offline]
+        with grpcclient.InferenceServerClient(server.grpc_url) as triton:
+            result = triton.infer("preprocessing", [tensor("text_input", PROMPTS[0])])
+        assert result.as_numpy("input_ids").tolist() == sentencepiece_tokenizer.encode(PROMPTS[0])
+
+
+def test_a_tokenizer_model_naming_another_model_fails_its_load(tmp_path, own_model):
+    repository = write_repository(tmp_path / "repo", model=own_model)
+    set_parameters(repository / "postprocessing" / "config.pbtxt", {"model": "/some/other/model"})
+    server = TritonServer(repository, log_file=tmp_path / "server.log")
+    with pytest.raises(TritonServerError):
+        server.start(timeout=300)
+    server.stop()
+    assert "set `model` only in llm_engine/config.pbtxt" in server.log_tail(300)
