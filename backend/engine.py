@@ -8,6 +8,7 @@ wiring; every decision of its own lives in the module named after it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -51,6 +52,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    num_recoveries: int = 0
 
 
 class LLMEngine:
@@ -94,6 +96,7 @@ class LLMEngine:
             calibrate_kv_scales(self.runner, self.encode(CALIBRATION_TEXT)[: self.max_model_len])
         self.sampler = Sampler(self.model_config.eos_token_ids, config.seed, self.device)
         self.renderers: dict[str, OutputRenderer] = {}
+        self.num_recoveries = 0
         self._ids = itertools.count()
         logger.info(
             "engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
@@ -162,7 +165,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Queue a request (text or token ids). Raises InvalidRequestError or QueueFullError."""
-        params = params or SamplingParams()
+        params = self._with_bad_word_ids(params or SamplingParams())
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_admission(ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -174,6 +177,19 @@ class LLMEngine:
         self.renderers[request_id] = OutputRenderer(seq, self.tokenizer)
         return request_id
 
+    def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's `bad_words` as token sequences, each word alone and after a space
+        (how it appears mid-text)."""
+        if not params.bad_words:
+            return params
+        sequences = list(params.bad_words_ids)
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return dataclasses.replace(params, bad_words=[], bad_words_ids=sequences)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its KV blocks are free when this returns."""
         seq = self.scheduler.abort(request_id)
@@ -181,6 +197,16 @@ class LLMEngine:
         if seq is None or renderer is None:
             return None
         return renderer.collect(finished=True)
+
+    def recover_from_failure(self) -> None:
+        """A clean state after a step that raised: every request dropped (blocks freed)
+        and the prefix cache forgotten, since the failed step may have left any block
+        half written."""
+        for request_id in list(self.scheduler.requests):
+            self.scheduler.abort(request_id)
+        self.renderers.clear()
+        self.scheduler.block_manager.reset_prefix_cache()
+        self.num_recoveries += 1
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -219,6 +245,7 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             prompt_tokens=scheduler.prompt_tokens_total,
             generation_tokens=scheduler.generation_tokens_total,
+            num_recoveries=self.num_recoveries,
         )
 
     def prompt_logprobs(self, token_ids: Seq[int]) -> list[float]:

@@ -3,6 +3,8 @@
 Any thread may submit or abort; requests enter the engine at the start of the
 next step (so an abort frees its blocks within one step). Outputs reach each
 request's callback from the engine thread, which the callback must not block.
+A step that raises costs the requests in flight (each gets an error as its final
+output), not the engine: its state is rebuilt and the next request is served.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import deque
 from typing import Callable, Iterator, Sequence as Seq
 
 from .engine import LLMEngine
-from .errors import EngineDeadError
+from .errors import EngineDeadError, EngineStepError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -93,11 +95,29 @@ class EngineThread:
                         self._deliver(output)
                     if self.on_step is not None:
                         self.on_step()
-            except Exception as error:  # the engine is unusable now: fail every request
-                logger.exception("engine step failed")
-                self.error = error
-                self._fail_all(error)
-                return
+            except Exception as error:
+                if not self._recover(error):
+                    return
+
+    def _recover(self, error: Exception) -> bool:
+        """After a failed step: error every request in flight (each gets its one final
+        output), then give the engine a clean state so the next request is served.
+        False when even that failed: the engine is dead and every later submit says so."""
+        logger.exception("engine step failed; dropping %d requests and recovering", len(self._callbacks))
+        failure = EngineStepError(
+            f"the engine step failed ({type(error).__name__}: {error}); this request was dropped "
+            "and the engine recovered, so retrying it may succeed"
+        )
+        self._fail_all(failure)
+        try:
+            self.engine.recover_from_failure()
+        except Exception as reset_error:
+            logger.exception("engine recovery failed")
+            self.error = reset_error
+            self._fail_all(reset_error)
+            self._fail_inbox(reset_error)
+            return False
+        return True
 
     def _apply_inbox(self) -> None:
         while self._adds:
@@ -129,6 +149,14 @@ class EngineThread:
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._callbacks):
+            self._deliver(_error_output(request_id, error))
+
+    def _fail_inbox(self, error: BaseException) -> None:
+        """Requests accepted but never added get their final too."""
+        while self._adds:
+            with self._lock:
+                request_id, _, _, callback = self._adds.popleft()
+            self._callbacks[request_id] = callback
             self._deliver(_error_output(request_id, error))
 
 

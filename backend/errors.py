@@ -31,5 +31,9 @@ class QueueFullError(PagedServeError):
     """The waiting queue is at max_queue_size: the caller should retry later."""
 
 
+class EngineStepError(PagedServeError):
+    """An engine step failed; the requests in it were dropped and the engine recovered."""
+
+
 class EngineDeadError(PagedServeError):
     """The engine loop failed; in-flight and new requests cannot be served."""

@@ -48,6 +48,8 @@ class SamplingParams:
     """Token ids that end generation (besides EOS)."""
     bad_words_ids: list[list[int]] = field(default_factory=list)
     """Token sequences that must never be generated."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words that must never be generated (vLLM's key); the engine adds their token ids."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -80,9 +82,12 @@ class SamplingParams:
         names = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
+            if key in VLLM_NEUTRAL_ONLY:
+                _check_neutral(key, value)
+                continue
             if key not in names:
                 raise InvalidRequestError(
-                    key, f"unknown sampling parameter; known: {sorted(names)}"
+                    key, f"unknown sampling parameter; known: {sorted(set(names) | set(VLLM_NEUTRAL_ONLY))}"
                 )
             kwargs[key] = _cast(key, value, str(names[key].type))
         return cls(**kwargs)
@@ -146,6 +151,46 @@ class SamplingParams:
         ):
             bad = [t for t in ids if t >= vocab_size]
             _check(not bad, name, f"token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+
+
+# Keys of vLLM's SamplingParams that a client of Triton's vLLM backend may send and that
+# pagedserve does not implement: accepted at the value that changes nothing, refused
+# (naming the key) otherwise. key -> (neutral values, what is missing).
+VLLM_NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "parallel samples (n > 1) are not supported yet; send one request per sample"),
+    "best_of": ((1,), "best_of > 1 is not supported"),
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "length_penalty": ((1.0,), "length_penalty applies to beam search, which is not supported"),
+    "early_stopping": ((False,), "early_stopping applies to beam search, which is not supported"),
+    "prompt_logprobs": ((None,), "prompt logprobs are not returned by the Triton models"),
+    "detokenize": ((True,), "detokenize=false is not supported; the text models always detokenize"),
+    "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not supported"),
+    "guided_decoding": (({},), "guided decoding is not supported"),
+    "structured_outputs": (({},), "structured outputs (guided decoding) are not supported"),
+    "logits_processors": (([],), "custom logits processors are not supported"),
+    "logit_bias": (({},), "logit_bias is not supported"),
+    "allowed_token_ids": (([],), "allowed_token_ids is not supported"),
+    "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported; shorten the prompt"),
+    "output_kind": ((0, 1, 2, "CUMULATIVE", "DELTA", "FINAL_ONLY"), "output_kind is set by the `stream` input"),
+    "extra_args": (({},), "extra_args is not supported"),
+}
+
+
+def _check_neutral(key: str, value: Any) -> None:
+    neutral, missing = VLLM_NEUTRAL_ONLY[key]
+    if value is None:
+        return
+    try:
+        if isinstance(neutral[0], bool):
+            value = to_bool(value)
+        elif isinstance(neutral[0], int) and not isinstance(value, (dict, list)):
+            value = to_int(value)
+        elif isinstance(neutral[0], float):
+            value = to_float(value)
+    except ValueError:
+        pass  # not castable: it cannot be neutral either
+    if value not in neutral:
+        raise InvalidRequestError(key, f"{missing} (got {value!r}; pagedserve accepts only {neutral[0]!r} here)")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

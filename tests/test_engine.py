@@ -99,3 +99,12 @@ def test_prompt_logprobs_give_the_same_perplexity_as_transformers(engine, hf_ora
     assert len(ours) == len(ids) - 1
     assert math.exp(-sum(ours) / len(ours)) == pytest.approx(math.exp(loss), rel=1e-4)
     assert_engine_idle(engine)
+
+
+def test_bad_words_never_appear_in_the_output(engine):
+    ids = engine.encode(messages=CAPITAL)
+    [plain] = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    assert "Paris" in plain.text
+    [banned] = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0, bad_words=["Paris"]), use_tqdm=False)
+    assert "Paris" not in banned.text and banned.text != plain.text
+    assert_engine_idle(engine)

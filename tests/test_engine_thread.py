@@ -66,15 +66,47 @@ def test_shutdown_finishes_every_request(engine):
     assert_engine_idle(engine)
 
 
-def test_a_failing_step_errors_every_request_and_refuses_new_ones(engine, monkeypatch):
+def test_a_failing_step_errors_the_requests_in_it_then_the_engine_serves_the_next(engine, monkeypatch):
     loop = EngineThread(engine)
+    execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def fails_on_the_third_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", fails_on_the_third_step)
+    first, second = queue.Queue(), queue.Queue()
+    loop.submit("z", engine.encode("Hi"), SamplingParams(max_tokens=50, ignore_eos=True), first.put)
+    loop.submit("w", engine.encode("Hello there"), SamplingParams(max_tokens=50, ignore_eos=True), second.put)
+    for outputs in (first, second):
+        while not (final := outputs.get(timeout=60)).finished:
+            pass
+        assert final.finish_reason == "error" and "device lost" in final.error and "retry" in final.error
+    assert engine.block_manager.num_used_blocks == 0 and engine.stats().num_recoveries == 1
+    assert loop.is_alive
+    after = list(loop.stream("next", engine.encode("Hi"), SamplingParams(max_tokens=4, temperature=0)))
+    assert after[-1].finished and after[-1].error is None
+    assert "".join(o.text for o in after) == engine.generate(["Hi"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].text
+    loop.shutdown()
+    assert_engine_idle(engine)
+
+
+def test_a_failing_recovery_errors_every_request_and_refuses_new_ones(engine, monkeypatch):
+    loop = EngineThread(engine)
+
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
+
     monkeypatch.setattr(engine.runner, "execute", broken)
+    monkeypatch.setattr(engine, "recover_from_failure", broken)
     outputs: queue.Queue = queue.Queue()
     loop.submit("z", engine.encode("Hi"), SamplingParams(max_tokens=4), outputs.put)
     final = outputs.get(timeout=30)
     assert final.finished and "device lost" in final.error
+    loop._thread.join(10)
     assert not loop.is_alive
     with pytest.raises(EngineDeadError, match="device lost"):
         loop.submit("y", [1, 2], SamplingParams(), outputs.put)

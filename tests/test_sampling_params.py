@@ -57,3 +57,26 @@ def test_from_dict_rejects_unknown_keys_and_bad_types():
 def test_vocabulary_bounds_are_checked():
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[10]).check_vocab(8)
+
+
+def test_vllm_keys_are_accepted_at_their_neutral_values():
+    params = SamplingParams.from_dict({
+        "n": 1, "best_of": "1", "use_beam_search": False, "length_penalty": 1.0, "early_stopping": "false",
+        "detokenize": True, "spaces_between_special_tokens": True, "output_kind": "DELTA", "logit_bias": {},
+        "max_tokens": 5,
+    })
+    assert params.max_tokens == 5
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("n", 2, "n > 1"), ("best_of", 3, "best_of"), ("use_beam_search", True, "beam search"),
+    ("guided_decoding", {"json": {}}, "guided decoding"), ("logit_bias", {"5": 10}, "logit_bias"),
+    ("prompt_logprobs", 1, "prompt logprobs"),
+])
+def test_vllm_keys_we_cannot_honour_are_refused_naming_the_key(key, value, says):
+    with pytest.raises(InvalidRequestError, match=rf"'{key}'.*{says}"):
+        SamplingParams.from_dict({key: value})
+
+
+def test_bad_words_is_a_known_key():
+    assert SamplingParams.from_dict({"bad_words": ["foo", "bar"]}).bad_words == ["foo", "bar"]

@@ -43,7 +43,10 @@ class EngineMetrics:
         self.blocks_total = self._metric("pagedserve:kv_blocks_total", "KV blocks in the cache", gauge)
         self.hit_rate = self._metric("pagedserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0-1)", gauge)
         self.max_running = self._metric("pagedserve:num_requests_running_max", "Most requests seen running at once", gauge)
-        self._preemptions_seen = 0
+        self.recoveries = self._metric(
+            "pagedserve:engine_recoveries_total", "Engine steps that failed and were recovered from", counter
+        )
+        self._seen = {"num_preemptions": 0, "num_recoveries": 0}
 
     def _metric(self, name: str, description: str, kind: Any, buckets: list[float] | None = None) -> Any:
         family = self.pb_utils.MetricFamily(name=name, description=description, kind=kind)
@@ -68,7 +71,7 @@ class EngineMetrics:
                 self.tpot.observe((now - first_token) / (output.num_output_tokens - 1))
 
     def refresh(self, stats: EngineStats) -> None:
-        """Set the gauges from the engine's stats; preemptions count up by what is new."""
+        """Set the gauges from the engine's stats; the counters count up by what is new."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.usage.set(stats.kv_usage)
@@ -77,6 +80,8 @@ class EngineMetrics:
         self.blocks_total.set(stats.kv_blocks_total)
         self.hit_rate.set(stats.prefix_hit_rate)
         self.max_running.set(stats.peak_num_running)
-        if stats.num_preemptions > self._preemptions_seen:
-            self.preemptions.increment(stats.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = stats.num_preemptions
+        for name, counter in (("num_preemptions", self.preemptions), ("num_recoveries", self.recoveries)):
+            total = getattr(stats, name)
+            if total > self._seen[name]:
+                counter.increment(total - self._seen[name])
+                self._seen[name] = total

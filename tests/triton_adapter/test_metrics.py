@@ -27,7 +27,8 @@ def output(new_ids, finished=False, num_output_tokens=0, error=None):
 def test_names_kinds_buckets_and_labels(metrics):
     families = {f.name: f for f in metrics.families}
     assert {n for n, f in families.items() if f.kind == MetricFamily.COUNTER} == {
-        "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total"}
+        "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+        "pagedserve:engine_recoveries_total"}
     assert {n for n, f in families.items() if f.kind == MetricFamily.GAUGE} == {
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc",
         "pagedserve:kv_blocks_used", "pagedserve:kv_blocks_free", "pagedserve:kv_blocks_total",
@@ -37,7 +38,7 @@ def test_names_kinds_buckets_and_labels(metrics):
     assert metrics.tpot.family.name == "vllm:time_per_output_token_seconds"
     assert metrics.e2e.family.name == "vllm:e2e_request_latency_seconds"
     every_metric = [v for v in vars(metrics).values() if hasattr(v, "family")]
-    assert len(every_metric) == 14 and all(m.labels == LABELS for m in every_metric)
+    assert len(every_metric) == 15 and all(m.labels == LABELS for m in every_metric)
     assert all(m.family in metrics.families for m in every_metric)  # families outlive their metrics
 
 
@@ -60,15 +61,16 @@ def test_one_token_request_has_no_tpot_and_failures_count_nothing(metrics):
     assert metrics.e2e.observations == [0.5] and metrics.generation_tokens.total == 1
 
 
-def test_refresh_sets_gauges_and_counts_new_preemptions_once(metrics):
+def test_refresh_sets_gauges_and_counts_new_preemptions_and_recoveries_once(metrics):
     stats = EngineStats(num_running=2, num_waiting=1, peak_num_running=5, kv_blocks_total=64, kv_blocks_used=16,
                         kv_blocks_free=48, kv_usage=0.25, prefix_hit_rate=0.5, num_preemptions=3,
                         prompt_tokens=0, generation_tokens=0)
     metrics.refresh(stats)
     metrics.refresh(stats)
     assert metrics.preemptions.total == 3
-    metrics.refresh(dataclasses.replace(stats, num_preemptions=5))
-    assert metrics.preemptions.total == 5
+    metrics.refresh(dataclasses.replace(stats, num_preemptions=5, num_recoveries=1))
+    metrics.refresh(dataclasses.replace(stats, num_preemptions=5, num_recoveries=1))
+    assert metrics.preemptions.total == 5 and metrics.recoveries.total == 1
     assert (metrics.running.total, metrics.waiting.total, metrics.usage.total) == (2, 1, 0.25)
     assert (metrics.blocks_used.total, metrics.blocks_free.total, metrics.blocks_total.total) == (16, 48, 64)
     assert (metrics.hit_rate.total, metrics.max_running.total) == (0.5, 5)
