@@ -33,7 +33,8 @@ from .quantization import quantize_model
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import FinishReason, Sequence
+from .sample_group import SampleGroup, sample_id
+from .sequence import FinishReason, Sequence, SequenceStatus
 from .tokenizer import apply_chat_template, encode_prompt
 
 logger = logging.getLogger("pagedserve")
@@ -96,6 +97,9 @@ class LLMEngine:
             calibrate_kv_scales(self.runner, self.encode(CALIBRATION_TEXT)[: self.max_model_len])
         self.sampler = Sampler(self.model_config.eos_token_ids, config.seed, self.device)
         self.renderers: dict[str, OutputRenderer] = {}
+        self.groups: dict[str, SampleGroup] = {}
+        """Requests with n > 1, by request id."""
+        self._request_of_sample: dict[str, str] = {}
         self.num_recoveries = 0
         self._ids = itertools.count()
         logger.info(
@@ -169,13 +173,24 @@ class LLMEngine:
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_admission(ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seq = Sequence(request_id, ids, params, arrival_time=arrival_time or time.monotonic())
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(params.seed)
+        if request_id in self.groups or request_id in self.renderers:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq_id = request_id if params.n == 1 else sample_id(request_id, 0)
+        seq = Sequence(seq_id, ids, params, arrival_time=arrival_time or time.monotonic())
         self.scheduler.add(seq)
-        self.renderers[request_id] = OutputRenderer(seq, self.tokenizer)
+        self._start(seq)
+        if params.n > 1:
+            group = self.groups[request_id] = SampleGroup.fork(request_id, seq, params.n)
+            self._request_of_sample.update((sample.request_id, request_id) for sample in group.samples)
         return request_id
+
+    def _start(self, seq: Sequence) -> None:
+        """Give a sample its renderer and, with a seed, its generator (seed + sample index,
+        so the n samples of a seeded request differ yet repeat)."""
+        if seq.params.seed is not None:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(seq.params.seed + seq.sample_index)
+        self.renderers[seq.request_id] = OutputRenderer(seq, self.tokenizer)
 
     def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
         """vLLM's `bad_words` as token sequences, each word alone and after a space
@@ -191,9 +206,19 @@ class LLMEngine:
         return dataclasses.replace(params, bad_words=[], bad_words_ids=sequences)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request; its KV blocks are free when this returns."""
-        seq = self.scheduler.abort(request_id)
-        renderer = self.renderers.pop(request_id, None)
+        """Cancel a request (every sample of it); its KV blocks are free when this returns."""
+        group = self._forget_group(request_id)
+        if group is None:
+            return self._abort_sample(request_id)
+        group.forks_waiting.clear()
+        outputs = {seq.sample_index: self._abort_sample(seq.request_id) for seq in group.samples if not seq.is_finished}
+        for seq in group.samples:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, seq.finish_reason or FinishReason.ABORT
+        return group.merge({i: o for i, o in outputs.items() if o is not None})
+
+    def _abort_sample(self, seq_id: str) -> RequestOutput | None:
+        seq = self.scheduler.abort(seq_id)
+        renderer = self.renderers.pop(seq_id, None)
         if seq is None or renderer is None:
             return None
         return renderer.collect(finished=True)
@@ -205,6 +230,8 @@ class LLMEngine:
         for request_id in list(self.scheduler.requests):
             self.scheduler.abort(request_id)
         self.renderers.clear()
+        self.groups.clear()
+        self._request_of_sample.clear()
         self.scheduler.block_manager.reset_prefix_cache()
         self.num_recoveries += 1
 
@@ -220,7 +247,36 @@ class LLMEngine:
         logits, sampling_seqs = self.runner.execute(batch)
         sampled = self.sampler(logits, sampling_seqs) if sampling_seqs else None
         advanced = self.scheduler.update_from_output(batch, sampling_seqs, sampled)
-        return [output for seq in advanced if (output := self._render(seq)) is not None]
+        outputs = [output for seq in advanced if (output := self._render(seq)) is not None]
+        if self.groups:
+            outputs = self._merge_samples(outputs)
+        return outputs
+
+    def _merge_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """One output per request: n > 1 samples merged; forks whose prompt is ready start."""
+        merged: list[RequestOutput] = []
+        by_group: dict[str, dict[int, RequestOutput]] = {}
+        for output in outputs:
+            request_id = self._request_of_sample.get(output.request_id)
+            if request_id is None:
+                merged.append(output)
+            else:
+                by_group.setdefault(request_id, {})[output.index] = output
+        for request_id, group in list(self.groups.items()):
+            for fork in group.forks_ready():
+                self.scheduler.add(fork, check_room=False)
+                self._start(fork)
+            if request_id in by_group:
+                merged.append(group.merge(by_group[request_id]))
+                if group.finished:
+                    self._forget_group(request_id)
+        return merged
+
+    def _forget_group(self, request_id: str) -> SampleGroup | None:
+        group = self.groups.pop(request_id, None)
+        for seq in group.samples if group else ():
+            self._request_of_sample.pop(seq.request_id, None)
+        return group
 
     def _render(self, seq: Sequence) -> RequestOutput | None:
         """The request's delta after its new token; a stop string in the text finishes it."""
@@ -277,7 +333,8 @@ class LLMEngine:
         for prompt, p in zip(prompts, params):
             request_id = self.add_request(prompt, p)
             order.append(request_id)
-            completions[request_id] = Completion(request_id, list(self.renderers[request_id].seq.prompt_token_ids))
+            prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+            completions[request_id] = Completion(request_id, prompt_ids)
         with tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm, leave=False) as bar:
             while self.has_unfinished_requests():
                 for output in self.step():

@@ -75,6 +75,7 @@ class OutputRenderer:
         self.cumulative_logprob += sum(lp.logprob for lp in logprobs)
         output = RequestOutput(
             request_id=seq.request_id,
+            index=seq.sample_index,
             new_token_ids=seq.token_ids[first : seq.num_prompt_tokens + end_token],
             context_token_ids=self.detokenizer.context(first),
             text=self.text[self.sent_chars : end_char] if end_char > self.sent_chars else "",

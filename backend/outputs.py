@@ -32,6 +32,11 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     error: str | None = None
     """Set when the engine failed while serving this request."""
+    index: int = 0
+    """Which sample of the request this is (n > 1)."""
+    samples: list["RequestOutput"] = field(default_factory=list)
+    """With n > 1: every sample's output of this step, by index (the fields above then
+    describe the request as a whole: finished once every sample is)."""
 
 
 @dataclass
@@ -46,8 +51,14 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0
+    samples: list["Completion"] = field(default_factory=list)
+    """With n > 1: each sample's completion, by index."""
 
     def add(self, output: RequestOutput) -> None:
+        for sample in output.samples:
+            while len(self.samples) <= sample.index:
+                self.samples.append(Completion(self.request_id, self.prompt_token_ids))
+            self.samples[sample.index].add(sample)
         self.text += output.text
         self.token_ids.extend(output.new_token_ids)
         self.logprobs.extend(output.logprobs)

@@ -14,12 +14,15 @@ from .errors import InvalidRequestError
 from .values import to_bool, to_float, to_int
 
 _MAX_LOGPROBS = 20
+MAX_N = 16
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
     """Most tokens to generate."""
+    n: int = 1
+    """Parallel samples of the prompt (they share its KV blocks)."""
     min_tokens: int = 0
     """EOS and stop token ids are masked until this many tokens exist."""
     temperature: float = 1.0
@@ -94,6 +97,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n}")
         _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         _check(
             self.min_tokens <= self.max_tokens,
@@ -157,8 +161,7 @@ class SamplingParams:
 # pagedserve does not implement: accepted at the value that changes nothing, refused
 # (naming the key) otherwise. key -> (neutral values, what is missing).
 VLLM_NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "parallel samples (n > 1) are not supported yet; send one request per sample"),
-    "best_of": ((1,), "best_of > 1 is not supported"),
+    "best_of": ((1,), "best_of > 1 is not supported; use n"),
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1.0,), "length_penalty applies to beam search, which is not supported"),
     "early_stopping": ((False,), "early_stopping applies to beam search, which is not supported"),

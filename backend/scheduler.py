@@ -91,8 +91,10 @@ class Scheduler:
                 f"server busy: {waiting} requests are waiting (max_queue_size={self.max_queue_size}); retry later"
             )
 
-    def add(self, seq: Sequence) -> None:
-        self.check_room()
+    def add(self, seq: Sequence, check_room: bool = True) -> None:
+        """Queue a sequence; the forks of an admitted request (n > 1) skip the room check."""
+        if check_room:
+            self.check_room()
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         seq.status = SequenceStatus.WAITING
@@ -181,7 +183,7 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(seq)
+            cached = self._shared_prompt_blocks(seq) or self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(seq, num_new, cached):
@@ -196,6 +198,15 @@ class Scheduler:
             budget -= num_new
         if self.policy == "static" and (len(self.running) >= self.max_num_seqs or not self.waiting):
             self._static_batch_open = False
+
+    def _shared_prompt_blocks(self, seq: Sequence) -> list:
+        """A fork's share of its first sample's full prompt blocks (never the block of
+        the last prompt token: its logits are needed), while that sample holds them."""
+        first = seq.fork_of
+        if first is None or first.is_finished or first.num_computed_tokens < first.num_prompt_tokens:
+            return []
+        num_full = (seq.num_prompt_tokens - 1) // self.block_manager.block_size
+        return [self.block_manager.blocks[i] for i in first.block_table[:num_full]]
 
     def _may_admit(self) -> bool:
         if self.policy != "static":

@@ -57,6 +57,10 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    sample_index: int = 0
+    """Which of the request's n samples this is."""
+    fork_of: "Sequence | None" = None
+    """The sample whose prompt blocks this one shares (n > 1)."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

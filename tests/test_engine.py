@@ -108,3 +108,34 @@ def test_bad_words_never_appear_in_the_output(engine):
     [banned] = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0, bad_words=["Paris"]), use_tqdm=False)
     assert "Paris" not in banned.text and banned.text != plain.text
     assert_engine_idle(engine)
+
+
+def test_n_samples_share_the_prompt_blocks_and_each_decodes_on_its_own(engine):
+    ids = engine.encode(messages=CAPITAL)  # several full blocks of prompt
+    assert len(ids) > 2 * engine.config.block_size
+    [single] = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    hits_before = engine.block_manager.prefix_hit_tokens
+    [greedy] = engine.generate([ids], SamplingParams(n=3, max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [s.token_ids for s in greedy.samples] == [single.token_ids] * 3
+    assert [s.text for s in greedy.samples] == [single.text] * 3
+    shared = (len(ids) - 1) // engine.config.block_size * engine.config.block_size
+    assert [s.num_cached_tokens >= shared for s in greedy.samples[1:]] == [True, True]
+    assert engine.block_manager.prefix_hit_tokens - hits_before >= 2 * shared
+    sampled = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    [first] = engine.generate([ids], sampled, use_tqdm=False)
+    [again] = engine.generate([ids], sampled, use_tqdm=False)
+    assert len({tuple(s.token_ids) for s in first.samples}) == 3  # each sample its own draw
+    assert [s.token_ids for s in first.samples] == [s.token_ids for s in again.samples]  # seeded: repeatable
+    assert_engine_idle(engine)
+
+
+def test_n_samples_stream_one_output_per_step_and_abort_together(engine):
+    request_id = engine.add_request("Count to fifty:", SamplingParams(n=2, max_tokens=40, ignore_eos=True))
+    outputs = []
+    while len(outputs) < 4:
+        outputs += engine.step()
+    assert all(o.request_id == request_id and [s.index for s in o.samples] == [0, 1] for o in outputs)
+    final = engine.abort(request_id)
+    assert final.finished and [s.finish_reason for s in final.samples] == ["abort", "abort"]
+    assert not engine.has_unfinished_requests()
+    assert_engine_idle(engine)

@@ -61,7 +61,7 @@ def test_vocabulary_bounds_are_checked():
 
 def test_vllm_keys_are_accepted_at_their_neutral_values():
     params = SamplingParams.from_dict({
-        "n": 1, "best_of": "1", "use_beam_search": False, "length_penalty": 1.0, "early_stopping": "false",
+        "best_of": "1", "use_beam_search": False, "length_penalty": 1.0, "early_stopping": "false",
         "detokenize": True, "spaces_between_special_tokens": True, "output_kind": "DELTA", "logit_bias": {},
         "max_tokens": 5,
     })
@@ -69,7 +69,7 @@ def test_vllm_keys_are_accepted_at_their_neutral_values():
 
 
 @pytest.mark.parametrize("key, value, says", [
-    ("n", 2, "n > 1"), ("best_of", 3, "best_of"), ("use_beam_search", True, "beam search"),
+    ("best_of", 3, "best_of"), ("use_beam_search", True, "beam search"),
     ("guided_decoding", {"json": {}}, "guided decoding"), ("logit_bias", {"5": 10}, "logit_bias"),
     ("prompt_logprobs", 1, "prompt logprobs"),
 ])
@@ -80,3 +80,9 @@ def test_vllm_keys_we_cannot_honour_are_refused_naming_the_key(key, value, says)
 
 def test_bad_words_is_a_known_key():
     assert SamplingParams.from_dict({"bad_words": ["foo", "bar"]}).bad_words == ["foo", "bar"]
+
+
+def test_n_is_a_number_of_samples_within_bounds():
+    assert SamplingParams.from_dict({"n": "3"}).n == 3
+    with pytest.raises(InvalidRequestError, match="'n'"):
+        SamplingParams(n=0)
