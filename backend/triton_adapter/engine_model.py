@@ -5,10 +5,17 @@ Besides the engine thread, two threads of our own: the response thread turns
 engine outputs into Triton responses (so sending never slows an engine step),
 and the watcher aborts requests whose client cancelled and refreshes the gauges.
 
-Triton trap kept here: once a request's final response is sent its response
-sender is gone in the server, and `is_cancelled()` on it is a use-after-free. So
-a request leaves `active` (under `lock`) before its final response goes out,
-and the watcher only asks senders that are still in `active`.
+Triton (2.51) traps kept here:
+- once a request's final response is sent its response sender is gone in the
+  server, and `is_cancelled()` on it is a use-after-free. So a request leaves
+  `active` (under `lock`) before its final response goes out, and the watcher
+  only asks senders that are still in `active`.
+- every request gets exactly one final, also when building or sending a response
+  fails (finals.send_final; a failed non-final send aborts the request).
+- a BLS caller (`llm`, input `bls_caller`) gets an empty response at once: the
+  python backend holds one of its BLS threads (32 by default) per call until
+  the first response, and a request waiting in the queue would keep it. Its
+  errors travel as data in `error` (finals.py says why).
 """
 
 from __future__ import annotations
@@ -24,13 +31,16 @@ from typing import Any, Callable, Mapping
 from ..config import EngineConfig
 from ..engine import EngineStats, LLMEngine
 from ..engine_thread import EngineThread
+from ..errors import InvalidRequestError
 from ..outputs import RequestOutput
 from ..values import to_bool
 from .arguments import model_parameters
+from .cancellation import RecentIds, Watcher, asked_cancelled
+from .finals import CANCELLED, Failure, send_final
 from .metrics import EngineMetrics
-from .requests import EngineRequest, parse_engine_request
-from .responses import engine_response, merge_outputs, triton_error
-from .tensors import Arrays, request_inputs, scalar, to_tensors
+from .requests import BLS_CALLER, EngineRequest, parse_engine_request
+from .responses import engine_response, merge_outputs
+from .tensors import flag, request_inputs, scalar, to_tensors
 
 logger = logging.getLogger("pagedserve")
 WATCH_INTERVAL_S = 0.02
@@ -48,6 +58,8 @@ class ActiveRequest:
     pending: RequestOutput | None = None
     """A non-streaming request's merged output so far."""
     abort_sent: bool = False
+    failure: Failure | None = None
+    """Why we aborted it ourselves (a failed send); None: its client cancelled."""
 
 
 class EngineModel:
@@ -76,11 +88,11 @@ class EngineModel:
         self.lock = threading.Lock()  # a sender's factory is gone once its final response is sent
         self.ids = itertools.count()
         self.outbox: queue.Queue[RequestOutput | None] = queue.Queue()
-        self.stopping = threading.Event()
+        self.cancelled_early = RecentIds()  # cancels that came before their request
+        self.next_gauges = 0.0
         self.response_thread = threading.Thread(target=self._response_loop, name="pagedserve-responses", daemon=True)
-        self.watcher_thread = threading.Thread(target=self._watch_loop, name="pagedserve-watcher", daemon=True)
         self.response_thread.start()
-        self.watcher_thread.start()
+        self.watcher = Watcher("pagedserve-watcher", self._watch, WATCH_INTERVAL_S)
 
     @classmethod
     def from_args(cls, pb_utils: Any, args: Mapping[str, str]) -> EngineModel:
@@ -96,67 +108,90 @@ class EngineModel:
     def execute(self, requests: list[Any]) -> None:
         """Submit each request (or apply a cancel control request); responses follow on the response thread."""
         for request in requests:
-            response_sender = request.get_response_sender()
-            inputs = request_inputs(request)
-            if "cancel_request_id" in inputs:
-                self._cancel(inputs, response_sender)
-                continue
-            request_id = request.request_id()
-            if not request_id or request_id in self.active:
-                request_id = f"{request_id or 'req'}#{next(self.ids)}"
-            try:
-                parsed = parse_engine_request(inputs, self.tokenizer, request.parameters())
-                with self.lock:
-                    self.active[request_id] = ActiveRequest(response_sender, parsed, time.monotonic())
-                self.engine_thread.submit(request_id, parsed.prompt_token_ids, parsed.params, self.outbox.put)
-            except Exception as error:
-                with self.lock:
-                    self.active.pop(request_id, None)
-                self._send_error(response_sender, triton_error(self.pb_utils, error))
+            self._accept(request)
         return None
 
-    def _cancel(self, inputs: Arrays, response_sender: Any) -> None:
-        """A control request (how `llm` forwards a client's cancellation): abort the
-        request named by `cancel_request_id`, then answer with an empty final."""
+    def _accept(self, request: Any) -> None:
+        response_sender = request.get_response_sender()
+        bls_caller, submitted = False, None
         try:
-            target = scalar(inputs, "cancel_request_id")
+            inputs = request_inputs(request)
+            bls_caller = _is_bls_caller(inputs)
+            if "cancel_request_id" in inputs:
+                self._cancel(scalar(inputs, "cancel_request_id"))
+                response_sender.send(flags=self.final_flag)
+                return
+            parsed = parse_engine_request(inputs, self.tokenizer, request.parameters(), request.requested_output_names())
+            parsed.bls_caller = bls_caller
+            request_id = request.request_id()
+            if request_id and self.cancelled_early.take(request_id):
+                self._finish(response_sender, CANCELLED, bls_caller)
+                return
+            if not request_id or request_id in self.active:
+                request_id = f"{request_id or 'req'}#{next(self.ids)}"
+            if bls_caller:  # frees the BLS thread the caller holds until a first response
+                response_sender.send(self.pb_utils.InferenceResponse(output_tensors=[]))
             with self.lock:
-                active = self.active.get(target)
-            if active is not None:
-                active.abort_sent = True
-                self.engine_thread.abort(target)
-            response_sender.send(flags=self.final_flag)
+                self.active[request_id] = ActiveRequest(response_sender, parsed, time.monotonic())
+            submitted = request_id
+            self.engine_thread.submit(request_id, parsed.prompt_token_ids, parsed.params, self.outbox.put)
         except Exception as error:
-            self._send_error(response_sender, triton_error(self.pb_utils, error))
+            if submitted is not None:
+                with self.lock:
+                    self.active.pop(submitted, None)
+            self._finish(response_sender, Failure.of(error), bls_caller)
+
+    def _cancel(self, target: str) -> None:
+        """A control request (how `llm` forwards a client's cancellation): abort the
+        request named by `cancel_request_id`, or refuse it when it arrives later."""
+        with self.lock:
+            active = self.active.get(target)
+        if active is None:
+            self.cancelled_early.add(target)
+        else:
+            self._abort(target, active, None)
+
+    def _abort(self, request_id: str, active: ActiveRequest, failure: Failure | None) -> None:
+        with self.lock:
+            if active.abort_sent:
+                return
+            active.abort_sent, active.failure = True, failure
+        self.engine_thread.abort(request_id)
 
     # -- responses out -------------------------------------------------------------
     def _response_loop(self) -> None:
-        while True:
-            output = self.outbox.get()
-            if output is None:
-                return
-            with self.lock:  # the watcher must not ask a finished sender whether it was cancelled
-                active = self.active.pop(output.request_id, None) if output.finished else self.active.get(output.request_id)
-            if active is None:
-                continue
+        while (output := self.outbox.get()) is not None:
             try:
-                self._respond(active, output)
-            except Exception:
-                logger.exception("sending a response for %s failed", output.request_id)
+                self._handle(output)
+            except Exception:  # this thread must outlive anything: every later response depends on it
+                logger.exception("handling an output of %s failed", output.request_id)
+
+    def _handle(self, output: RequestOutput) -> None:
+        with self.lock:  # the watcher must not ask a finished sender whether it was cancelled
+            active = self.active.pop(output.request_id, None) if output.finished else self.active.get(output.request_id)
+        if active is None:
+            return
+        try:
+            self._respond(active, output)
+        except Exception as error:  # never lose the final: end the request with the failure
+            logger.exception("responding to %s failed", output.request_id)
+            failure = Failure(f"sending a response failed: {type(error).__name__}: {error}")
+            if output.finished:
+                self._finish(active.response_sender, failure, active.request.bls_caller)
+            else:
+                self._abort(output.request_id, active, failure)
 
     def _respond(self, active: ActiveRequest, output: RequestOutput) -> None:
         """Streaming: one response per output, final flag on the last. Otherwise one merged response."""
-        now = time.monotonic()
-        if self.metrics is not None:
-            self.metrics.on_output(output, active.arrival, active.first_token, now)
-        if output.new_token_ids and not active.first_token:
-            active.first_token = now
-        codes = self.pb_utils.TritonError
+        self._count(active, output)
+        bls_caller = active.request.bls_caller
         if output.error is not None:
-            self._send_error(active.response_sender, codes(f"engine failure: {output.error}", codes.INTERNAL))
+            self._finish(active.response_sender, Failure(f"engine failure: {output.error}"), bls_caller)
             return
         if output.finish_reason == "abort":
-            self._send_error(active.response_sender, codes("request cancelled", codes.CANCELLED))
+            if active.failure is None:  # the server log says so, as vLLM's backend's does
+                _log_info(self.pb_utils, f"request {output.request_id} cancelled by its client; its KV blocks are free")
+            self._finish(active.response_sender, active.failure or CANCELLED, bls_caller)
             return
         if not active.request.stream:
             active.pending = output if active.pending is None else merge_outputs(active.pending, output)
@@ -165,28 +200,60 @@ class EngineModel:
             output = active.pending
         tensors = engine_response(active.request, output, self.tokenizer)
         response = self.pb_utils.InferenceResponse(output_tensors=to_tensors(self.pb_utils, tensors))
-        active.response_sender.send(response, flags=self.final_flag if output.finished else 0)
+        if output.finished:
+            send_final(active.response_sender, response, self.final_flag)
+        else:
+            active.response_sender.send(response)
 
-    def _send_error(self, response_sender: Any, error: Any) -> None:
-        response_sender.send(self.pb_utils.InferenceResponse(error=error), flags=self.final_flag)
+    def _count(self, active: ActiveRequest, output: RequestOutput) -> None:
+        """Metrics of an output; a failure here is logged, never the request's end."""
+        now = time.monotonic()
+        try:
+            if self.metrics is not None:
+                self.metrics.on_output(output, active.arrival, active.first_token, now)
+        except Exception:
+            logger.exception("counting the metrics of %s failed", output.request_id)
+        if output.new_token_ids and not active.first_token:
+            active.first_token = now
+
+    def _finish(self, response_sender: Any, failure: Failure, bls_caller: bool) -> None:
+        """End a request with `failure`: a Triton error, or for a BLS caller the `error` output."""
+        if bls_caller:
+            response = self.pb_utils.InferenceResponse(output_tensors=to_tensors(self.pb_utils, failure.tensors()))
+        else:
+            response = failure.response(self.pb_utils)
+        send_final(response_sender, response, self.final_flag)
 
     # -- cancellation and gauges ---------------------------------------------------
-    def _watch_loop(self) -> None:
-        next_gauges = 0.0
-        while not self.stopping.wait(WATCH_INTERVAL_S):
-            with self.lock:
-                for request_id, active in self.active.items():
-                    if not active.abort_sent and active.response_sender.is_cancelled():
-                        active.abort_sent = True
-                        self.engine_thread.abort(request_id)
-            if self.metrics is not None and time.monotonic() >= next_gauges:
-                self.metrics.refresh(self.stats())
-                next_gauges = time.monotonic() + GAUGE_INTERVAL_S
+    def _watch(self) -> None:
+        """Abort what clients cancelled (BLS callers send cancel requests instead), refresh the gauges."""
+        with self.lock:
+            cancelled = [(request_id, active) for request_id, active in self.active.items()
+                         if not active.abort_sent and not active.request.bls_caller
+                         and asked_cancelled(active.response_sender)]
+        for request_id, active in cancelled:
+            self._abort(request_id, active, None)
+        if self.metrics is not None and time.monotonic() >= self.next_gauges:
+            self.next_gauges = time.monotonic() + GAUGE_INTERVAL_S
+            self.metrics.refresh(self.stats())
 
     def finalize(self) -> None:
         """Cancel what is in flight (clients get CANCELLED), then join every thread."""
         self.engine_thread.shutdown(timeout=30)
         self.outbox.put(None)
         self.response_thread.join(30)
-        self.stopping.set()
-        self.watcher_thread.join(5)
+        self.watcher.stop()
+
+
+def _log_info(pb_utils: Any, message: str) -> None:
+    """An INFO line in the server's log (pb_utils.Logger; absent in older stubs and fakes)."""
+    log = getattr(getattr(pb_utils, "Logger", None), "log_info", None)
+    if log is not None:
+        log(message)
+
+
+def _is_bls_caller(inputs: Mapping[str, Any]) -> bool:
+    try:
+        return flag(inputs, BLS_CALLER)
+    except InvalidRequestError:  # not from `llm`: its mistake is reported as usual
+        return False

@@ -12,8 +12,8 @@ the input at fault, since its message is what the client reads.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -36,13 +36,26 @@ TRTLLM_SCALARS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
-RETURN_FLAGS = (
-    "return_finish_reason",
-    "return_cumulative_logprob",
-    "return_logprobs",
-    "return_num_input_tokens",
-    "return_num_output_tokens",
-)
+RETURN_OUTPUTS = {
+    "return_finish_reason": "finish_reason",
+    "return_cumulative_logprob": "cumulative_logprob",
+    "return_logprobs": "logprobs",
+    "return_num_input_tokens": "num_input_tokens",
+    "return_num_output_tokens": "num_output_tokens",
+}
+"""Each return_* flag and the output it adds; an output whose flag is off is absent (vLLM backend)."""
+CORE_OUTPUTS = ("output_ids", "context_ids", "trim_chars", "skip_special_tokens", "finished")
+"""`llm_engine` outputs sent whenever requested."""
+BLS_CALLER = "bls_caller"
+
+
+class VerbatimRequestError(InvalidRequestError):
+    """An InvalidRequestError whose message is given whole: vLLM backend wording that
+    clients compare verbatim (it names the field itself)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(field, message)
+        self.args = (message,)
 
 
 @dataclass
@@ -53,10 +66,13 @@ class EngineRequest:
     params: SamplingParams
     stream: bool = False
     exclude_input: bool = True
-    returns: set[str] = field(default_factory=set)
-
-    def wants(self, flag: str) -> bool:
-        return flag in self.returns
+    outputs: frozenset[str] = frozenset()
+    """The outputs its responses carry: requested by the caller, and asked for by a return_* flag where one applies."""
+    logprobs_json: bool = False
+    """The `logprobs` output is a list (the request asked for logprobs) rather than `null`, as in vLLM's backend."""
+    bls_caller: bool = False
+    """Sent by `llm` over BLS (input `bls_caller`, read by the model): acknowledged at
+    once, errors sent as data (see finals.py)."""
 
 
 def parse_prompt(inputs: Arrays, tokenizer: Any) -> list[int]:
@@ -79,9 +95,12 @@ def parse_prompt(inputs: Arrays, tokenizer: Any) -> list[int]:
     return encode_prompt(tokenizer, text)
 
 
-def parse_engine_request(inputs: Arrays, tokenizer: Any, request_parameters: str | None = None) -> EngineRequest:
+def parse_engine_request(
+    inputs: Arrays, tokenizer: Any, request_parameters: str | None = None, requested_outputs: Iterable[str] = ()
+) -> EngineRequest:
     """Parse an `llm_engine` request (`request_parameters`: Triton's request parameters
-    as JSON, read as sampling parameters when `sampling_parameters` is absent)."""
+    as JSON, read as sampling parameters when `sampling_parameters` is absent;
+    `requested_outputs`: the request's requested output names)."""
     prompt = token_ids(inputs, "input_ids")
     values = _sampling_json(inputs, request_parameters)
     for name, key in TRTLLM_SCALARS.items():
@@ -98,32 +117,50 @@ def parse_engine_request(inputs: Arrays, tokenizer: Any, request_parameters: str
     if end_id is not None:
         values["stop_token_ids"] = list(values.get("stop_token_ids") or []) + [end_id]
     scalar(inputs, "pad_id")  # accepted for compatibility; nothing is padded
-    wants_logprobs = flag(inputs, "return_logprobs") or flag(inputs, "return_log_probs")
-    wants_cumulative = flag(inputs, "return_cumulative_logprob") or flag(inputs, "return_log_probs")
-    if (wants_logprobs or wants_cumulative) and values.get("logprobs") is None:
-        values["logprobs"] = 0
+    returns = requested_returns(inputs)
+    logprobs_json = values.get("logprobs") is not None or flag(inputs, "return_log_probs")
+    if (logprobs_json or "return_cumulative_logprob" in returns) and values.get("logprobs") is None:
+        values["logprobs"] = 0  # the sampled token's logprob is what the cumulative sums
     params = SamplingParams.from_dict(values)
+    if params.n > 1:  # the engine samples n; the responses cannot carry n samples yet
+        raise InvalidRequestError(
+            "n", f"n > 1 is not served by the Triton models yet (got {params.n}); send n requests instead"
+        )
 
     stream = flag(inputs, "stream")
     exclude = scalar(inputs, "exclude_input_in_output")
     if exclude is not None and not isinstance(exclude, (bool, np.bool_)):
         raise InvalidRequestError("exclude_input_in_output", f"must be a BOOL, got {exclude!r}")
     if stream and exclude is False:
-        raise InvalidRequestError(
-            "exclude_input_in_output", "must not be false when streaming; drop it or set it to true"
+        raise VerbatimRequestError(
+            "exclude_input_in_output",
+            "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed.",
         )
-    returns = {name for name in RETURN_FLAGS if flag(inputs, name)}
-    if wants_logprobs:
-        returns.add("return_logprobs")
-    if wants_cumulative:
-        returns.add("return_cumulative_logprob")
     return EngineRequest(
         prompt_token_ids=prompt,
         params=params,
         stream=stream,
         exclude_input=stream if exclude is None else bool(exclude),
-        returns=returns,
+        outputs=select_outputs(requested_outputs, returns, CORE_OUTPUTS),
+        logprobs_json=logprobs_json,
     )
+
+
+def requested_returns(inputs: Arrays) -> set[str]:
+    """The return_* flags that are set (TensorRT-LLM's `return_log_probs` sets both logprob ones)."""
+    returns = {name for name in RETURN_OUTPUTS if flag(inputs, name)}
+    if flag(inputs, "return_log_probs"):
+        returns |= {"return_logprobs", "return_cumulative_logprob"}
+    return returns
+
+
+def select_outputs(requested: Iterable[str], returns: set[str], always: Iterable[str]) -> frozenset[str]:
+    """What to build: requested outputs among `always` and those a set return_* flag adds.
+
+    Built only when requested because Triton 2.51 prunes an unrequested output after
+    the stub released the GIL (freeing its numpy array unsafely)."""
+    allowed = set(always) | {RETURN_OUTPUTS[name] for name in returns}
+    return frozenset(name for name in requested if name in allowed)
 
 
 def _sampling_json(inputs: Arrays, request_parameters: str | None) -> dict[str, Any]:

@@ -1,9 +1,8 @@
-"""Building responses: `llm_engine`'s token-id outputs, the text a client reads,
-and the Triton error code each of our failures maps to.
+"""Building responses: `llm_engine`'s token-id outputs and the text a client reads.
 
 Outputs are the vLLM backend's: `text_output`, `finish_reason`,
 `cumulative_logprob`, `logprobs`, `num_input_tokens`, `num_output_tokens`
-(per-response deltas).
+(per-response deltas), each present only when its return_* flag is set.
 """
 
 from __future__ import annotations
@@ -13,59 +12,38 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import EngineDeadError, InvalidRequestError, QueueFullError
 from ..outputs import RequestOutput
 from ..tokenizer import decode_delta
-from .requests import EngineRequest
+from .finals import ERROR_OUTPUT
+from .requests import CORE_OUTPUTS, RETURN_OUTPUTS, EngineRequest
 from .tensors import Arrays, flag, scalar, token_ids
 
-ENGINE_OUTPUTS = (
-    "output_ids",
-    "context_ids",
-    "trim_chars",
-    "skip_special_tokens",
-    "finished",
-    "finish_reason",
-    "cumulative_logprob",
-    "logprobs",
-    "num_input_tokens",
-    "num_output_tokens",
-)
+CLIENT_OUTPUTS = tuple(RETURN_OUTPUTS.values())
+"""Outputs `llm` passes on from `llm_engine` unchanged."""
+ENGINE_OUTPUTS = (*CORE_OUTPUTS, *CLIENT_OUTPUTS, ERROR_OUTPUT)
 TEXT_LEVEL_INPUTS = ("text_input", "messages", "apply_chat_template")
 """`llm` inputs it consumes itself; the rest go on to `llm_engine` unchanged."""
-CLIENT_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
 
 
 def engine_response(request: EngineRequest, output: RequestOutput, tokenizer: Any) -> dict[str, np.ndarray]:
-    """Every declared output, always (empty where not asked: ensembles need them all)."""
+    """The outputs of `request.outputs` (only those: see requests.select_outputs)."""
     ids, context = output.new_token_ids, output.context_token_ids
     if not request.exclude_input:
         ids, context = request.prompt_token_ids + ids, []
-    empty_str = np.array([], dtype=np.object_)
-    tensors = {
-        "output_ids": np.asarray(ids, dtype=np.int32),
-        "context_ids": np.asarray(context, dtype=np.int32),
-        "trim_chars": np.asarray([output.trim_chars], dtype=np.int32),
-        "skip_special_tokens": np.asarray([request.params.skip_special_tokens], dtype=np.bool_),
-        "finished": np.asarray([output.finished], dtype=np.bool_),
-        "finish_reason": empty_str,
-        "cumulative_logprob": np.array([], dtype=np.float32),
-        "logprobs": empty_str,
-        "num_input_tokens": np.array([], dtype=np.uint32),
-        "num_output_tokens": np.array([], dtype=np.uint32),
+    build = {
+        "output_ids": lambda: np.asarray(ids, dtype=np.int32),
+        "context_ids": lambda: np.asarray(context, dtype=np.int32),
+        "trim_chars": lambda: np.asarray([output.trim_chars], dtype=np.int32),
+        "skip_special_tokens": lambda: np.asarray([request.params.skip_special_tokens], dtype=np.bool_),
+        "finished": lambda: np.asarray([output.finished], dtype=np.bool_),
+        # vLLM's backend: the string "None" until the last response
+        "finish_reason": lambda: np.array([str(output.finish_reason if output.finished else None)], dtype=np.object_),
+        "cumulative_logprob": lambda: np.array([output.cumulative_logprob or 0.0], dtype=np.float32),
+        "logprobs": lambda: np.array([logprobs_json(output, tokenizer) if request.logprobs_json else "null"], dtype=np.object_),
+        "num_input_tokens": lambda: np.array([len(request.prompt_token_ids)], dtype=np.uint32),
+        "num_output_tokens": lambda: np.array([len(output.new_token_ids)], dtype=np.uint32),
     }
-    if request.wants("return_finish_reason"):
-        reason = output.finish_reason if output.finished else None
-        tensors["finish_reason"] = np.array([str(reason)], dtype=np.object_)
-    if request.wants("return_cumulative_logprob"):
-        tensors["cumulative_logprob"] = np.array([output.cumulative_logprob or 0.0], dtype=np.float32)
-    if request.wants("return_logprobs"):
-        tensors["logprobs"] = np.array([logprobs_json(output, tokenizer)], dtype=np.object_)
-    if request.wants("return_num_input_tokens"):
-        tensors["num_input_tokens"] = np.array([len(request.prompt_token_ids)], dtype=np.uint32)
-    if request.wants("return_num_output_tokens"):
-        tensors["num_output_tokens"] = np.array([len(output.new_token_ids)], dtype=np.uint32)
-    return tensors
+    return {name: make() for name, make in build.items() if name in request.outputs}
 
 
 def logprobs_json(output: RequestOutput, tokenizer: Any) -> str:
@@ -105,23 +83,10 @@ def postprocess_text(inputs: Arrays, tokenizer: Any) -> str:
     return text[: len(text) - trim] if trim else text
 
 
-def text_response(engine_outputs: Arrays, tokenizer: Any) -> dict[str, np.ndarray]:
-    """`llm`'s response: the text delta of an `llm_engine` response plus its client-facing outputs."""
-    text = postprocess_text(engine_outputs, tokenizer)
-    return {"text_output": np.array([text], dtype=np.object_), **{n: engine_outputs[n] for n in CLIENT_OUTPUTS}}
-
-
-def triton_error(pb_utils: Any, error: Exception) -> Any:
-    """The client's view of a failed submit: its own mistake (INVALID_ARG), try again
-    later (UNAVAILABLE), or ours (INTERNAL, with the exception's type)."""
-    if isinstance(error, InvalidRequestError):
-        return pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
-    if isinstance(error, (QueueFullError, EngineDeadError)):
-        return pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE)
-    return pb_utils.TritonError(f"{type(error).__name__}: {error}", pb_utils.TritonError.INTERNAL)
-
-
-def error_response(pb_utils: Any, message: str, code: Any = None) -> Any:
-    """An InferenceResponse carrying only an error (Triton's default code when None)."""
-    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
-    return pb_utils.InferenceResponse(error=error)
+def text_response(engine_outputs: Arrays, tokenizer: Any, with_text: bool = True) -> dict[str, np.ndarray]:
+    """`llm`'s response: the text delta of an `llm_engine` response (unless the client
+    named outputs without `text_output`) plus the client-facing outputs it carries."""
+    tensors = {n: engine_outputs[n] for n in CLIENT_OUTPUTS if n in engine_outputs}
+    if with_text:
+        tensors = {"text_output": np.array([postprocess_text(engine_outputs, tokenizer)], dtype=np.object_), **tensors}
+    return tensors

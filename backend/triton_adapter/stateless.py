@@ -10,7 +10,8 @@ import numpy as np
 from ..errors import PagedServeError
 from .arguments import tokenizer_from_args
 from .requests import parse_prompt
-from .responses import error_response, postprocess_text
+from .finals import Failure
+from .responses import postprocess_text
 from .tensors import Arrays, request_inputs, to_tensors
 
 Handler = Callable[[Arrays], Mapping[str, np.ndarray]]
@@ -25,7 +26,7 @@ def stateless_execute(pb_utils: Any, requests: list[Any], handler: Handler) -> l
             outputs = handler(request_inputs(request))
             responses.append(pb_utils.InferenceResponse(output_tensors=to_tensors(pb_utils, outputs)))
         except PagedServeError as error:
-            responses.append(error_response(pb_utils, str(error), pb_utils.TritonError.INVALID_ARG))
+            responses.append(Failure(str(error), "INVALID_ARG").response(pb_utils))
     return responses
 
 

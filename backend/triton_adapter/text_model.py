@@ -5,30 +5,58 @@ turns each engine response into a text delta. It is a python model rather than
 an ensemble because Triton (2.51) does not pass a client's cancellation into an
 ensemble's steps: here the watcher sees it and tells llm_engine to abort.
 
-Triton traps kept here: `is_cancelled()` is asked only of senders still in
-`active` (a request leaves it before its final response); request and response
-tensors are copied out of shared memory; every BLS stream is read to its end.
+Triton (2.51) traps kept here:
+- `is_cancelled()` is asked only of senders still in `active` (a request leaves
+  it before its final response).
+- request and response tensors are copied out of shared memory.
+- every BLS stream is read to its end, after an exception too, and its iterator
+  is kept a while longer (`_drain` says why).
+- every client request gets exactly one final, also when a send fails.
+- only the outputs the client asked for are built, or requested from llm_engine.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import threading
+import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 from .arguments import tokenizer_from_args
-from .requests import parse_prompt
-from .responses import ENGINE_OUTPUTS, TEXT_LEVEL_INPUTS, error_response, text_response
+from .cancellation import Watcher, asked_cancelled
+from .finals import ERROR_OUTPUT, Failure, send_final
+from .requests import BLS_CALLER, CORE_OUTPUTS, parse_prompt, requested_returns, select_outputs
+from .responses import ENGINE_OUTPUTS, TEXT_LEVEL_INPUTS, text_response
 from .tensors import Arrays, request_inputs, tensor_arrays, to_tensors
 
+logger = logging.getLogger("pagedserve")
 ENGINE_MODEL = "llm_engine"
 WATCH_INTERVAL_S = 0.02
 MAX_RELAYS = 1024
+ITERATOR_GRACE_S = 2.0
+
+
+@dataclass
+class Relay:
+    """One client request, from execute() until its relay has drained llm_engine's stream."""
+
+    request_id: str
+    response_sender: Any
+    inputs: Arrays
+    parameters: str | None
+    engine_outputs: list[str]
+    """What to request from llm_engine: what the text needs, plus the client's return_* outputs."""
+    with_text: bool
+    open: bool = True
+    """No final response sent to the client yet."""
 
 
 class TextModel:
@@ -42,9 +70,8 @@ class TextModel:
         self.relays = ThreadPoolExecutor(max_workers=MAX_RELAYS, thread_name_prefix="llm-relay")
         self.active: dict[str, Any] = {}  # request id -> response sender, until its final response
         self.lock = threading.Lock()  # a sender's factory is gone once its final response is sent
-        self.stopping = threading.Event()
-        self.watcher_thread = threading.Thread(target=self._watch_loop, name="llm-watcher", daemon=True)
-        self.watcher_thread.start()
+        self.drained: deque[tuple[float, Any]] = deque()  # (when to let go, drained BLS iterator)
+        self.watcher = Watcher("llm-watcher", self._watch, WATCH_INTERVAL_S)
 
     @classmethod
     def from_args(cls, pb_utils: Any, args: Mapping[str, str]) -> TextModel:
@@ -56,96 +83,153 @@ class TextModel:
         for request in requests:
             response_sender = request.get_response_sender()
             try:
-                inputs = request_inputs(request)
-                prompt_ids = parse_prompt(inputs, self.tokenizer)
+                relay = self._prepare(request, response_sender)
             except Exception as error:
-                response = error_response(self.pb_utils, str(error), self.pb_utils.TritonError.INVALID_ARG)
-                response_sender.send(response, flags=self.final_flag)
+                send_final(response_sender, Failure(str(error), "INVALID_ARG").response(self.pb_utils), self.final_flag)
                 continue
-            # New tensors over our own copies: the relay runs after execute() returns.
-            forwarded = {name: array for name, array in inputs.items() if name not in TEXT_LEVEL_INPUTS}
-            forwarded["input_ids"] = np.asarray(prompt_ids, dtype=np.int32)
-            request_id = uuid.uuid4().hex
             with self.lock:
-                self.active[request_id] = response_sender
-            self.relays.submit(self._relay, request_id, response_sender, forwarded, request.parameters())
+                self.active[relay.request_id] = response_sender
+            self.relays.submit(self._relay, relay)
         return None
 
-    def _relay(self, request_id: str, response_sender: Any, inputs: Arrays, parameters: str | None) -> None:
-        """Stream llm_engine's responses back as text; the final flag rides on the last one.
+    def _prepare(self, request: Any, response_sender: Any) -> Relay:
+        """The relay of a request: its inputs for llm_engine (our own copies: the relay
+        runs after execute() returns) and the outputs the client asked for."""
+        inputs = request_inputs(request)
+        prompt_ids = parse_prompt(inputs, self.tokenizer)
+        client_outputs = set(request.requested_output_names())
+        extras = select_outputs(client_outputs, requested_returns(inputs), ())
+        forwarded = {name: array for name, array in inputs.items() if name not in TEXT_LEVEL_INPUTS}
+        forwarded["input_ids"] = np.asarray(prompt_ids, dtype=np.int32)
+        forwarded[BLS_CALLER] = np.array([True], dtype=np.bool_)
+        needed = {*CORE_OUTPUTS, ERROR_OUTPUT, *extras}
+        return Relay(
+            request_id=uuid.uuid4().hex,
+            response_sender=response_sender,
+            inputs=forwarded,
+            parameters=request.parameters(),
+            engine_outputs=[name for name in ENGINE_OUTPUTS if name in needed],
+            with_text="text_output" in client_outputs,
+        )
 
-        The engine's stream is always read to its end, even once our final response is
-        out or the client is gone: dropping a BLS stream before its final response may
-        free what the engine's last response still refers to in the server.
-        """
+    def _relay(self, relay: Relay) -> None:
+        """Stream llm_engine's responses back as text; the final flag rides on the last one."""
         pb_utils = self.pb_utils
-        done = False  # our final response went out, or the client cannot take more
+        responses, engine_done = None, False
         try:
             engine_request = pb_utils.InferenceRequest(
-                model_name=self.engine_model, inputs=to_tensors(pb_utils, inputs),
-                requested_output_names=list(ENGINE_OUTPUTS), request_id=request_id,
-                parameters=json.loads(parameters or "{}"),
+                model_name=self.engine_model, inputs=to_tensors(pb_utils, relay.inputs),
+                requested_output_names=relay.engine_outputs, request_id=relay.request_id,
+                parameters=json.loads(relay.parameters or "{}"),
             )
-            for response in engine_request.exec(decoupled=True):
-                if done:
+            responses = engine_request.exec(decoupled=True)
+            for response in responses:
+                reply = self._reply(relay, response)
+                if reply is None:
                     continue
-                if response.has_error():
-                    reply, final = error_response(pb_utils, response.error().message()), True
-                elif not response.output_tensors():
-                    continue  # a flag-only final: ours went with the last data
-                else:
-                    outputs = tensor_arrays(response.output_tensors())
-                    reply = pb_utils.InferenceResponse(output_tensors=to_tensors(pb_utils, text_response(outputs, self.tokenizer)))
-                    final = bool(outputs["finished"][0])
-                done = final
-                if not self._deliver(request_id, response_sender, reply, final) and not final:
-                    done = True  # the client is gone: stop generating, keep draining
-                    self._cancel_in_engine(request_id)
+                message, final = reply
+                engine_done = engine_done or final
+                if relay.open:
+                    self._deliver(relay, message, final)
         except Exception as error:
-            if not done:
-                self._deliver(request_id, response_sender, error_response(pb_utils, f"{type(error).__name__}: {error}"), True)
+            logger.exception("the relay of %s failed", relay.request_id)
+            self._close(relay, Failure(f"{type(error).__name__}: {error}").response(pb_utils))
+            if not engine_done:  # nobody reads what it generates any more
+                self._cancel_in_engine(relay.request_id)
+        finally:
+            if responses is not None:
+                self._drain(responses)
+            self._close(relay, Failure("llm_engine ended the stream without a final response").response(pb_utils))
 
-    def _deliver(self, request_id: str, response_sender: Any, response: Any, final: bool) -> bool:
-        """Send to the client; False when that failed (a broken or cancelled request)."""
+    def _reply(self, relay: Relay, response: Any) -> tuple[Any, bool] | None:
+        """The client's response for an engine response, and whether it is the last;
+        None for one without outputs (llm_engine's acknowledgement, a flag-only final)."""
+        pb_utils = self.pb_utils
+        if response.has_error():
+            return Failure(response.error().message()).response(pb_utils), True
+        tensors = response.output_tensors()
+        if not tensors:
+            return None
+        outputs = tensor_arrays(tensors)
+        if ERROR_OUTPUT in outputs:
+            return Failure.from_outputs(outputs).response(pb_utils), True
+        text = text_response(outputs, self.tokenizer, relay.with_text)
+        return pb_utils.InferenceResponse(output_tensors=to_tensors(pb_utils, text)), bool(outputs["finished"][0])
+
+    def _deliver(self, relay: Relay, response: Any, final: bool) -> None:
+        """Send to the client; when a non-final send fails (the client is gone), end the
+        request with a flag-only final and stop generating for it."""
         if final:
-            with self.lock:  # the watcher must not ask a finished sender whether it was cancelled
-                self.active.pop(request_id, None)
+            self._close(relay, response)
+            return
         try:
-            response_sender.send(response, flags=self.final_flag if final else 0)
-            return True
+            relay.response_sender.send(response, flags=0)
         except Exception:
-            with self.lock:
-                self.active.pop(request_id, None)
-            return False
+            logger.exception("sending to the client of %s failed; ending the request", relay.request_id)
+            self._close(relay, None)
+            self._cancel_in_engine(relay.request_id)
 
-    def _watch_loop(self) -> None:
-        while not self.stopping.wait(WATCH_INTERVAL_S):
-            with self.lock:
-                cancelled = [rid for rid, sender in self.active.items() if sender.is_cancelled()]
-                for request_id in cancelled:
-                    del self.active[request_id]
+    def _close(self, relay: Relay, response: Any) -> None:
+        """Send the client's final response (None: a flag-only final), once."""
+        if not relay.open:
+            return
+        relay.open = False
+        with self.lock:  # the watcher must not ask a finished sender whether it was cancelled
+            self.active.pop(relay.request_id, None)
+        send_final(relay.response_sender, response, self.final_flag)
+
+    def _drain(self, responses: Iterator[Any]) -> None:
+        """Read a BLS stream to its end, then keep its iterator for ITERATOR_GRACE_S.
+
+        On 2.51 the stub's cleanup thread also holds a drained iterator until it has
+        told the server; whichever lets go last destroys the responses in it, and that
+        thread does so without the GIL (fixed in r24.12, python_backend#390). Keeping
+        ours a few seconds makes the watcher (with the GIL) the last one.
+        """
+        try:
+            while True:
+                next(responses)  # not a for loop: iter() of a finished iterator starts over
+        except StopIteration:
+            pass
+        except Exception:
+            logger.exception("draining a stream from llm_engine failed")
+        self.drained.append((time.monotonic() + ITERATOR_GRACE_S, responses))
+
+    def _watch(self) -> None:
+        """Forward client cancellations to llm_engine; let go of iterators drained long enough ago."""
+        with self.lock:
+            cancelled = [request_id for request_id, sender in self.active.items() if asked_cancelled(sender)]
             for request_id in cancelled:
-                self._cancel_in_engine(request_id)
+                del self.active[request_id]
+        for request_id in cancelled:
+            self._cancel_in_engine(request_id)
+        now = time.monotonic()
+        while self.drained and self.drained[0][0] <= now:
+            self.drained.popleft()
 
     def _cancel_in_engine(self, request_id: str) -> None:
-        """Ask llm_engine to abort `request_id` (a control request; its stream is drained too)."""
-        cancel = self.pb_utils.InferenceRequest(
-            model_name=self.engine_model,
-            inputs=[self.pb_utils.Tensor("cancel_request_id", np.array([request_id.encode()], dtype=np.object_))],
-            requested_output_names=[],
-        )
-        for _ in cancel.exec(decoupled=True):
-            pass
+        """Ask llm_engine to abort `request_id` (a control request, drained like any stream);
+        a request not there yet is refused when it arrives. Failures are logged."""
+        pb_utils = self.pb_utils
+        try:
+            cancel = pb_utils.InferenceRequest(
+                model_name=self.engine_model,
+                inputs=[pb_utils.Tensor("cancel_request_id", np.array([request_id.encode()], dtype=np.object_)),
+                        pb_utils.Tensor(BLS_CALLER, np.array([True], dtype=np.bool_))],
+                requested_output_names=[],
+            )
+            self._drain(cancel.exec(decoupled=True))
+        except Exception:
+            logger.exception("cancelling %s in llm_engine failed", request_id)
 
     def finalize(self) -> None:
         """Abort in-flight requests in the engine so every relay ends, then join the threads."""
-        self.stopping.set()
-        self.watcher_thread.join(5)
+        self.watcher.stop()
         with self.lock:
             in_flight = list(self.active)
         for request_id in in_flight:
-            try:
-                self._cancel_in_engine(request_id)
-            except Exception:  # llm_engine already unloaded: its finalize ended the streams
-                pass
-        self.relays.shutdown(wait=True, cancel_futures=True)
+            self._cancel_in_engine(request_id)
+        self.relays.shutdown(wait=True)
+        if self.drained:  # let go of them while the stub is whole: at its exit they crash it
+            time.sleep(max(0.0, self.drained[-1][0] - time.monotonic()))
+            self.drained.clear()

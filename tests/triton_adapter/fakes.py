@@ -4,6 +4,7 @@ or a model load."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -11,6 +12,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from pagedserve.backend.outputs import RequestOutput
+from pagedserve.backend.triton_adapter.responses import ENGINE_OUTPUTS
 
 FINAL = 1
 
@@ -83,23 +85,52 @@ class MetricFamily:
 
 
 class ResponseSender:
-    """Records what is sent; like Triton's, it is gone once a final response went out."""
+    """Records what is sent; like Triton's, it is gone once a final response went out.
+
+    A send that fails (`fail_after`, `fail_final`) raises; a failed final still
+    closes the request, as the stub marks the sender closed before sending.
+    """
 
     def __init__(self, fail_after: int | None = None):
         self.sent: list[tuple[InferenceResponse | None, int]] = []
+        self.finals = 0  # final flags that reached the server, sent or not
         self.cancelled = False
         self.fail_after = fail_after  # sends that succeed before the client is gone
+        self.fail_final = False
         self.asked_after_final = False
         self.done = threading.Event()
+        self.updates: queue.Queue = queue.Queue()
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         if self.done.is_set():
-            raise RuntimeError("send after the final response")
-        if self.fail_after is not None and len(self.sent) >= self.fail_after:
-            raise RuntimeError("the client is gone")
-        self.sent.append((response, flags))
+            raise RuntimeError("Unable to send response. Response sender has been closed.")
+        failing = response is not None and (
+            (self.fail_final and flags & FINAL) or (self.fail_after is not None and len(self.sent) >= self.fail_after))
+        if not failing:
+            self.sent.append((response, flags))
+            self.updates.put((response, flags))
         if flags & FINAL:
+            self.finals += 1
             self.done.set()
+        if failing:
+            raise RuntimeError("the client is gone")
+
+    def stream(self, timeout: float = 5.0) -> Iterator[InferenceResponse]:
+        """What a BLS caller's response iterator yields for this request: every response,
+        an empty one for a flag-only final. Like Triton 2.51 it loses an error response
+        that is not the first (the stream then never ends: an AssertionError here)."""
+        first = True
+        while True:
+            try:
+                response, flags = self.updates.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError("the BLS stream never ended") from None
+            if response is not None and response.has_error() and not first:
+                continue
+            first = False
+            yield response if response is not None else InferenceResponse()
+            if flags & FINAL:
+                return
 
     def is_cancelled(self) -> bool:
         if self.done.is_set():
@@ -119,13 +150,21 @@ class ResponseSender:
         return [f for _, f in self.sent]
 
 
+ALL_OUTPUTS = ("text_output", *ENGINE_OUTPUTS)
+"""Every output of `llm` and `llm_engine`: what Triton lists as requested when a client names none."""
+
+
 class Request:
     """A request as execute() receives it."""
 
-    def __init__(self, inputs: dict[str, Any], request_id: str = "", parameters: str = "{}"):
+    def __init__(self, inputs: dict[str, Any], request_id: str = "", parameters: str = "{}", outputs=ALL_OUTPUTS):
         self._inputs = {name: as_array(value) for name, value in inputs.items()}
         self._request_id, self._parameters = request_id, parameters
+        self._outputs = list(outputs)
         self.sender = ResponseSender()
+
+    def requested_output_names(self) -> list[str]:
+        return self._outputs
 
     def inputs(self) -> list[Tensor]:
         return [Tensor(n, a) for n, a in self._inputs.items()]
@@ -142,6 +181,8 @@ class Request:
 
 def as_array(value: Any) -> np.ndarray:
     """Client-side encoding: str/bytes -> BYTES, bool -> BOOL, int -> INT32, float -> FP32."""
+    if isinstance(value, np.ndarray):
+        return value
     values = value if isinstance(value, list) else [value]
     if values and isinstance(values[0], (str, bytes)):
         return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
@@ -152,6 +193,16 @@ def as_array(value: Any) -> np.ndarray:
     return np.array(values, dtype=np.int32)
 
 
+class Logger:
+    """pb_utils.Logger: lines the server would log."""
+
+    lines: list[str] = []
+
+    @classmethod
+    def log_info(cls, message: str) -> None:
+        cls.lines.append(message)
+
+
 class FakePbUtils:
     """The module's surface the adapter uses; BLS calls go to `bls_handler`."""
 
@@ -159,6 +210,7 @@ class FakePbUtils:
     TritonError = TritonError
     InferenceResponse = InferenceResponse
     MetricFamily = MetricFamily
+    Logger = Logger
     TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
 
     def __init__(self, bls_handler: Callable[[Any], Iterator[InferenceResponse]] | None = None):
@@ -224,6 +276,13 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False) -> str:
         return "".join(chr(i) for i in ids)
+
+
+def submit(model: Any, engine_thread: Any, request_id: str = "r1", **inputs: Any) -> Request:
+    """An `llm_engine` request with prompt [5, 6, 7] and `inputs`, executed by `model`."""
+    request = Request({"input_ids": [5, 6, 7], **inputs}, request_id=request_id)
+    model.execute([request])
+    return request
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:

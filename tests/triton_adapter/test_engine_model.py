@@ -7,35 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from pagedserve.backend.engine import EngineStats
 from pagedserve.backend.errors import EngineDeadError, QueueFullError
 from pagedserve.backend.triton_adapter.engine_model import EngineModel
 from pagedserve.backend.triton_adapter.metrics import EngineMetrics
 
-from .fakes import FINAL, CharTokenizer, FakeEngineThread, FakePbUtils, Request, TritonError, wait_until
-
-STATS = EngineStats(num_running=2, num_waiting=1, peak_num_running=3, kv_blocks_total=64, kv_blocks_used=10,
-                    kv_blocks_free=54, kv_usage=10 / 64, prefix_hit_rate=0.5, num_preemptions=0,
-                    prompt_tokens=0, generation_tokens=0)
-
-
-@pytest.fixture
-def engine_thread():
-    return FakeEngineThread()
-
-
-@pytest.fixture
-def model(engine_thread):
-    pb_utils = FakePbUtils()
-    model = EngineModel(pb_utils, engine_thread, CharTokenizer(), lambda: STATS, EngineMetrics(pb_utils, {"model": "llm_engine", "version": "1"}))
-    yield model
-    model.finalize()
-
-
-def submit(model, engine_thread, request_id="r1", **inputs) -> Request:
-    request = Request({"input_ids": [5, 6, 7], **inputs}, request_id=request_id)
-    model.execute([request])
-    return request
+from .conftest import STATS
+from .fakes import FINAL, CharTokenizer, FakeEngineThread, FakePbUtils, Logger, Request, TritonError, submit, wait_until
 
 
 def test_streaming_request_gets_one_response_per_output_with_final_on_the_last(model, engine_thread):
@@ -108,6 +85,7 @@ def test_cancelled_client_aborts_in_the_engine_and_gets_cancelled(model, engine_
     sent = request.sender.wait_final()
     assert engine_thread.aborted == ["r1"]
     assert sent[-1][0].error().code() == TritonError.CANCELLED and sent[-1][1] == FINAL
+    assert "request r1 cancelled by its client; its KV blocks are free" in Logger.lines
     wait_until(lambda: not model.active)
     assert not request.sender.asked_after_final
 
@@ -119,6 +97,20 @@ def test_cancel_control_request_aborts_the_named_request(model, engine_thread):
     assert control.sender.sent == [(None, FINAL)]
     assert target.sender.wait_final()[-1][0].error().code() == TritonError.CANCELLED
     assert engine_thread.aborted == ["target"]
+
+
+def test_a_cancel_before_its_request_refuses_the_request_on_arrival(model, engine_thread):
+    control = Request({"cancel_request_id": "early"})
+    model.execute([control])
+    assert control.sender.sent == [(None, FINAL)]
+    late = submit(model, engine_thread, request_id="early", stream=True)
+    (response, flags), = late.sender.wait_final()
+    assert flags == FINAL and response.error().code() == TritonError.CANCELLED
+    assert not engine_thread.submitted and not model.active
+    again = submit(model, engine_thread, request_id="early", stream=True)  # remembered once only
+    assert "early" in engine_thread.submitted
+    engine_thread.emit("early", [1], finished=True)
+    assert again.sender.wait_final()[0][0].outputs()["finished"].tolist() == [True]
 
 
 def test_engine_failure_is_an_internal_error(model, engine_thread):
@@ -145,7 +137,7 @@ def test_finalize_aborts_in_flight_requests(engine_thread):
     assert engine_thread.shut_down
     for request in requests:
         assert request.sender.wait_final(0)[-1][0].error().code() == TritonError.CANCELLED
-    assert not model.response_thread.is_alive() and not model.watcher_thread.is_alive()
+    assert not model.response_thread.is_alive() and not model.watcher.is_alive()
 
 
 def test_metrics_count_what_a_request_used(model, engine_thread):
@@ -170,3 +162,62 @@ def test_triton_request_parameters_act_as_sampling_parameters(model, engine_thre
     params = engine_thread.submitted["p"][1]
     assert (params.max_tokens, params.temperature) == (3, 0)
     assert np.array_equal(engine_thread.submitted["p"][0], [1])
+
+
+def test_bls_callers_are_not_asked_whether_they_were_cancelled(model, engine_thread):
+    request = submit(model, engine_thread, stream=True, bls_caller=True)
+    request.sender.is_cancelled = lambda: pytest.fail("asked a BLS caller")  # `llm` sends cancel requests instead
+    model.watcher.tick()
+    engine_thread.emit("r1", [1], finished=True)
+    request.sender.wait_final()
+
+
+def test_a_failed_send_mid_stream_aborts_and_still_ends_the_request(model, engine_thread):
+    request = submit(model, engine_thread, stream=True)
+    request.sender.fail_after = 0
+    engine_thread.emit("r1", [10])
+    request.sender.wait_final()
+    assert engine_thread.aborted == ["r1"] and request.sender.finals == 1 and not request.sender.sent
+    wait_until(lambda: not model.active)
+
+
+def test_a_failed_final_send_still_closes_the_request(model, engine_thread):
+    request = submit(model, engine_thread, stream=True)
+    request.sender.fail_final = True
+    engine_thread.emit("r1", [10], finished=True)
+    request.sender.wait_final()
+    assert request.sender.finals == 1 and not model.active
+
+
+def test_a_final_output_that_cannot_be_built_ends_with_an_error(model, engine_thread, monkeypatch):
+    from pagedserve.backend.triton_adapter import engine_model
+
+    request = submit(model, engine_thread, stream=True)
+
+    def broken(*args):
+        raise ValueError("bad output")
+
+    monkeypatch.setattr(engine_model, "engine_response", broken)
+    engine_thread.emit("r1", [10], finished=True)
+    (response, flags), = request.sender.wait_final()
+    assert flags == FINAL and "ValueError: bad output" in response.error().message()
+
+
+def test_the_watcher_outlives_failures(engine_thread):
+    def failing_stats():
+        raise RuntimeError("stats unavailable")
+
+    pb_utils = FakePbUtils()
+    model = EngineModel(pb_utils, engine_thread, CharTokenizer(), failing_stats, EngineMetrics(pb_utils, {"model": "m", "version": "1"}))
+    try:
+        broken, cancelled = submit(model, engine_thread, "broken", stream=True), submit(model, engine_thread, "c", stream=True)
+
+        def is_cancelled():
+            raise RuntimeError("stub gone")
+
+        broken.sender.is_cancelled = is_cancelled
+        cancelled.sender.cancelled = True
+        assert cancelled.sender.wait_final()[-1][0].error().code() == TritonError.CANCELLED
+        assert model.watcher.is_alive()
+    finally:
+        model.finalize()

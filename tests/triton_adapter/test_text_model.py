@@ -1,144 +1,260 @@
-"""The `llm` relay: tokenize, stream through llm_engine over (fake) BLS, text deltas out."""
+"""The `llm` relay: tokenize, stream through llm_engine over (fake) BLS, text deltas out.
+
+llm_engine here is the real EngineModel over a fake engine thread, reached through a
+fake BLS that behaves like Triton 2.51's (it loses an error response after a stream's
+first), so the two models' protocol is what is tested."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
 
-from pagedserve.backend.outputs import RequestOutput
-from pagedserve.backend.sampling_params import SamplingParams
-from pagedserve.backend.triton_adapter.requests import EngineRequest
-from pagedserve.backend.triton_adapter.responses import ENGINE_OUTPUTS, engine_response
-from pagedserve.backend.triton_adapter.tensors import to_tensors
+from pagedserve.backend.triton_adapter import text_model
+from pagedserve.backend.triton_adapter.engine_model import EngineModel
+from pagedserve.backend.triton_adapter.requests import CORE_OUTPUTS
 from pagedserve.backend.triton_adapter.text_model import TextModel
 
-from .fakes import FINAL, CharTokenizer, FakePbUtils, InferenceResponse, Request, TritonError, wait_until
+from .fakes import FINAL, CharTokenizer, FakeEngineThread, FakePbUtils, Request, TritonError, wait_until
 
 TOKENIZER = CharTokenizer()
 
 
 class EngineOverBLS:
-    """llm_engine as `llm` sees it: scripted text deltas, then (when `hold`) nothing
-    until a cancel control request arrives; every stream ends with a flag-only final."""
+    """llm_engine as `llm` reaches it: each BLS call becomes a Request to a real EngineModel,
+    and the call's iterator yields what that request's sender sends. Stream requests wait
+    for `admit` (set by default), so a test can let a cancel arrive first."""
 
-    def __init__(self, deltas: list[str], hold: bool = False, error: str | None = None):
-        self.deltas, self.hold, self.error = deltas, hold, error
-        self.cancel_ids: list[str] = []
-        self.cancelled = threading.Event()
-        self.drained = threading.Event()
+    def __init__(self):
+        self.engine_thread = FakeEngineThread()
         self.pb_utils = FakePbUtils(self)
+        self.model = EngineModel(self.pb_utils, self.engine_thread, TOKENIZER, lambda: None)  # no metrics: stats unused
+        self.cancel_ids: list[str] = []
+        self.streams: list[Request] = []
+        self.admit = threading.Event()
+        self.admit.set()
 
-    def __call__(self, request):
-        if "cancel_request_id" in request.inputs:
-            self.cancel_ids.append(request.inputs["cancel_request_id"][0].decode())
-            self.cancelled.set()
-            return iter([InferenceResponse()])
-        return self._stream(request)
+    def __call__(self, bls):
+        request = Request(bls.inputs, request_id=bls.request_id, parameters=json.dumps(bls.parameters or {}),
+                          outputs=bls.requested_output_names)
+        if "cancel_request_id" in bls.inputs:
+            self.cancel_ids.append(bls.inputs["cancel_request_id"][0].decode())
+        else:
+            self.streams.append(request)
+            assert self.admit.wait(5)
+        self.model.execute([request])
+        return request.sender.stream()
 
-    def _stream(self, request):
-        engine_request = EngineRequest(request.inputs["input_ids"].tolist(), SamplingParams(), stream=True)
-        for index, text in enumerate(self.deltas):
-            finished = index == len(self.deltas) - 1 and not (self.hold or self.error)
-            output = RequestOutput(request.request_id, TOKENIZER.encode(text), [], text, finished)
-            yield InferenceResponse(to_tensors(self.pb_utils, engine_response(engine_request, output, TOKENIZER)))
-        if self.hold:
-            assert self.cancelled.wait(5)
-            yield InferenceResponse(error=TritonError("request cancelled", TritonError.CANCELLED))
-        if self.error:
-            yield InferenceResponse(error=TritonError(self.error))
-        yield InferenceResponse()  # the flag-only final
-        self.drained.set()
+    def request_id(self, prompt: str = "") -> str:
+        """The id `llm` gave llm_engine for the (only, or `prompt`'s) stream."""
+        def matching():
+            return [r.request_id for r in self.pb_utils.bls_requests if "input_ids" in r.inputs
+                    and (not prompt or r.inputs["input_ids"].tolist() == [ord(c) for c in prompt])]
+        wait_until(lambda: len(matching()) == 1)
+        return matching()[0]
+
+    def emit(self, texts: list[str], prompt: str = "", finish: bool = True, **last) -> None:
+        """Engine outputs of the stream (of `prompt`), one per text, the last one finished."""
+        request_id = self.request_id(prompt)
+        wait_until(lambda: request_id in self.engine_thread.callbacks)
+        for i, text in enumerate(texts):
+            final = finish and i == len(texts) - 1
+            self.engine_thread.emit(request_id, [ord(c) for c in text], finished=final, **(last if final else {}))
+
+    def drained(self) -> bool:
+        """Every stream llm_engine answered has ended (its iterator was read to the end)."""
+        return bool(self.streams) and all(r.sender.updates.empty() and r.sender.done.is_set() for r in self.streams)
 
 
 def texts(sender) -> list[str]:
     return [b"".join(r.outputs()["text_output"]).decode() for r in sender.responses if not r.has_error()]
 
 
+@pytest.fixture(autouse=True)
+def short_grace(monkeypatch):
+    """finalize() waits until drained streams may be let go: not seconds, in tests."""
+    monkeypatch.setattr(text_model, "ITERATOR_GRACE_S", 0.05)
+
+
 @pytest.fixture
-def make_model():
-    models = []
-
-    def make(engine: EngineOverBLS) -> TextModel:
-        models.append(TextModel(engine.pb_utils, TOKENIZER))
-        return models[-1]
-
-    yield make
-    for model in models:
-        model.finalize()
+def engine():
+    engine = EngineOverBLS()
+    yield engine
+    engine.model.finalize()
 
 
-def test_streams_text_deltas_with_the_final_flag_on_the_last(make_model):
-    engine = EngineOverBLS(["Hel", "lo!"])
-    model = make_model(engine)
+@pytest.fixture
+def model(engine):
+    model = TextModel(engine.pb_utils, TOKENIZER)
+    yield model
+    model.finalize()
+
+
+def test_streams_text_deltas_with_the_final_flag_on_the_last(engine, model):
     request = Request({"text_input": "Hi", "stream": True, "max_tokens": 4}, parameters='{"seed": 1}')
     model.execute([request])
+    engine.emit(["Hel", "lo!"])
     sent = request.sender.wait_final()
-    assert texts(request.sender) == ["Hel", "lo!"] and [f for _, f in sent] == [0, FINAL]
-    (forwarded,) = engine.pb_utils.bls_requests
-    assert forwarded.model_name == "llm_engine" and forwarded.requested_output_names == list(ENGINE_OUTPUTS)
+    assert texts(request.sender) == ["Hel", "lo!"] and [f for _, f in sent] == [0, FINAL]  # llm_engine's ack stays inside
+    forwarded = engine.pb_utils.bls_requests[0]
+    assert forwarded.model_name == "llm_engine" and set(forwarded.requested_output_names) == {*CORE_OUTPUTS, "error"}
     assert forwarded.inputs["input_ids"].tolist() == [ord("H"), ord("i")] and "text_input" not in forwarded.inputs
     assert forwarded.inputs["max_tokens"].tolist() == [4] and forwarded.parameters == {"seed": 1}
-    assert engine.drained.wait(5)
-    wait_until(lambda: not model.active)
+    assert forwarded.inputs["bls_caller"].tolist() == [True]
+    wait_until(lambda: engine.drained() and not model.active)
 
 
-def test_invalid_prompt_is_invalid_arg_and_the_model_keeps_serving(make_model):
-    engine = EngineOverBLS(["ok"])
-    model = make_model(engine)
+def test_invalid_prompt_is_invalid_arg_and_the_model_keeps_serving(engine, model):
     bad, good = Request({"text_input": ""}), Request({"text_input": "x"})
     model.execute([bad, good])
     (response, flags), = bad.sender.wait_final()
     assert flags == FINAL and response.error().code() == TritonError.INVALID_ARG
     assert "'text_input'" in response.error().message()
+    engine.emit(["ok"])
     good.sender.wait_final()
-    assert texts(good.sender) == ["ok"]
+    assert texts(good.sender) == ["xok"]  # not streaming: the prompt comes first, as in vLLM's backend
     assert len(engine.pb_utils.bls_requests) == 1
 
 
-def test_engine_error_reaches_the_client_as_its_final_response(make_model):
-    engine = EngineOverBLS(["a"], error="engine failure: boom")
-    model = make_model(engine)
+def test_an_engine_failure_mid_stream_reaches_the_client_as_its_final(engine, model):
+    """A later BLS error response would be lost on 2.51: llm_engine sends it as data."""
     request = Request({"text_input": "x", "stream": True})
     model.execute([request])
+    engine.emit(["a", ""], finish_reason="error", error="RuntimeError: step failed")
     sent = request.sender.wait_final()
     assert texts(request.sender) == ["a"] and sent[-1][1] == FINAL
-    assert sent[-1][0].error().message() == "engine failure: boom"
-    assert engine.drained.wait(5)
+    assert sent[-1][0].error().code() == TritonError.INTERNAL
+    assert sent[-1][0].error().message() == "engine failure: RuntimeError: step failed"
+    wait_until(lambda: engine.drained())
 
 
-def test_a_client_gone_mid_stream_cancels_in_the_engine_and_the_stream_is_drained(make_model):
-    engine = EngineOverBLS(["a", "b", "c"])
-    model = make_model(engine)
+def test_a_client_gone_mid_stream_gets_a_final_and_the_engine_stops(engine, model):
     request = Request({"text_input": "x", "stream": True})
     request.sender.fail_after = 1
     model.execute([request])
-    assert engine.drained.wait(5)
-    assert engine.cancel_ids == [engine.pb_utils.bls_requests[0].request_id]
-    assert texts(request.sender) == ["a"]
-    wait_until(lambda: not model.active)
+    request_id = engine.request_id()
+    engine.emit(["a", "b"], finish=False)
+    sent = request.sender.wait_final()
+    assert texts(request.sender) == ["a"] and sent[-1] == (None, FINAL) and request.sender.finals == 1
+    wait_until(lambda: engine.cancel_ids == [request_id] and engine.engine_thread.aborted == [request_id])
+    wait_until(lambda: engine.drained() and not model.active)
 
 
-def test_client_cancellation_aborts_in_the_engine(make_model):
-    engine = EngineOverBLS(["a"], hold=True)
-    model = make_model(engine)
+def test_client_cancellation_aborts_in_the_engine(engine, model):
     request = Request({"text_input": "x", "stream": True})
     model.execute([request])
-    wait_until(lambda: len(request.sender.sent) == 1)
+    request_id = engine.request_id()
+    wait_until(lambda: request_id in engine.engine_thread.callbacks)
     request.sender.cancelled = True
-    assert engine.cancelled.wait(5)
-    assert engine.cancel_ids == [engine.pb_utils.bls_requests[0].request_id]
-    assert request.sender.wait_final()[-1][0].error().message() == "request cancelled"
-    assert engine.drained.wait(5)
+    sent = request.sender.wait_final()
+    assert engine.cancel_ids == [request_id] and engine.engine_thread.aborted == [request_id]
+    assert sent[-1][0].error().code() == TritonError.CANCELLED and request.sender.finals == 1
+    wait_until(lambda: engine.drained())
     assert not request.sender.asked_after_final
 
 
-def test_finalize_cancels_in_flight_requests(make_model):
-    engine = EngineOverBLS(["a"], hold=True)
+def test_a_cancel_that_reaches_the_engine_before_its_request_ends_it_there(engine, model):
+    engine.admit.clear()  # the stream's BLS call is slower than the cancel
+    request = Request({"text_input": "x", "stream": True})
+    request.sender.cancelled = True
+    model.execute([request])
+    request_id = engine.request_id()
+    wait_until(lambda: engine.cancel_ids == [request_id])
+    engine.admit.set()
+    sent = request.sender.wait_final()
+    assert sent[-1][0].error().code() == TritonError.CANCELLED and len(sent) == 1
+    assert request_id not in engine.engine_thread.submitted
+    wait_until(lambda: engine.drained())
+
+
+def test_an_exception_in_the_relay_ends_the_request_cancels_and_drains(engine, model, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("cannot decode")
+
+    monkeypatch.setattr(text_model, "text_response", broken)
+    request = Request({"text_input": "x", "stream": True})
+    model.execute([request])
+    request_id = engine.request_id()
+    engine.emit(["a", "b"])
+    (response, flags), = request.sender.wait_final()
+    assert flags == FINAL and response.error().message() == "ValueError: cannot decode"
+    wait_until(lambda: engine.cancel_ids == [request_id] and engine.drained())
+
+
+def test_drained_streams_are_kept_a_while_then_released_by_the_watcher(engine, model, monkeypatch):
+    monkeypatch.setattr(text_model, "ITERATOR_GRACE_S", 1.0)
+    request = Request({"text_input": "x", "stream": True})
+    model.execute([request])
+    engine.emit(["a"])
+    request.sender.wait_final()
+    wait_until(lambda: len(model.drained) == 1)
+    wait_until(lambda: not model.drained)
+
+
+@pytest.mark.parametrize("flag, output", [("return_finish_reason", "finish_reason"),
+                                          ("return_cumulative_logprob", "cumulative_logprob"),
+                                          ("return_logprobs", "logprobs"),
+                                          ("return_num_input_tokens", "num_input_tokens"),
+                                          ("return_num_output_tokens", "num_output_tokens")])
+@pytest.mark.parametrize("on", [True, False, None])
+def test_an_output_comes_only_when_its_flag_is_set(engine, model, flag, output, on):
+    inputs = {"text_input": "x", "stream": True} | ({} if on is None else {flag: on})
+    request = Request(inputs)
+    model.execute([request])
+    engine.emit(["a", "b"])
+    request.sender.wait_final()
+    asked = engine.pb_utils.bls_requests[0].requested_output_names
+    assert (output in asked) is bool(on)
+    assert [sorted(r.outputs()) for r in request.sender.responses] == [sorted(["text_output"] + ([output] if on else []))] * 2
+
+
+def test_a_client_naming_outputs_gets_only_those(engine, model):
+    request = Request({"text_input": "x", "stream": True, "return_finish_reason": True, "return_num_output_tokens": True},
+                      outputs=["finish_reason"])
+    model.execute([request])
+    engine.emit(["ab", "c"])
+    request.sender.wait_final()
+    assert "num_output_tokens" not in engine.pb_utils.bls_requests[0].requested_output_names
+    assert [r.outputs() for r in request.sender.responses] == [{"finish_reason": [b"None"]}, {"finish_reason": [b"length"]}]
+
+
+def test_output_values_follow_the_vllm_backend(engine, model):
+    request = Request({"text_input": "x", "stream": True, "return_finish_reason": True, "return_logprobs": True,
+                       "return_num_input_tokens": True, "return_num_output_tokens": True})
+    model.execute([request])
+    engine.emit(["ab", "c"])
+    request.sender.wait_final()
+    outputs = [r.outputs() for r in request.sender.responses]
+    assert [o["finish_reason"].tolist() for o in outputs] == [[b"None"], [b"length"]]
+    assert [o["num_output_tokens"].tolist() for o in outputs] == [[2], [1]]
+    assert [o["num_input_tokens"].tolist() for o in outputs] == [[1], [1]]
+    assert [o["logprobs"].tolist() for o in outputs] == [[b"null"], [b"null"]]  # no `logprobs` sampling parameter
+
+
+def test_finalize_cancels_in_flight_requests(engine):
     model = TextModel(engine.pb_utils, TOKENIZER)
     request = Request({"text_input": "x", "stream": True})
     model.execute([request])
-    wait_until(lambda: len(request.sender.sent) == 1)
+    request_id = engine.request_id()
+    wait_until(lambda: request_id in engine.engine_thread.callbacks)
     model.finalize()
-    assert engine.cancel_ids == [engine.pb_utils.bls_requests[0].request_id]
-    assert engine.drained.is_set() and not model.watcher_thread.is_alive()
+    assert engine.cancel_ids == [request_id]
+    assert request.sender.wait_final()[-1][0].error().code() == TritonError.CANCELLED
+    assert engine.drained() and not model.watcher.is_alive()
+
+
+def test_a_failing_cancellation_check_does_not_stop_the_watcher(engine, model):
+    broken, cancelled = Request({"text_input": "x", "stream": True}), Request({"text_input": "y", "stream": True})
+
+    def is_cancelled():
+        raise RuntimeError("stub gone")
+
+    broken.sender.is_cancelled = is_cancelled
+    model.execute([broken, cancelled])
+    cancelled_id = engine.request_id("y")
+    wait_until(lambda: cancelled_id in engine.engine_thread.callbacks)
+    cancelled.sender.cancelled = True
+    assert cancelled.sender.wait_final()[-1][0].error().code() == TritonError.CANCELLED
+    engine.emit(["z"], prompt="x")
+    broken.sender.wait_final()
