@@ -58,3 +58,21 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, device: torch
     if blocks < 1:
         raise ConfigError("kv_cache_bytes", f"the KV budget holds no block of {per_block} bytes; raise it")
     return blocks
+
+
+def max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
+    """The configured max_model_len, or the most the model and the KV cache allow."""
+    context = model_config.max_position_embeddings
+    if model_config.sliding_window:
+        context = min(context, model_config.sliding_window)  # exact without a sliding-window kernel
+    asked = config.max_model_len
+    if asked > context:
+        raise ConfigError("max_model_len", f"must be <= the model's context length {context}, got {asked}")
+    capacity = num_blocks * config.block_size
+    if asked > capacity:
+        raise ConfigError(
+            "max_model_len",
+            f"{asked} tokens do not fit the KV cache ({num_blocks} blocks x "
+            f"{config.block_size} = {capacity} tokens); raise the KV budget or lower max_model_len",
+        )
+    return asked or min(context, capacity)

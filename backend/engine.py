@@ -3,9 +3,7 @@ for the background loop the Triton model uses.
 
 A step reads as the data path: schedule -> run the model -> sample -> update the
 scheduler's state -> render each request's delta. The engine owns admission and
-wiring; every decision of its own lives in the module named after it. (It is a
-little over 300 lines since n > 1 arrived: the routing of samples to their request,
-`_merge_samples`, is due to move into sample_group.py.)
+wiring; every decision of its own lives in the module named after it.
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ from tqdm.auto import tqdm
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .cpu_tuning import keep_freed_memory_in_heap
-from .device import num_kv_blocks, resolve_device, resolve_dtype
-from .errors import ConfigError, InvalidRequestError
+from .device import max_model_len, num_kv_blocks, resolve_device, resolve_dtype
+from .errors import InvalidRequestError
 from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from .model_files import resolve_model_path
 from .model_loader import load_model
@@ -35,7 +33,7 @@ from .quantization import quantize_model
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sample_group import SampleGroup, sample_id
+from .sample_group import SampleGroup, SampleGroups, sample_id
 from .sequence import FinishReason, Sequence, SequenceStatus
 from .tokenizer import apply_chat_template, encode_prompt
 
@@ -82,7 +80,7 @@ class LLMEngine:
 
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         num_blocks = num_kv_blocks(config, self.model_config, self.device, self.kv_dtype)
-        self.max_model_len = self._max_model_len(num_blocks)
+        self.max_model_len = max_model_len(config, self.model_config, num_blocks)
         self.scheduler = Scheduler(
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs,
@@ -99,9 +97,8 @@ class LLMEngine:
             calibrate_kv_scales(self.runner, self.encode(CALIBRATION_TEXT)[: self.max_model_len])
         self.sampler = Sampler(self.model_config.eos_token_ids, config.seed, self.device)
         self.renderers: dict[str, OutputRenderer] = {}
-        self.groups: dict[str, SampleGroup] = {}
-        """Requests with n > 1, by request id."""
-        self._request_of_sample: dict[str, str] = {}
+        self.groups = SampleGroups()
+        """Requests with n > 1."""
         self.num_recoveries = 0
         self._ids = itertools.count()
         logger.info(
@@ -109,23 +106,6 @@ class LLMEngine:
             time.perf_counter() - started, self.model_path, self.device, self.dtype,
             num_blocks, config.block_size, self.max_model_len,
         )
-
-    def _max_model_len(self, num_blocks: int) -> int:
-        """The configured max_model_len, or the most the model and the KV cache allow."""
-        context = self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:
-            context = min(context, self.model_config.sliding_window)  # exact without a sliding-window kernel
-        asked = self.config.max_model_len
-        if asked > context:
-            raise ConfigError("max_model_len", f"must be <= the model's context length {context}, got {asked}")
-        capacity = num_blocks * self.config.block_size
-        if asked > capacity:
-            raise ConfigError(
-                "max_model_len",
-                f"{asked} tokens do not fit the KV cache ({num_blocks} blocks x "
-                f"{self.config.block_size} = {capacity} tokens); raise the KV budget or lower max_model_len",
-            )
-        return asked or min(context, capacity)
 
     @property
     def block_manager(self) -> BlockManager:
@@ -182,8 +162,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         self._start(seq)
         if params.n > 1:
-            group = self.groups[request_id] = SampleGroup.fork(request_id, seq, params.n)
-            self._request_of_sample.update((sample.request_id, request_id) for sample in group.samples)
+            self.groups.add(SampleGroup.fork(request_id, seq, params.n))
         return request_id
 
     def _start(self, seq: Sequence) -> None:
@@ -209,7 +188,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request (every sample of it); its KV blocks are free when this returns."""
-        group = self._forget_group(request_id)
+        group = self.groups.pop(request_id)
         if group is None:
             return self._abort_sample(request_id)
         group.forks_waiting.clear()
@@ -233,7 +212,6 @@ class LLMEngine:
             self.scheduler.abort(request_id)
         self.renderers.clear()
         self.groups.clear()
-        self._request_of_sample.clear()
         self.scheduler.block_manager.reset_prefix_cache()
         self.num_recoveries += 1
 
@@ -255,30 +233,11 @@ class LLMEngine:
         return outputs
 
     def _merge_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """One output per request: n > 1 samples merged; forks whose prompt is ready start."""
-        merged: list[RequestOutput] = []
-        by_group: dict[str, dict[int, RequestOutput]] = {}
-        for output in outputs:
-            request_id = self._request_of_sample.get(output.request_id)
-            if request_id is None:
-                merged.append(output)
-            else:
-                by_group.setdefault(request_id, {})[output.index] = output
-        for request_id, group in list(self.groups.items()):
-            for fork in group.forks_ready():
-                self.scheduler.add(fork, check_room=False)
-                self._start(fork)
-            if request_id in by_group:
-                merged.append(group.merge(by_group[request_id]))
-                if group.finished:
-                    self._forget_group(request_id)
-        return merged
-
-    def _forget_group(self, request_id: str) -> SampleGroup | None:
-        group = self.groups.pop(request_id, None)
-        for seq in group.samples if group else ():
-            self._request_of_sample.pop(seq.request_id, None)
-        return group
+        """One output per request (n > 1 samples merged); forks whose prompt is ready start."""
+        for fork in self.groups.forks_ready():
+            self.scheduler.add(fork, check_room=False)
+            self._start(fork)
+        return self.groups.merge(outputs)
 
     def _render(self, seq: Sequence) -> RequestOutput | None:
         """The request's delta after its new token; a stop string in the text finishes it."""

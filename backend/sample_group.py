@@ -88,3 +88,52 @@ class SampleGroup:
             num_cached_tokens=seq.num_cached_tokens,
             cumulative_logprob=last.cumulative_logprob if last else None,
         )
+
+
+class SampleGroups:
+    """Every request with n > 1, and which request each of their samples belongs to."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, SampleGroup] = {}
+        self._request_of_sample: dict[str, str] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.groups
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def add(self, group: SampleGroup) -> None:
+        self.groups[group.request_id] = group
+        self._request_of_sample.update((seq.request_id, group.request_id) for seq in group.samples)
+
+    def pop(self, request_id: str) -> SampleGroup | None:
+        group = self.groups.pop(request_id, None)
+        for seq in group.samples if group else ():
+            self._request_of_sample.pop(seq.request_id, None)
+        return group
+
+    def clear(self) -> None:
+        self.groups.clear()
+        self._request_of_sample.clear()
+
+    def forks_ready(self) -> list[Sequence]:
+        """Samples of every group that may start now."""
+        return [fork for group in self.groups.values() for fork in group.forks_ready()]
+
+    def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """One output per request: each group's sample outputs merged; finished groups forgotten."""
+        merged: list[RequestOutput] = []
+        by_group: dict[str, dict[int, RequestOutput]] = {}
+        for output in outputs:
+            request_id = self._request_of_sample.get(output.request_id)
+            if request_id is None:
+                merged.append(output)
+            else:
+                by_group.setdefault(request_id, {})[output.index] = output
+        for request_id, samples in by_group.items():
+            group = self.groups[request_id]
+            merged.append(group.merge(samples))
+            if group.finished:
+                self.pop(request_id)
+        return merged
