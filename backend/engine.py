@@ -54,6 +54,10 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_recoveries: int = 0
+    prefix_query_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache (forks of n > 1 included)."""
+    prefix_hit_tokens: int = 0
+    """Of those, tokens whose KV blocks were reused."""
 
 
 class LLMEngine:
@@ -263,6 +267,8 @@ class LLMEngine:
             prompt_tokens=scheduler.prompt_tokens_total,
             generation_tokens=scheduler.generation_tokens_total,
             num_recoveries=self.num_recoveries,
+            prefix_query_tokens=kv.prefix_query_tokens,
+            prefix_hit_tokens=kv.prefix_hit_tokens,
         )
 
     def prompt_logprobs(self, token_ids: Seq[int]) -> list[float]:

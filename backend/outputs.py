@@ -38,6 +38,15 @@ class RequestOutput:
     """With n > 1: every sample's output of this step, by index (the fields above then
     describe the request as a whole: finished once every sample is)."""
 
+    def per_sample(self) -> list["RequestOutput"]:
+        """Each sample's output, by index (just this one when n = 1)."""
+        return self.samples or [self]
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens released this step, over all samples."""
+        return sum(len(sample.new_token_ids) for sample in self.per_sample())
+
 
 @dataclass
 class Completion:

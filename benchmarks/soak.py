@@ -378,7 +378,7 @@ def read_metrics(metrics_url: str, names: tuple[str, ...]) -> dict[str, float | 
 def idle_state(metrics_url: str, timeout: float) -> dict[str, float | None]:
     """KV blocks used and requests running / waiting, once they reach 0 (or `timeout`
     passes, or the metrics endpoint does not answer)."""
-    names = ("pagedserve:kv_blocks_used", "vllm:num_requests_running", "vllm:num_requests_waiting")
+    names = ("pagedserve:kv_blocks_used", "pagedserve:num_requests_running", "pagedserve:num_requests_waiting")
     deadline = time.monotonic() + timeout
     while True:
         state = read_metrics(metrics_url, names)

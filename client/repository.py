@@ -16,8 +16,9 @@ from typing import Mapping
 
 from pagedserve.backend.config import EngineConfig
 from pagedserve.backend.errors import ConfigError
+from pagedserve.backend.triton_adapter.arguments import ENGINE_SWITCHES
 
-ENGINE_ONLY_PARAMETERS = {"enable_metrics"}
+ENGINE_ONLY_PARAMETERS = set(ENGINE_SWITCHES)
 
 
 def source_repository() -> Path:

@@ -19,6 +19,8 @@ from ..model_files import resolve_model_path
 from ..tokenizer import load_tokenizer
 
 ENGINE_MODEL = "llm_engine"
+ENGINE_SWITCHES = ("REPORT_CUSTOM_METRICS", "enable_metrics")
+"""Switches of the engine model's config.pbtxt; set on another model they would do nothing."""
 _PBTXT_PARAMETER = re.compile(r'parameters\s*\{\s*key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}')
 
 
@@ -45,6 +47,12 @@ def served_model(args: Mapping[str, str]) -> str:
         raise ConfigError(
             "engine_model", f"cannot read {config_path} ({error.strerror}); the served model is set there"
         ) from None
+    misplaced = sorted(set(model_parameters(args)) & set(ENGINE_SWITCHES))
+    if misplaced:
+        raise ConfigError(
+            misplaced[0], f"is a switch of {engine_model}; set it in {engine_model}/config.pbtxt, not in "
+            f"{args.get('model_name', 'this model')}'s"
+        )
     own = model_parameters(args).get("model")
     if own and own != served:
         raise ConfigError(

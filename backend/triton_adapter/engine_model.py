@@ -37,7 +37,8 @@ from ..values import to_bool
 from .arguments import model_parameters
 from .cancellation import RecentIds, Watcher, asked_cancelled
 from .finals import CANCELLED, Failure, send_final
-from .metrics import EngineMetrics
+from .metrics import EngineMetrics, RequestTiming
+from .python_model import log_info
 from .requests import BLS_CALLER, EngineRequest, parse_engine_request
 from .responses import engine_response, merge_outputs
 from .tensors import flag, request_inputs, scalar, to_tensors
@@ -53,8 +54,7 @@ class ActiveRequest:
 
     response_sender: Any
     request: EngineRequest
-    arrival: float
-    first_token: float = 0.0
+    timing: RequestTiming
     pending: RequestOutput | None = None
     """A non-streaming request's merged output so far."""
     abort_sent: bool = False
@@ -99,9 +99,18 @@ class EngineModel:
         """Load the engine that config.pbtxt's parameters describe (Triton's initialize args)."""
         params = model_parameters(args)
         enable_metrics = to_bool(params.pop("enable_metrics", "true"))
+        # vLLM-named metrics: off unless asked for, as in Triton's vLLM backend
+        report_vllm_metrics = to_bool(params.pop("REPORT_CUSTOM_METRICS", "false"))
         engine = LLMEngine(EngineConfig.from_strings(params))
-        labels = {"model": args["model_name"], "version": args["model_version"]}
-        metrics = EngineMetrics(pb_utils, labels) if enable_metrics else None
+        metrics = None
+        if enable_metrics:
+            labels = {"model": args["model_name"], "version": args["model_version"]}
+            try:
+                metrics = EngineMetrics(pb_utils, labels, report_vllm_metrics, engine.max_model_len)
+            except Exception as error:  # tritonserver --allow-metrics=false
+                if "metrics not supported" not in str(error):
+                    raise
+                log_info(pb_utils, "metrics are off in this server (--allow-metrics=false); serving without them")
         return cls(pb_utils, EngineThread(engine), engine.tokenizer, engine.stats, metrics)
 
     # -- requests in -------------------------------------------------------------
@@ -132,7 +141,7 @@ class EngineModel:
             if bls_caller:  # frees the BLS thread the caller holds until a first response
                 response_sender.send(self.pb_utils.InferenceResponse(output_tensors=[]))
             with self.lock:
-                self.active[request_id] = ActiveRequest(response_sender, parsed, time.monotonic())
+                self.active[request_id] = ActiveRequest(response_sender, parsed, RequestTiming(time.monotonic()))
             submitted = request_id
             self.engine_thread.submit(request_id, parsed.prompt_token_ids, parsed.params, self.outbox.put)
         except Exception as error:
@@ -190,7 +199,8 @@ class EngineModel:
             return
         if output.finish_reason == "abort":
             if active.failure is None:  # the server log says so, as vLLM's backend's does
-                _log_info(self.pb_utils, f"request {output.request_id} cancelled by its client; its KV blocks are free")
+                log_info(self.pb_utils, f"[pagedserve] aborted request {output.request_id} in the engine "
+                         "after its client cancelled it; its KV blocks are free")
             self._finish(active.response_sender, active.failure or CANCELLED, bls_caller)
             return
         if not active.request.stream:
@@ -207,14 +217,12 @@ class EngineModel:
 
     def _count(self, active: ActiveRequest, output: RequestOutput) -> None:
         """Metrics of an output; a failure here is logged, never the request's end."""
-        now = time.monotonic()
+        if self.metrics is None:
+            return
         try:
-            if self.metrics is not None:
-                self.metrics.on_output(output, active.arrival, active.first_token, now)
+            self.metrics.on_output(output, active.timing, active.request.params.n, time.monotonic())
         except Exception:
             logger.exception("counting the metrics of %s failed", output.request_id)
-        if output.new_token_ids and not active.first_token:
-            active.first_token = now
 
     def _finish(self, response_sender: Any, failure: Failure, bls_caller: bool) -> None:
         """End a request with `failure`: a Triton error, or for a BLS caller the `error` output."""
@@ -243,13 +251,6 @@ class EngineModel:
         self.outbox.put(None)
         self.response_thread.join(30)
         self.watcher.stop()
-
-
-def _log_info(pb_utils: Any, message: str) -> None:
-    """An INFO line in the server's log (pb_utils.Logger; absent in older stubs and fakes)."""
-    log = getattr(getattr(pb_utils, "Logger", None), "log_info", None)
-    if log is not None:
-        log(message)
 
 
 def _is_bls_caller(inputs: Mapping[str, Any]) -> bool:

@@ -1,11 +1,17 @@
 """`llm_engine`'s Prometheus metrics on Triton's metrics port.
 
-vLLM's names, buckets and meanings, so dashboards built for Triton's vLLM backend
-work unchanged; plus pagedserve gauges of the KV cache.
+Two groups:
+- vLLM's families (`vllm:` counters and histograms) with the names, buckets and
+  per-request meaning of Triton's vLLM backend, so its dashboards work unchanged.
+  Like there, they are off unless the model parameter `REPORT_CUSTOM_METRICS` is
+  true.
+- pagedserve's gauges of the KV cache, the queues and engine recoveries, always
+  on (an autoscaler and our own tests read them).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
@@ -14,61 +20,132 @@ if TYPE_CHECKING:
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+N_BUCKETS = [1, 2, 5, 10, 20]
 
 
-class EngineMetrics:
-    """vLLM-named counters and histograms, plus gauges of the KV cache and queues.
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
-    Families are kept referenced for as long as their metrics live: a family
-    collected first makes every later update fail (and the model load with it)."""
+
+@dataclass
+class RequestTiming:
+    """When a request arrived and released its first and latest tokens (monotonic s; 0.0: not yet)."""
+
+    arrival: float
+    first_token: float = 0.0
+    last_token: float = 0.0
+
+
+class _Families:
+    """Creates metrics and keeps their families referenced for as long as the metrics
+    live: a family collected first makes every later update fail (and the load with it)."""
 
     def __init__(self, pb_utils: Any, labels: Mapping[str, str]):
-        self.pb_utils = pb_utils
+        self.pb_utils, self.labels = pb_utils, dict(labels)
         self.families: list[Any] = []
-        self.labels = dict(labels)
-        family = pb_utils.MetricFamily
-        counter, gauge, histogram = family.COUNTER, family.GAUGE, family.HISTOGRAM
-        self.prompt_tokens = self._metric("vllm:prompt_tokens_total", "Prompt tokens processed", counter)
-        self.generation_tokens = self._metric("vllm:generation_tokens_total", "Tokens generated", counter)
-        self.preemptions = self._metric("vllm:num_preemptions_total", "Requests preempted for KV blocks", counter)
-        self.ttft = self._metric("vllm:time_to_first_token_seconds", "Time to first token", histogram, TTFT_BUCKETS)
-        self.tpot = self._metric("vllm:time_per_output_token_seconds", "Time per output token", histogram, TPOT_BUCKETS)
-        self.e2e = self._metric("vllm:e2e_request_latency_seconds", "End-to-end request latency", histogram, E2E_BUCKETS)
-        self.running = self._metric("vllm:num_requests_running", "Requests running", gauge)
-        self.waiting = self._metric("vllm:num_requests_waiting", "Requests waiting", gauge)
-        self.usage = self._metric("vllm:gpu_cache_usage_perc", "KV cache usage (0-1; CPU or GPU)", gauge)
-        self.blocks_used = self._metric("pagedserve:kv_blocks_used", "KV blocks used", gauge)
-        self.blocks_free = self._metric("pagedserve:kv_blocks_free", "KV blocks free", gauge)
-        self.blocks_total = self._metric("pagedserve:kv_blocks_total", "KV blocks in the cache", gauge)
-        self.hit_rate = self._metric("pagedserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0-1)", gauge)
-        self.max_running = self._metric("pagedserve:num_requests_running_max", "Most requests seen running at once", gauge)
-        self.recoveries = self._metric(
-            "pagedserve:engine_recoveries_total", "Engine steps that failed and were recovered from", counter
-        )
-        self._seen = {"num_preemptions": 0, "num_recoveries": 0}
 
-    def _metric(self, name: str, description: str, kind: Any, buckets: list[float] | None = None) -> Any:
-        family = self.pb_utils.MetricFamily(name=name, description=description, kind=kind)
+    def metric(self, name: str, description: str, kind: str, buckets: list[float] | None = None) -> Any:
+        family = self.pb_utils.MetricFamily(
+            name=name, description=description, kind=getattr(self.pb_utils.MetricFamily, kind)
+        )
         self.families.append(family)
         if buckets is not None:
             return family.Metric(labels=self.labels, buckets=buckets)
         return family.Metric(labels=self.labels)
 
-    def on_output(self, output: RequestOutput, arrival: float, first_token: float, now: float) -> None:
-        """Count one engine output of a request that arrived at `arrival` and released
-        its first token at `first_token` (0.0: not yet, so this output's tokens are the first)."""
-        if output.error is not None:
-            return
-        if first_token == 0.0 and output.new_token_ids:
-            self.ttft.observe(now - arrival)
-            self.prompt_tokens.increment(output.num_prompt_tokens)
-        if output.new_token_ids:
-            self.generation_tokens.increment(len(output.new_token_ids))
+
+class VllmMetrics:
+    """Triton's vLLM backend's families: token counters, and per-request histograms
+    observed as it does (TTFT once per request; time per output token between
+    consecutive token releases; latency, token counts and `n` when a request finishes)."""
+
+    def __init__(self, families: _Families, max_model_len: int):
+        metric = families.metric
+        self.prompt_tokens = metric("vllm:prompt_tokens_total", "Number of prefill tokens processed.", "COUNTER")
+        self.generation_tokens = metric(
+            "vllm:generation_tokens_total", "Number of generation tokens processed.", "COUNTER"
+        )
+        self.ttft = metric("vllm:time_to_first_token_seconds",
+                           "Histogram of time to first token in seconds.", "HISTOGRAM", TTFT_BUCKETS)
+        self.tpot = metric("vllm:time_per_output_token_seconds",
+                           "Histogram of time per output token in seconds.", "HISTOGRAM", TPOT_BUCKETS)
+        self.e2e = metric("vllm:e2e_request_latency_seconds",
+                          "Histogram of end to end request latency in seconds.", "HISTOGRAM", E2E_BUCKETS)
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = metric(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", "HISTOGRAM", token_buckets
+        )
+        self.request_generation_tokens = metric(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", "HISTOGRAM", token_buckets
+        )
+        self.request_n = metric("vllm:request_params_n", "Histogram of the n request parameter.", "HISTOGRAM", N_BUCKETS)
+
+    def on_output(self, output: RequestOutput, timing: RequestTiming, n: int, now: float) -> None:
+        new_tokens = output.num_new_tokens
+        if new_tokens:
+            if not timing.first_token:
+                self.ttft.observe(now - timing.arrival)
+                self.prompt_tokens.increment(output.num_prompt_tokens)
+            else:
+                self.tpot.observe(now - timing.last_token)
+            self.generation_tokens.increment(new_tokens)
         if output.finished:
-            self.e2e.observe(now - arrival)
-            if output.num_output_tokens > 1 and first_token:
-                self.tpot.observe((now - first_token) / (output.num_output_tokens - 1))
+            self.e2e.observe(now - timing.arrival)
+            self.request_prompt_tokens.observe(output.num_prompt_tokens)
+            self.request_generation_tokens.observe(output.num_output_tokens)
+            self.request_n.observe(n)
+
+
+class EngineMetrics:
+    """pagedserve's gauges (always), vLLM's families (`vllm` set: REPORT_CUSTOM_METRICS)."""
+
+    def __init__(self, pb_utils: Any, labels: Mapping[str, str], vllm: bool = True, max_model_len: int = 2048):
+        self._families = _Families(pb_utils, labels)
+        metric = self._families.metric
+        self.vllm = VllmMetrics(self._families, max_model_len) if vllm else None
+        self.running = metric("pagedserve:num_requests_running", "Requests running", "GAUGE")
+        self.waiting = metric("pagedserve:num_requests_waiting", "Requests waiting", "GAUGE")
+        self.usage = metric("pagedserve:kv_cache_usage_perc", "KV cache usage (0-1; CPU or GPU)", "GAUGE")
+        self.blocks_used = metric("pagedserve:kv_blocks_used", "KV blocks used", "GAUGE")
+        self.blocks_free = metric("pagedserve:kv_blocks_free", "KV blocks free", "GAUGE")
+        self.blocks_total = metric("pagedserve:kv_blocks_total", "KV blocks in the cache", "GAUGE")
+        self.hit_rate = metric("pagedserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0-1)", "GAUGE")
+        self.max_running = metric("pagedserve:num_requests_running_max", "Most requests seen running at once", "GAUGE")
+        self.preemptions = metric("pagedserve:num_preemptions_total", "Requests preempted for KV blocks", "COUNTER")
+        self.recoveries = metric(
+            "pagedserve:engine_recoveries_total", "Engine steps that failed and were recovered from", "COUNTER"
+        )
+        self.prefix_queries = metric(
+            "pagedserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", "COUNTER"
+        )
+        self.prefix_hits = metric(
+            "pagedserve:prefix_cache_hits_total", "Prompt tokens whose KV blocks were reused", "COUNTER"
+        )
+        self._counters = {"num_preemptions": self.preemptions, "num_recoveries": self.recoveries,
+                          "prefix_query_tokens": self.prefix_queries, "prefix_hit_tokens": self.prefix_hits}
+        self._seen = dict.fromkeys(self._counters, 0)
+
+    @property
+    def families(self) -> list[Any]:
+        return self._families.families
+
+    def on_output(self, output: RequestOutput, timing: RequestTiming, n: int, now: float) -> None:
+        """Count one engine output of a request with `n` samples; `timing` moves on with it.
+        An output that ends a request with an error or an abort counts nothing (as in vLLM)."""
+        ended_badly = output.error is not None or output.finish_reason == "abort"
+        if self.vllm is not None and not ended_badly:
+            self.vllm.on_output(output, timing, n, now)
+        if output.num_new_tokens:
+            timing.first_token = timing.first_token or now
+            timing.last_token = now
 
     def refresh(self, stats: EngineStats) -> None:
         """Set the gauges from the engine's stats; the counters count up by what is new."""
@@ -80,7 +157,7 @@ class EngineMetrics:
         self.blocks_total.set(stats.kv_blocks_total)
         self.hit_rate.set(stats.prefix_hit_rate)
         self.max_running.set(stats.peak_num_running)
-        for name, counter in (("num_preemptions", self.preemptions), ("num_recoveries", self.recoveries)):
+        for name, counter in self._counters.items():
             total = getattr(stats, name)
             if total > self._seen[name]:
                 counter.increment(total - self._seen[name])

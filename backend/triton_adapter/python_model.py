@@ -35,3 +35,10 @@ def triton_python_model(pb_utils: Any, adapter: AdapterFactory) -> type:
 
     TritonPythonModel.__qualname__ = f"TritonPythonModel[{getattr(adapter, '__name__', adapter)}]"
     return TritonPythonModel
+
+
+def log_info(pb_utils: Any, message: str) -> None:
+    """An INFO line of this model in the server's log (pb_utils.Logger; absent in fakes)."""
+    log = getattr(getattr(pb_utils, "Logger", None), "log_info", None)
+    if log is not None:
+        log(message)

@@ -44,7 +44,7 @@ RETURN_OUTPUTS = {
     "return_num_output_tokens": "num_output_tokens",
 }
 """Each return_* flag and the output it adds; an output whose flag is off is absent (vLLM backend)."""
-CORE_OUTPUTS = ("output_ids", "context_ids", "trim_chars", "skip_special_tokens", "finished")
+CORE_OUTPUTS = ("output_ids", "output_lengths", "context_ids", "context_lengths", "trim_chars", "skip_special_tokens", "finished")
 """`llm_engine` outputs sent whenever requested."""
 BLS_CALLER = "bls_caller"
 
@@ -122,11 +122,6 @@ def parse_engine_request(
     if (logprobs_json or "return_cumulative_logprob" in returns) and values.get("logprobs") is None:
         values["logprobs"] = 0  # the sampled token's logprob is what the cumulative sums
     params = SamplingParams.from_dict(values)
-    if params.n > 1:  # the engine samples n; the responses cannot carry n samples yet
-        raise InvalidRequestError(
-            "n", f"n > 1 is not served by the Triton models yet (got {params.n}); send n requests instead"
-        )
-
     stream = flag(inputs, "stream")
     exclude = scalar(inputs, "exclude_input_in_output")
     if exclude is not None and not isinstance(exclude, (bool, np.bool_)):

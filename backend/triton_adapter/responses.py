@@ -14,6 +14,7 @@ import numpy as np
 
 from ..outputs import RequestOutput
 from ..tokenizer import decode_delta
+from ..errors import InvalidRequestError
 from .finals import ERROR_OUTPUT
 from .requests import CORE_OUTPUTS, RETURN_OUTPUTS, EngineRequest
 from .tensors import Arrays, flag, scalar, token_ids
@@ -26,24 +27,42 @@ TEXT_LEVEL_INPUTS = ("text_input", "messages", "apply_chat_template")
 
 
 def engine_response(request: EngineRequest, output: RequestOutput, tokenizer: Any) -> dict[str, np.ndarray]:
-    """The outputs of `request.outputs` (only those: see requests.select_outputs)."""
-    ids, context = output.new_token_ids, output.context_token_ids
-    if not request.exclude_input:
-        ids, context = request.prompt_token_ids + ids, []
+    """The outputs of `request.outputs` (only those: see requests.select_outputs).
+
+    Per-sample outputs hold one entry per sample, in sample order (vLLM's backend
+    with `n`); the token ids of all samples travel concatenated, split by
+    `output_lengths` / `context_lengths`."""
+    samples = output.per_sample()
+    ids, context = [], []
+    for sample in samples:
+        if request.exclude_input:
+            ids.append(sample.new_token_ids)
+            context.append(sample.context_token_ids)
+        else:
+            ids.append(request.prompt_token_ids + sample.new_token_ids)
+            context.append([])
     build = {
-        "output_ids": lambda: np.asarray(ids, dtype=np.int32),
-        "context_ids": lambda: np.asarray(context, dtype=np.int32),
-        "trim_chars": lambda: np.asarray([output.trim_chars], dtype=np.int32),
+        "output_ids": lambda: _concat(ids),
+        "output_lengths": lambda: np.asarray([len(i) for i in ids], dtype=np.int32),
+        "context_ids": lambda: _concat(context),
+        "context_lengths": lambda: np.asarray([len(c) for c in context], dtype=np.int32),
+        "trim_chars": lambda: np.asarray([s.trim_chars for s in samples], dtype=np.int32),
         "skip_special_tokens": lambda: np.asarray([request.params.skip_special_tokens], dtype=np.bool_),
         "finished": lambda: np.asarray([output.finished], dtype=np.bool_),
-        # vLLM's backend: the string "None" until the last response
-        "finish_reason": lambda: np.array([str(output.finish_reason if output.finished else None)], dtype=np.object_),
-        "cumulative_logprob": lambda: np.array([output.cumulative_logprob or 0.0], dtype=np.float32),
-        "logprobs": lambda: np.array([logprobs_json(output, tokenizer) if request.logprobs_json else "null"], dtype=np.object_),
+        # vLLM's backend: the string "None" until that sample's last response
+        "finish_reason": lambda: np.array([str(s.finish_reason if s.finished else None) for s in samples], dtype=np.object_),
+        "cumulative_logprob": lambda: np.array([s.cumulative_logprob or 0.0 for s in samples], dtype=np.float32),
+        "logprobs": lambda: np.array(
+            [logprobs_json(s, tokenizer) if request.logprobs_json else "null" for s in samples], dtype=np.object_
+        ),
         "num_input_tokens": lambda: np.array([len(request.prompt_token_ids)], dtype=np.uint32),
-        "num_output_tokens": lambda: np.array([len(output.new_token_ids)], dtype=np.uint32),
+        "num_output_tokens": lambda: np.array([len(s.new_token_ids) for s in samples], dtype=np.uint32),
     }
     return {name: make() for name, make in build.items() if name in request.outputs}
+
+
+def _concat(id_lists: list[list[int]]) -> np.ndarray:
+    return np.asarray([t for ids in id_lists for t in ids], dtype=np.int32)
 
 
 def logprobs_json(output: RequestOutput, tokenizer: Any) -> str:
@@ -61,7 +80,9 @@ def _logprob_entry(tokenizer: Any, token_id: int, logprob: float, rank: int) -> 
 
 
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One response for a non-streaming request: all deltas as one (updates `first`)."""
+    """One response for a non-streaming request: all deltas as one (updates `first`, sample by sample)."""
+    for mine, theirs in zip(first.samples, later.samples):
+        merge_outputs(mine, theirs)
     first.new_token_ids = first.new_token_ids + later.new_token_ids
     first.text += later.text
     first.logprobs = first.logprobs + later.logprobs
@@ -72,21 +93,40 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     return first
 
 
-def postprocess_text(inputs: Arrays, tokenizer: Any) -> str:
-    """`postprocessing`: the text of released ids after their context ids, minus
-    what a stop string trimmed. Stateless: everything needed rides on the inputs."""
+def postprocess_texts(inputs: Arrays, tokenizer: Any) -> list[str]:
+    """`postprocessing`: each sample's text of released ids after their context ids,
+    minus what a stop string trimmed. Stateless: everything needed rides on the inputs."""
     new_ids = token_ids(inputs, "output_ids")
     context = token_ids(inputs, "context_ids") if "context_ids" in inputs else []
+    id_lists = _split(new_ids, inputs, "output_lengths")
+    context_lists = _split(context, inputs, "context_lengths") if context else [[] for _ in id_lists]
+    trims = token_ids(inputs, "trim_chars") if "trim_chars" in inputs else [0] * len(id_lists)
+    if not len(context_lists) == len(trims) == len(id_lists):
+        raise InvalidRequestError("trim_chars", f"has {len(trims)} entries for {len(id_lists)} samples")
     skip = flag(inputs, "skip_special_tokens", default=True)
-    trim = scalar(inputs, "trim_chars") or 0
-    text = decode_delta(tokenizer, context, new_ids, skip, allow_partial=True) if new_ids else ""
-    return text[: len(text) - trim] if trim else text
+    texts = []
+    for ids, before, trim in zip(id_lists, context_lists, trims):
+        text = decode_delta(tokenizer, before, ids, skip, allow_partial=True) if ids else ""
+        texts.append(text[: len(text) - trim] if trim else text)
+    return texts
+
+
+def _split(ids: list[int], inputs: Arrays, lengths_name: str) -> list[list[int]]:
+    """Concatenated samples' ids cut at `lengths_name` (one sample when it is absent)."""
+    if lengths_name not in inputs:
+        return [ids]
+    lengths = token_ids(inputs, lengths_name)
+    if sum(lengths) != len(ids) or min(lengths, default=0) < 0:
+        raise InvalidRequestError(lengths_name, f"{lengths} does not split {len(ids)} ids")
+    offsets = np.cumsum([0, *lengths])
+    return [ids[offsets[i]:offsets[i + 1]] for i in range(len(lengths))]
 
 
 def text_response(engine_outputs: Arrays, tokenizer: Any, with_text: bool = True) -> dict[str, np.ndarray]:
-    """`llm`'s response: the text delta of an `llm_engine` response (unless the client
-    named outputs without `text_output`) plus the client-facing outputs it carries."""
+    """`llm`'s response: the text delta of each sample of an `llm_engine` response
+    (unless the client named outputs without `text_output`) plus the client-facing
+    outputs it carries."""
     tensors = {n: engine_outputs[n] for n in CLIENT_OUTPUTS if n in engine_outputs}
     if with_text:
-        tensors = {"text_output": np.array([postprocess_text(engine_outputs, tokenizer)], dtype=np.object_), **tensors}
+        tensors = {"text_output": np.array(postprocess_texts(engine_outputs, tokenizer), dtype=np.object_), **tensors}
     return tensors

@@ -11,7 +11,7 @@ from ..errors import PagedServeError
 from .arguments import tokenizer_from_args
 from .requests import parse_prompt
 from .finals import Failure
-from .responses import postprocess_text
+from .responses import postprocess_texts
 from .tensors import Arrays, request_inputs, to_tensors
 
 Handler = Callable[[Arrays], Mapping[str, np.ndarray]]
@@ -62,4 +62,4 @@ class PostprocessingModel(TokenizerModel):
     """released ids (+ their context ids) -> their exact text delta."""
 
     def handle(self, inputs: Arrays) -> dict[str, np.ndarray]:
-        return {"text_output": np.array([postprocess_text(inputs, self.tokenizer)], dtype=np.object_)}
+        return {"text_output": np.array(postprocess_texts(inputs, self.tokenizer), dtype=np.object_)}

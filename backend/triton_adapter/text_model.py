@@ -33,6 +33,7 @@ import numpy as np
 from .arguments import tokenizer_from_args
 from .cancellation import Watcher, asked_cancelled
 from .finals import ERROR_OUTPUT, Failure, send_final
+from .python_model import log_info
 from .requests import BLS_CALLER, CORE_OUTPUTS, parse_prompt, requested_returns, select_outputs
 from .responses import ENGINE_OUTPUTS, TEXT_LEVEL_INPUTS, text_response
 from .tensors import Arrays, request_inputs, tensor_arrays, to_tensors
@@ -202,6 +203,7 @@ class TextModel:
             for request_id in cancelled:
                 del self.active[request_id]
         for request_id in cancelled:
+            log_info(self.pb_utils, f"[pagedserve] request {request_id} cancelled by its client; cancelling it in {self.engine_model}")
             self._cancel_in_engine(request_id)
         now = time.monotonic()
         while self.drained and self.drained[0][0] <= now:

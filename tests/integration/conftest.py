@@ -22,6 +22,7 @@ ENGINE = {
     "max_queue_size": "8",
     "max_model_len": "1024",
     "kv_cache_bytes": str(256 * 1024**2),
+    "REPORT_CUSTOM_METRICS": "true",
 }
 
 
@@ -102,14 +103,22 @@ def metric(server, name: str) -> float:
     return sum(values)
 
 
+IDLE_GAUGES = ("pagedserve:kv_blocks_used", "pagedserve:num_requests_running", "pagedserve:num_requests_waiting")
+
+
 def wait_idle(server, timeout: float = 60.0) -> None:
-    """Until no request runs or waits and no KV block is used (the gauges refresh every 0.25 s)."""
+    """Until no request runs or waits and no KV block is used, in two readings 0.3 s
+    apart: the gauges refresh every 0.25 s, so one reading may predate a request."""
     import time
 
     deadline = time.monotonic() + timeout
+    idle_since = None
     while time.monotonic() < deadline:
-        if (metric(server, "pagedserve:kv_blocks_used") == 0 and metric(server, "vllm:num_requests_running") == 0
-                and metric(server, "vllm:num_requests_waiting") == 0):
-            return
+        if all(metric(server, name) == 0 for name in IDLE_GAUGES):
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since >= 0.3:
+                return
+        else:
+            idle_since = None
         time.sleep(0.1)
     raise AssertionError("the engine did not become idle")

@@ -33,7 +33,7 @@ def test_sixteen_concurrent_streams_complete_correctly_and_batch_together(server
     assert metric(server, "pagedserve:num_requests_running_max") > 1
     wait_idle(server)
     assert metric(server, "pagedserve:kv_blocks_used") == 0
-    assert metric(server, "vllm:gpu_cache_usage_perc") == 0
+    assert metric(server, "pagedserve:kv_cache_usage_perc") == 0
 
 
 def test_cancelled_grpc_stream_frees_its_blocks_and_the_next_request_succeeds(server):
@@ -58,7 +58,7 @@ def test_closed_http_generate_stream_frees_its_blocks(server):
         seen += line.startswith(b"data:")
         if seen == 3:
             break
-    assert metric(server, "vllm:num_requests_running") >= 0
+    assert metric(server, "pagedserve:num_requests_running") >= 0
     response.close()
     wait_idle(server, timeout=10)
     assert metric(server, "pagedserve:kv_blocks_used") == 0

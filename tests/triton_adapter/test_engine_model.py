@@ -85,7 +85,7 @@ def test_cancelled_client_aborts_in_the_engine_and_gets_cancelled(model, engine_
     sent = request.sender.wait_final()
     assert engine_thread.aborted == ["r1"]
     assert sent[-1][0].error().code() == TritonError.CANCELLED and sent[-1][1] == FINAL
-    assert "request r1 cancelled by its client; its KV blocks are free" in Logger.lines
+    assert "[pagedserve] aborted request r1 in the engine after its client cancelled it; its KV blocks are free" in Logger.lines
     wait_until(lambda: not model.active)
     assert not request.sender.asked_after_final
 
@@ -148,10 +148,11 @@ def test_metrics_count_what_a_request_used(model, engine_thread):
     request.sender.wait_final()
     metrics = model.metrics
     wait_until(lambda: metrics.running.total == STATS.num_running)
-    assert metrics.prompt_tokens.total == 3
-    assert metrics.generation_tokens.total == 4
-    assert len(metrics.ttft.observations) == len(metrics.e2e.observations) == len(metrics.tpot.observations) == 1
-    assert metrics.e2e.observations[0] >= metrics.ttft.observations[0] >= 0
+    vllm = metrics.vllm
+    assert vllm.prompt_tokens.total == 3
+    assert vllm.generation_tokens.total == 4
+    assert len(vllm.ttft.observations) == len(vllm.e2e.observations) == 1 and len(vllm.tpot.observations) == 2
+    assert vllm.e2e.observations[0] >= vllm.ttft.observations[0] >= 0
     assert (metrics.waiting.total, metrics.blocks_used.total, metrics.blocks_total.total) == (1, 10, 64)
     assert metrics.max_running.total == 3 and metrics.hit_rate.total == 0.5
 

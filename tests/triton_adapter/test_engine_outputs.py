@@ -13,7 +13,7 @@ from .fakes import Request, TritonError, submit
 RETURNS = {"return_finish_reason": "finish_reason", "return_cumulative_logprob": "cumulative_logprob",
            "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
            "return_num_output_tokens": "num_output_tokens"}
-CORE = ["context_ids", "finished", "output_ids", "skip_special_tokens", "trim_chars"]
+CORE = ["context_ids", "context_lengths", "finished", "output_ids", "output_lengths", "skip_special_tokens", "trim_chars"]
 
 
 @pytest.mark.parametrize("flag", sorted(RETURNS))

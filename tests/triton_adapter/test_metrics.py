@@ -8,7 +8,13 @@ import pytest
 
 from pagedserve.backend.engine import EngineStats
 from pagedserve.backend.outputs import RequestOutput
-from pagedserve.backend.triton_adapter.metrics import E2E_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, EngineMetrics
+from pagedserve.backend.triton_adapter.metrics import (
+    E2E_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+    EngineMetrics,
+    RequestTiming,
+)
 
 from .fakes import FakePbUtils, MetricFamily
 
@@ -17,48 +23,70 @@ LABELS = {"model": "llm_engine", "version": "1"}
 
 @pytest.fixture
 def metrics():
-    return EngineMetrics(FakePbUtils(), LABELS)
+    return EngineMetrics(FakePbUtils(), LABELS, vllm=True, max_model_len=1000)
 
 
-def output(new_ids, finished=False, num_output_tokens=0, error=None):
-    return RequestOutput("r", new_ids, [], "", finished, num_prompt_tokens=7, num_output_tokens=num_output_tokens, error=error)
+def output(new_ids, finished=False, num_output_tokens=0, error=None, finish_reason=None):
+    return RequestOutput("r", new_ids, [], "", finished, finish_reason=finish_reason, num_prompt_tokens=7,
+                         num_output_tokens=num_output_tokens, error=error)
 
 
 def test_names_kinds_buckets_and_labels(metrics):
     families = {f.name: f for f in metrics.families}
     assert {n for n, f in families.items() if f.kind == MetricFamily.COUNTER} == {
-        "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
-        "pagedserve:engine_recoveries_total"}
+        "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "pagedserve:num_preemptions_total",
+        "pagedserve:engine_recoveries_total", "pagedserve:prefix_cache_queries_total", "pagedserve:prefix_cache_hits_total"}
     assert {n for n, f in families.items() if f.kind == MetricFamily.GAUGE} == {
-        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc",
+        "pagedserve:num_requests_running", "pagedserve:num_requests_waiting", "pagedserve:kv_cache_usage_perc",
         "pagedserve:kv_blocks_used", "pagedserve:kv_blocks_free", "pagedserve:kv_blocks_total",
         "pagedserve:prefix_cache_hit_rate", "pagedserve:num_requests_running_max"}
-    assert (metrics.ttft.buckets, metrics.tpot.buckets, metrics.e2e.buckets) == (TTFT_BUCKETS, TPOT_BUCKETS, E2E_BUCKETS)
-    assert metrics.ttft.family.name == "vllm:time_to_first_token_seconds"
-    assert metrics.tpot.family.name == "vllm:time_per_output_token_seconds"
-    assert metrics.e2e.family.name == "vllm:e2e_request_latency_seconds"
-    every_metric = [v for v in vars(metrics).values() if hasattr(v, "family")]
-    assert len(every_metric) == 15 and all(m.labels == LABELS for m in every_metric)
+    vllm = metrics.vllm
+    assert {n for n, f in families.items() if f.kind == MetricFamily.HISTOGRAM} == {
+        "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+        "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_n"}
+    assert (vllm.ttft.buckets, vllm.tpot.buckets, vllm.e2e.buckets) == (TTFT_BUCKETS, TPOT_BUCKETS, E2E_BUCKETS)
+    assert vllm.e2e.buckets == [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+    assert vllm.request_prompt_tokens.buckets == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+    assert vllm.request_n.buckets == [1, 2, 5, 10, 20]
+    every_metric = [v for v in [*vars(metrics).values(), *vars(vllm).values()] if hasattr(v, "family")]
+    assert len(every_metric) == 20 and all(m.labels == LABELS for m in every_metric)
     assert all(m.family in metrics.families for m in every_metric)  # families outlive their metrics
 
 
-def test_a_request_observes_ttft_tpot_and_e2e(metrics):
-    arrival, first = 100.0, 100.25
-    metrics.on_output(output([1, 2]), arrival, 0.0, first)
-    metrics.on_output(output([3], num_output_tokens=3), arrival, first, 100.5)
-    metrics.on_output(output([4], finished=True, num_output_tokens=4), arrival, first, 101.0)
-    assert metrics.ttft.observations == [pytest.approx(0.25)]
-    assert metrics.prompt_tokens.total == 7
-    assert metrics.generation_tokens.total == 4
-    assert metrics.e2e.observations == [pytest.approx(1.0)]
-    assert metrics.tpot.observations == [pytest.approx(0.75 / 3)]
+def test_without_report_custom_metrics_no_vllm_family_exists():
+    metrics = EngineMetrics(FakePbUtils(), LABELS, vllm=False)
+    assert metrics.vllm is None
+    assert not [f.name for f in metrics.families if f.name.startswith("vllm:")]
+    metrics.on_output(output([1], finished=True, num_output_tokens=1), RequestTiming(0.0), 1, 1.0)
 
 
-def test_one_token_request_has_no_tpot_and_failures_count_nothing(metrics):
-    metrics.on_output(output([1], finished=True, num_output_tokens=1), 0.0, 0.0, 0.5)
-    assert metrics.tpot.observations == [] and metrics.e2e.observations == [0.5]
-    metrics.on_output(output([], finished=True, error="boom"), 0.0, 0.0, 9.0)
-    assert metrics.e2e.observations == [0.5] and metrics.generation_tokens.total == 1
+def test_a_request_observes_ttft_once_tpot_per_release_and_its_totals_at_the_end(metrics):
+    timing = RequestTiming(arrival=100.0)
+    metrics.on_output(output([1, 2]), timing, 1, 100.25)
+    metrics.on_output(output([]), timing, 1, 100.3)  # nothing released: no observation
+    metrics.on_output(output([3], num_output_tokens=3), timing, 1, 100.5)
+    metrics.on_output(output([4], finished=True, num_output_tokens=4, finish_reason="length"), timing, 1, 101.0)
+    vllm = metrics.vllm
+    assert vllm.ttft.observations == [pytest.approx(0.25)]
+    assert vllm.prompt_tokens.total == 7 and vllm.generation_tokens.total == 4
+    assert vllm.tpot.observations == [pytest.approx(0.25), pytest.approx(0.5)]
+    assert vllm.e2e.observations == [pytest.approx(1.0)]
+    assert (vllm.request_prompt_tokens.observations, vllm.request_generation_tokens.observations) == ([7], [4])
+    assert vllm.request_n.observations == [1]
+
+
+def test_n_samples_count_every_samples_tokens_and_observe_n_once(metrics):
+    samples = [output([1, 2], num_output_tokens=2), output([3], num_output_tokens=1)]
+    merged = RequestOutput("r", [], [], "", True, "length", num_prompt_tokens=7, num_output_tokens=3, samples=samples)
+    metrics.on_output(merged, RequestTiming(0.0), 2, 0.5)
+    assert metrics.vllm.generation_tokens.total == 3
+    assert metrics.vllm.request_generation_tokens.observations == [3] and metrics.vllm.request_n.observations == [2]
+
+
+def test_cancelled_and_failed_requests_are_not_counted_as_finished(metrics):
+    metrics.on_output(output([], finished=True, finish_reason="abort"), RequestTiming(0.0), 1, 2.0)
+    metrics.on_output(output([], finished=True, error="boom"), RequestTiming(0.0), 1, 9.0)
+    assert metrics.vllm.e2e.observations == [] and metrics.vllm.request_n.observations == []
 
 
 def test_refresh_sets_gauges_and_counts_new_preemptions_and_recoveries_once(metrics):
@@ -68,9 +96,11 @@ def test_refresh_sets_gauges_and_counts_new_preemptions_and_recoveries_once(metr
     metrics.refresh(stats)
     metrics.refresh(stats)
     assert metrics.preemptions.total == 3
-    metrics.refresh(dataclasses.replace(stats, num_preemptions=5, num_recoveries=1))
-    metrics.refresh(dataclasses.replace(stats, num_preemptions=5, num_recoveries=1))
+    later = dataclasses.replace(stats, num_preemptions=5, num_recoveries=1, prefix_query_tokens=90, prefix_hit_tokens=32)
+    metrics.refresh(later)
+    metrics.refresh(later)
     assert metrics.preemptions.total == 5 and metrics.recoveries.total == 1
+    assert (metrics.prefix_queries.total, metrics.prefix_hits.total) == (90, 32)
     assert (metrics.running.total, metrics.waiting.total, metrics.usage.total) == (2, 1, 0.25)
     assert (metrics.blocks_used.total, metrics.blocks_free.total, metrics.blocks_total.total) == (16, 48, 64)
     assert (metrics.hit_rate.total, metrics.max_running.total) == (0.5, 5)

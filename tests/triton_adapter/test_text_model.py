@@ -258,3 +258,42 @@ def test_a_failing_cancellation_check_does_not_stop_the_watcher(engine, model):
     assert cancelled.sender.wait_final()[-1][0].error().code() == TritonError.CANCELLED
     engine.emit(["z"], prompt="x")
     broken.sender.wait_final()
+
+
+def _sample(text: str, index: int, finished: bool = False, reason: str | None = None):
+    from pagedserve.backend.outputs import RequestOutput
+
+    return RequestOutput("", [ord(c) for c in text], [], "", finished, reason, index=index,
+                         num_output_tokens=len(text), cumulative_logprob=-float(index + 1))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_n_samples_come_as_one_entry_each_in_sample_order(engine, model, stream):
+    """vLLM's backend with n: each response holds every sample's delta; FINAL rides on
+    the response where the last sample ends; finish_reason is "None" until a sample ends."""
+    request = Request({"text_input": "x", "stream": stream, "return_finish_reason": True,
+                       "return_num_output_tokens": True, "return_num_input_tokens": True,
+                       "return_cumulative_logprob": True, "sampling_parameters": '{"n": 2}'})
+    model.execute([request])
+    request_id = engine.request_id()
+    wait_until(lambda: request_id in engine.engine_thread.callbacks)
+    assert engine.engine_thread.submitted[request_id][1].n == 2
+    engine.engine_thread.emit(request_id, [], samples=[_sample("ab", 0), _sample("c", 1)])
+    engine.engine_thread.emit(request_id, [], samples=[_sample("", 0, True, "stop"), _sample("de", 1)])
+    engine.engine_thread.emit(request_id, [], finished=True, samples=[_sample("", 0, True, "stop"),
+                                                                       _sample("f", 1, True, "length")])
+    sent = request.sender.wait_final()
+    outputs = [r.outputs() for r in request.sender.responses]
+    if stream:
+        assert [o["text_output"].tolist() for o in outputs] == [[b"ab", b"c"], [b"", b"de"], [b"", b"f"]]
+        assert [o["finish_reason"].tolist() for o in outputs] == [[b"None", b"None"], [b"stop", b"None"],
+                                                                   [b"stop", b"length"]]
+        assert [o["num_output_tokens"].tolist() for o in outputs] == [[2, 1], [0, 2], [0, 1]]
+        assert [f for _, f in sent] == [0, 0, FINAL]
+    else:
+        (only,) = outputs
+        assert only["text_output"].tolist() == [b"xab", b"xcdef"]  # the prompt leads each sample, as in vLLM's backend
+        assert only["finish_reason"].tolist() == [b"stop", b"length"]
+        assert only["num_output_tokens"].tolist() == [2, 4]
+    assert outputs[-1]["num_input_tokens"].tolist() == [1]
+    assert outputs[-1]["cumulative_logprob"].tolist() == [-1.0, -2.0]
