@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--metrics-port", type=int, default=8002)
     serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine parameter, e.g. --set dtype=bfloat16 (repeatable)")
     serve.add_argument("--repository-dir", default="", help="where to write the runtime model repository (default: a temp dir)")
+    serve.add_argument("--exit-timeout-secs", type=int, default=5,
+                       help="on Ctrl-C, how long Triton lets requests in flight finish before it exits (Triton's default: 30)")
     serve.set_defaults(run=run_serve)
 
     for name, helptext in (("generate", "generate text for one prompt"), ("chat", "interactive chat, streaming")):
@@ -83,7 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
     repository = write_repository(os.path.join(workdir, "model_repository"), model=args.model, engine=engine)
     server = TritonServer(
         repository, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        log_file=os.path.join(workdir, "tritonserver.log"),
+        log_file=os.path.join(workdir, "tritonserver.log"), exit_timeout_s=args.exit_timeout_secs,
     )
     print(f"starting tritonserver with {repository} (log: {server.log_file}) ...", flush=True)
     server.start(timeout=600)

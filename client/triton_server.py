@@ -163,7 +163,7 @@ class TritonServer:
     def stop(self, timeout: float | None = None) -> int | None:
         """SIGINT (graceful), wait, then SIGKILL the whole process group and wait.
 
-        ``timeout`` defaults to Triton's exit timeout plus 10 s, so a graceful
+        ``timeout`` defaults to Triton's exit timeout plus 3 s, so a graceful
         shutdown is not cut short. The group kill also takes python-backend stubs
         a dying server may leave behind, so ports are free when this returns.
         Returns the server's exit code (None if it was never started).
@@ -172,7 +172,9 @@ class TritonServer:
         if process is None:
             return None
         if timeout is None:
-            timeout = float(self.exit_timeout_s if self.exit_timeout_s is not None else 30) + 10.0
+            # Triton 2.51's "exiting immediately" after its exit timeout can crash and hang
+            # (Signal 11 in its teardown): a few seconds past the timeout is enough
+            timeout = float(self.exit_timeout_s if self.exit_timeout_s is not None else 30) + 3.0
         self._shm_regions |= _stub_shm_regions(process)
         process.ask_to_exit(timeout, signal.SIGINT)
         self._shm_regions |= _stub_shm_regions(process)

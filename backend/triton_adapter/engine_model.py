@@ -247,6 +247,7 @@ class EngineModel:
 
     def finalize(self) -> None:
         """Cancel what is in flight (clients get CANCELLED), then join every thread."""
+        log_info(self.pb_utils, f"[pagedserve] unloading: cancelling {len(self.active)} requests in flight")
         self.engine_thread.shutdown(timeout=30)
         self.outbox.put(None)
         self.response_thread.join(30)

@@ -69,7 +69,7 @@ class TextModel:
         self.tokenizer = tokenizer
         self.engine_model = engine_model
         self.relays = ThreadPoolExecutor(max_workers=MAX_RELAYS, thread_name_prefix="llm-relay")
-        self.active: dict[str, Any] = {}  # request id -> response sender, until its final response
+        self.active: dict[str, Relay] = {}  # until its final response
         self.lock = threading.Lock()  # a sender's factory is gone once its final response is sent
         self.drained: deque[tuple[float, Any]] = deque()  # (when to let go, drained BLS iterator)
         self.watcher = Watcher("llm-watcher", self._watch, WATCH_INTERVAL_S)
@@ -89,7 +89,7 @@ class TextModel:
                 send_final(response_sender, Failure(str(error), "INVALID_ARG").response(self.pb_utils), self.final_flag)
                 continue
             with self.lock:
-                self.active[relay.request_id] = response_sender
+                self.active[relay.request_id] = relay
             self.relays.submit(self._relay, relay)
         return None
 
@@ -171,11 +171,12 @@ class TextModel:
             self._cancel_in_engine(relay.request_id)
 
     def _close(self, relay: Relay, response: Any) -> None:
-        """Send the client's final response (None: a flag-only final), once."""
-        if not relay.open:
-            return
-        relay.open = False
+        """Send the client's final response (None: a flag-only final), once (the relay
+        and the watcher may both try)."""
         with self.lock:  # the watcher must not ask a finished sender whether it was cancelled
+            if not relay.open:
+                return
+            relay.open = False
             self.active.pop(relay.request_id, None)
         send_final(relay.response_sender, response, self.final_flag)
 
@@ -199,8 +200,8 @@ class TextModel:
     def _watch(self) -> None:
         """Forward client cancellations to llm_engine; let go of iterators drained long enough ago."""
         with self.lock:
-            cancelled = [request_id for request_id, sender in self.active.items() if asked_cancelled(sender)]
-            for request_id in cancelled:
+            cancelled = [request_id for request_id, relay in self.active.items() if asked_cancelled(relay.response_sender)]
+            for request_id in cancelled:  # the relay still sends its final, when llm_engine has ended it
                 del self.active[request_id]
         for request_id in cancelled:
             log_info(self.pb_utils, f"[pagedserve] request {request_id} cancelled by its client; cancelling it in {self.engine_model}")
@@ -229,6 +230,7 @@ class TextModel:
         self.watcher.stop()
         with self.lock:
             in_flight = list(self.active)
+        log_info(self.pb_utils, f"[pagedserve] unloading: cancelling {len(in_flight)} requests in flight")
         for request_id in in_flight:
             self._cancel_in_engine(request_id)
         self.relays.shutdown(wait=True)
