@@ -4,9 +4,9 @@ No Triton import here: the engine runs and is tested without a server.
 """
 
 from .config import EngineConfig
-from .engine import EngineStats, LLMEngine
+from .engine import LLMEngine
 from .errors import ConfigError, EngineDeadError, InvalidRequestError, PagedServeError, QueueFullError
-from .outputs import Completion, RequestOutput
+from .outputs import Completion, EngineStats, RequestOutput
 from .sampling_params import SamplingParams
 
 __all__ = [

@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Iterable, Sequence as Seq
 
 import torch
@@ -28,7 +27,7 @@ from .model_files import resolve_model_path
 from .model_loader import load_model
 from .model_runner import ModelRunner
 from .output_renderer import OutputRenderer
-from .outputs import Completion, RequestOutput
+from .outputs import Completion, EngineStats, RequestOutput
 from .quantization import quantize_model
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -38,26 +37,6 @@ from .sequence import FinishReason, Sequence, SequenceStatus
 from .tokenizer import apply_chat_template, encode_prompt
 
 logger = logging.getLogger("pagedserve")
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    peak_num_running: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    kv_usage: float
-    prefix_hit_rate: float
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    num_recoveries: int = 0
-    prefix_query_tokens: int = 0
-    """Prompt tokens looked up in the prefix cache (forks of n > 1 included)."""
-    prefix_hit_tokens: int = 0
-    """Of those, tokens whose KV blocks were reused."""
 
 
 class LLMEngine:

@@ -1,4 +1,4 @@
-"""What the engine hands back per step and per finished request."""
+"""What the engine hands back: per step, per finished request, and its running totals."""
 
 from __future__ import annotations
 
@@ -74,3 +74,25 @@ class Completion:
         self.finish_reason = output.finish_reason
         self.cumulative_logprob = output.cumulative_logprob
         self.num_cached_tokens = output.num_cached_tokens
+
+
+@dataclass
+class EngineStats:
+    """The engine's queues, KV cache and running totals at one moment (LLMEngine.stats())."""
+
+    num_running: int
+    num_waiting: int
+    peak_num_running: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_usage: float
+    prefix_hit_rate: float
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_recoveries: int = 0
+    prefix_query_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache (forks of n > 1 included)."""
+    prefix_hit_tokens: int = 0
+    """Of those, tokens whose KV blocks were reused."""

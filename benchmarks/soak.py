@@ -375,13 +375,16 @@ def read_metrics(metrics_url: str, names: tuple[str, ...]) -> dict[str, float | 
     return state
 
 
+IDLE_GAUGES = ("pagedserve:kv_blocks_used", "pagedserve:num_requests_running", "pagedserve:num_requests_waiting")
+"""All 0: the engine is idle."""
+
+
 def idle_state(metrics_url: str, timeout: float) -> dict[str, float | None]:
     """KV blocks used and requests running / waiting, once they reach 0 (or `timeout`
     passes, or the metrics endpoint does not answer)."""
-    names = ("pagedserve:kv_blocks_used", "pagedserve:num_requests_running", "pagedserve:num_requests_waiting")
     deadline = time.monotonic() + timeout
     while True:
-        state = read_metrics(metrics_url, names)
+        state = read_metrics(metrics_url, IDLE_GAUGES)
         if all(v == 0 for v in state.values()) or all(v is None for v in state.values()) or time.monotonic() > deadline:
             return state
         time.sleep(0.25)

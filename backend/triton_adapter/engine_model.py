@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..config import EngineConfig
-from ..engine import EngineStats, LLMEngine
+from ..engine import LLMEngine
 from ..engine_thread import EngineThread
 from ..errors import InvalidRequestError
-from ..outputs import RequestOutput
+from ..outputs import EngineStats, RequestOutput
 from ..values import to_bool
 from .arguments import model_parameters
 from .cancellation import RecentIds, Watcher, asked_cancelled

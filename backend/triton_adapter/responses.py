@@ -17,7 +17,7 @@ from ..tokenizer import decode_delta
 from ..errors import InvalidRequestError
 from .finals import ERROR_OUTPUT
 from .requests import CORE_OUTPUTS, RETURN_OUTPUTS, EngineRequest
-from .tensors import Arrays, flag, scalar, token_ids
+from .tensors import Arrays, flag, token_ids
 
 CLIENT_OUTPUTS = tuple(RETURN_OUTPUTS.values())
 """Outputs `llm` passes on from `llm_engine` unchanged."""

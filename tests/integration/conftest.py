@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
-import urllib.request
 import uuid
 from typing import Any
 
@@ -13,8 +11,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from benchmarks.soak import IDLE_GAUGES, read_metrics
 from pagedserve.client.repository import write_repository
-from pagedserve.client.triton_server import TritonServer
+from pagedserve.client.triton_server import TritonServer, TritonServerError
 
 ENGINE = {
     "dtype": "float32",
@@ -42,6 +41,15 @@ def server(tmp_path_factory):
         yield triton
     finally:
         triton.stop()
+
+
+def failed_load_log(repository, log_file, timeout: float, lines: int = 300) -> str:
+    """Start a server on `repository` that must fail to load; the tail of its log."""
+    server = TritonServer(repository, log_file=log_file)
+    with pytest.raises(TritonServerError):
+        server.start(timeout=timeout)
+    server.stop()
+    return server.log_tail(lines)
 
 
 def tensor(name: str, value: Any, dtype: str | None = None, shape: list[int] | None = None):
@@ -96,14 +104,10 @@ def llm_inputs(prompt: str | None = None, messages=None, stream: bool = True, **
 
 def metric(server, name: str) -> float:
     """Value of an unlabelled-by-us metric (summed over label sets) from the metrics port."""
-    body = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", body, re.M)]
-    if not values:
-        raise AssertionError(f"metric {name} not exported")
-    return sum(values)
-
-
-IDLE_GAUGES = ("pagedserve:kv_blocks_used", "pagedserve:num_requests_running", "pagedserve:num_requests_waiting")
+    value = read_metrics(server.metrics_url, (name,))[name]
+    if value is None:
+        raise AssertionError(f"metric {name} not exported (or the metrics port did not answer)")
+    return value
 
 
 def wait_idle(server, timeout: float = 60.0) -> None:

@@ -10,7 +10,7 @@ import urllib.request
 from pagedserve.backend import SamplingParams
 from pagedserve.client.client import LLMClient
 
-from .conftest import llm_inputs, metric, stream_request, texts, wait_idle
+from .conftest import llm_inputs, metric, stream_request, wait_idle
 
 
 def test_sixteen_concurrent_streams_complete_correctly_and_batch_together(server, engine):

@@ -10,21 +10,17 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 from pagedserve.client.client import LLMClient
 from pagedserve.client.repository import set_parameters, write_repository
-from pagedserve.client.triton_server import TritonServer, TritonServerError
+from pagedserve.client.triton_server import TritonServer
+
+from .conftest import failed_load_log
 
 
 def test_unknown_engine_parameter_fails_the_load_naming_it(tmp_path):
     repository = write_repository(tmp_path / "repo")
     set_parameters(repository / "llm_engine" / "config.pbtxt", {"max_batch_tokens": "99"})
-    server = TritonServer(repository, log_file=tmp_path / "server.log")
-    with pytest.raises(TritonServerError):
-        server.start(timeout=120)
-    server.stop()
-    assert "max_batch_tokens" in server.log_tail(200)
+    assert "max_batch_tokens" in failed_load_log(repository, tmp_path / "server.log", timeout=120, lines=200)
 
 
 def test_metrics_disabled_by_the_server_and_stop_with_requests_in_flight(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.backend.engine import EngineStats
+from pagedserve.backend.outputs import EngineStats
 from pagedserve.backend.triton_adapter.engine_model import EngineModel
 from pagedserve.backend.triton_adapter.metrics import EngineMetrics
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from pagedserve.backend.engine import EngineStats
+from pagedserve.backend.outputs import EngineStats
 from pagedserve.backend.outputs import RequestOutput
 from pagedserve.backend.triton_adapter.metrics import (
     E2E_BUCKETS,
