@@ -1,4 +1,4 @@
-"""`pagedserve` command line: serve, generate, chat, bench, tokenizer."""
+"""`pagedserve` command line: serve, openai, generate, chat, bench, tokenizer."""
 
 from __future__ import annotations
 
@@ -44,6 +44,17 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
         command.set_defaults(run=run_generate if name == "generate" else run_chat)
 
+    openai = commands.add_parser("openai", help="OpenAI-compatible HTTP API in front of a running tritonserver")
+    openai.add_argument("--host", default="0.0.0.0")
+    openai.add_argument("--port", type=int, default=9000)
+    openai.add_argument("--triton-url", default="localhost:8001", help="gRPC endpoint of tritonserver")
+    openai.add_argument("--model", action="append", default=None, dest="models",
+                        help="Triton model to offer (repeatable; default: llm)")
+    openai.add_argument("--served-model-name", default=None, help="OpenAI model id of the one model (default: its Triton name)")
+    openai.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $PAGEDSERVE_API_KEY)")
+    openai.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens of a request that gives none")
+    openai.set_defaults(run=run_openai)
+
     from .bench import add_bench_arguments  # noqa: PLC0415 (keeps start-up light)
 
     bench = commands.add_parser("bench", help="load-generate against a running server")
@@ -67,6 +78,21 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "stop": args.stop,
     }
+
+
+def run_openai(args: argparse.Namespace) -> int:
+    from .openai_gateway import GatewayConfig, GatewayConfigError, run_gateway
+
+    try:
+        config = GatewayConfig(
+            host=args.host, port=args.port, triton_url=args.triton_url, models=args.models or ["llm"],
+            served_model_name=args.served_model_name, api_key=args.api_key, default_max_tokens=args.default_max_tokens,
+        )
+    except GatewayConfigError as error:
+        print(f"pagedserve openai: {error}", file=sys.stderr)
+        return 2
+    run_gateway(config)
+    return 0
 
 
 def run_tokenizer(args: argparse.Namespace) -> int:

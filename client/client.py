@@ -29,22 +29,31 @@ def build_inputs(
     **sampling: Any,
 ) -> list[Any]:
     """Inputs for `llm` in the Triton vLLM-backend style; `module` is tritonclient.grpc or .http."""
-    tensors: list[tuple[str, np.ndarray, str]] = []
-    if messages is not None:
-        tensors.append(("messages", np.array([json.dumps(messages).encode()], dtype=np.object_), "BYTES"))
-    else:
-        tensors.append(("text_input", np.array([(prompt or "").encode()], dtype=np.object_), "BYTES"))
-    params = {k: v for k, v in sampling.items() if v is not None}
-    tensors += [
-        ("stream", np.array([stream]), "BOOL"),
-        ("exclude_input_in_output", np.array([True]), "BOOL"),
-        ("return_finish_reason", np.array([True]), "BOOL"),
-        ("return_num_output_tokens", np.array([True]), "BOOL"),
-        ("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
-    ]
+    values: dict[str, Any] = {"messages": json.dumps(messages)} if messages is not None else {"text_input": prompt or ""}
+    values |= {
+        "stream": stream,
+        "exclude_input_in_output": True,
+        "return_finish_reason": True,
+        "return_num_output_tokens": True,
+        "sampling_parameters": json.dumps({k: v for k, v in sampling.items() if v is not None}),
+    }
+    return infer_inputs(module, values)
+
+
+def infer_inputs(module: Any, values: dict[str, Any]) -> list[Any]:
+    """InferInputs of shape [1] from Python values (str -> BYTES, bool -> BOOL, int -> INT32,
+    float -> FP32); `module` is tritonclient.grpc, .grpc.aio or .http."""
     inputs = []
-    for name, array, dtype in tensors:
-        tensor = module.InferInput(name, list(array.shape), dtype)
+    for name, value in values.items():
+        if isinstance(value, str):
+            array, dtype = np.array([value.encode("utf-8")], dtype=np.object_), "BYTES"
+        elif isinstance(value, bool):
+            array, dtype = np.array([value]), "BOOL"
+        elif isinstance(value, int):
+            array, dtype = np.array([value], dtype=np.int32), "INT32"
+        else:
+            array, dtype = np.array([value], dtype=np.float32), "FP32"
+        tensor = module.InferInput(name, [1], dtype)
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs

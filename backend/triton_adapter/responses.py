@@ -66,11 +66,14 @@ def _concat(id_lists: list[list[int]]) -> np.ndarray:
 
 
 def logprobs_json(output: RequestOutput, tokenizer: Any) -> str:
-    """vLLM backend shape: one {token_id: {logprob, rank, decoded_token}} per new token."""
+    """vLLM backend shape: one {token_id: {logprob, rank, decoded_token}} per new token,
+    the sampled token first and then the top alternatives by rank, as vLLM v1 orders them
+    (clients such as the OpenAI gateway read the first entry as the sampled token)."""
     positions = []
     for lp in output.logprobs:
-        entry = {str(t): _logprob_entry(tokenizer, t, v, rank) for rank, (t, v) in enumerate(lp.top, start=1)}
-        entry[str(lp.token_id)] = _logprob_entry(tokenizer, lp.token_id, lp.logprob, lp.rank)
+        entry = {str(lp.token_id): _logprob_entry(tokenizer, lp.token_id, lp.logprob, lp.rank)}
+        for rank, (t, v) in enumerate(lp.top, start=1):
+            entry.setdefault(str(t), _logprob_entry(tokenizer, t, v, rank))
         positions.append(entry)
     return json.dumps(positions)
 

@@ -61,6 +61,23 @@ def test_values_follow_the_vllm_backend(model, engine_thread):
     assert json.loads(response.outputs()["logprobs"][0]) == [{"10": {"logprob": -0.2, "rank": 1, "decoded_token": "\n"}}]
 
 
+def test_logprobs_list_the_sampled_token_first_then_the_top_ones_by_rank(model, engine_thread):
+    """As vLLM v1 orders them: OpenAI gateways read the first entry as the sampled token."""
+    from pagedserve.backend.sequence import TokenLogprob
+
+    asked = Request({"input_ids": [5], "stream": True, "return_logprobs": True, "sampling_parameters": '{"logprobs": 2}'},
+                    request_id="r3")
+    model.execute([asked])
+    engine_thread.emit("r3", [12, 10], finished=True, logprobs=[
+        TokenLogprob(12, -1.5, 3, [(10, -0.2), (11, -0.4)]),  # sampled outside the top 2
+        TokenLogprob(10, -0.2, 1, [(10, -0.2), (11, -0.4)]),  # sampled the top one: listed once
+    ])
+    (response, _), = asked.sender.wait_final()
+    positions = json.loads(response.outputs()["logprobs"][0])
+    assert [list(p) for p in positions] == [["12", "10", "11"], ["10", "11"]]
+    assert [[e["rank"] for e in p.values()] for p in positions] == [[3, 1, 2], [1, 2]]
+
+
 def test_streaming_without_excluding_the_input_reads_as_the_vllm_backend(model, engine_thread):
     request = submit(model, engine_thread, stream=True, exclude_input_in_output=False)
     (response, _), = request.sender.wait_final()

@@ -1,0 +1,166 @@
+"""OpenAI response bodies built from the `llm` model's responses.
+
+Usage is counted by the server (`num_input_tokens` once per prompt, `num_output_tokens`
+per response and sample), so it is exact without a tokenizer in the gateway.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+
+from . import schemas
+from .triton_stream import LLMStep, SampleDelta, TokenLogprob
+
+try:
+    SYSTEM_FINGERPRINT = f"pagedserve-{version('pagedserve')}"
+except PackageNotFoundError:  # run from a source tree without installing
+    SYSTEM_FINGERPRINT = "pagedserve"
+
+
+@dataclass
+class ResponseHeader:
+    """id, created and model: the same on a response and on every chunk of it."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> "ResponseHeader":
+        return cls(f"{prefix}-{uuid.uuid4().hex}", model)
+
+    def fields(self) -> dict:
+        return {"id": self.id, "created": self.created, "model": self.model, "system_fingerprint": SYSTEM_FINGERPRINT}
+
+
+@dataclass
+class Choice:
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    def add(self, delta: SampleDelta) -> None:
+        self.text += delta.text
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+
+
+@dataclass
+class Accumulator:
+    """Choices (index = prompt index * n + sample index) and token counts of one request."""
+
+    n: int = 1
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    choices: dict[int, Choice] = field(default_factory=dict)
+    _prompts_counted: set[int] = field(default_factory=set)
+
+    def add(self, step: LLMStep, prompt_index: int = 0) -> None:
+        if prompt_index not in self._prompts_counted and step.num_input_tokens:
+            self.prompt_tokens += step.num_input_tokens
+            self._prompts_counted.add(prompt_index)
+        for i, delta in enumerate(step.samples):
+            self.completion_tokens += delta.num_tokens
+            self.choices.setdefault(prompt_index * self.n + i, Choice()).add(delta)
+
+    def usage(self) -> schemas.Usage:
+        return schemas.Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+        )
+
+
+# -- logprobs -------------------------------------------------------------------------
+def chat_logprobs(tokens: list[TokenLogprob] | None) -> schemas.ChatLogprobs | None:
+    if tokens is None:
+        return None
+    return schemas.ChatLogprobs(content=[
+        schemas.TokenLogprob(
+            token=t.token, logprob=t.logprob, bytes=list(t.token.encode("utf-8")),
+            top_logprobs=[schemas.TopLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8"))) for s, lp in t.top],
+        )
+        for t in tokens
+    ])
+
+
+def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0) -> schemas.CompletionLogprobs | None:
+    """`offset`: where the first token starts in the choice's text (after an echoed prompt)."""
+    if tokens is None:
+        return None
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.token)
+    return schemas.CompletionLogprobs(
+        tokens=[t.token for t in tokens],
+        token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=[{s: lp for s, lp in t.top} for t in tokens],
+        text_offset=offsets,
+    )
+
+
+# -- whole responses ------------------------------------------------------------------
+def chat_completion(header: ResponseHeader, result: Accumulator) -> schemas.ChatCompletion:
+    return schemas.ChatCompletion(
+        **header.fields(),
+        choices=[
+            schemas.ChatChoice(
+                index=i, message=schemas.AssistantMessage(content=c.text),
+                finish_reason=c.finish_reason, logprobs=chat_logprobs(c.logprobs),
+            )
+            for i, c in sorted(result.choices.items())
+        ],
+        usage=result.usage(),
+    )
+
+
+def completion(header: ResponseHeader, result: Accumulator, prompts: list[str], echo: bool) -> schemas.Completion:
+    choices = []
+    for i, c in sorted(result.choices.items()):
+        prompt_length = len(prompts[i // result.n]) if echo else 0
+        choices.append(schemas.CompletionChoice(
+            index=i, text=c.text, finish_reason=c.finish_reason,
+            logprobs=completion_logprobs(c.logprobs, prompt_length),
+        ))
+    return schemas.Completion(**header.fields(), choices=choices, usage=result.usage())
+
+
+# -- streamed chunks ------------------------------------------------------------------
+def chat_role_chunk(header: ResponseHeader, n: int) -> schemas.ChatCompletionChunk:
+    """The first chunk: the assistant role for every choice, as OpenAI sends it."""
+    choices = [schemas.ChatChunkChoice(index=i, delta=schemas.ChatDelta(role="assistant", content="")) for i in range(n)]
+    return schemas.ChatCompletionChunk(**header.fields(), choices=choices)
+
+
+def chat_chunks(header: ResponseHeader, step: LLMStep) -> list[schemas.ChatCompletionChunk]:
+    """One chunk per choice that this response moved on."""
+    return [
+        schemas.ChatCompletionChunk(**header.fields(), choices=[schemas.ChatChunkChoice(
+            index=i, delta=schemas.ChatDelta(content=d.text), finish_reason=d.finish_reason,
+            logprobs=chat_logprobs(d.logprobs),
+        )])
+        for i, d in enumerate(step.samples)
+        if d.text or d.finish_reason or d.logprobs
+    ]
+
+
+def completion_chunks(header: ResponseHeader, step: LLMStep, first_index: int) -> list[schemas.Completion]:
+    return [
+        schemas.Completion(**header.fields(), choices=[schemas.CompletionChoice(
+            index=first_index + i, text=d.text, finish_reason=d.finish_reason,
+            logprobs=completion_logprobs(d.logprobs),
+        )])
+        for i, d in enumerate(step.samples)
+        if d.text or d.finish_reason or d.logprobs
+    ]
+
+
+def usage_chunk(header: ResponseHeader, result: Accumulator, chat: bool) -> schemas.BaseModel:
+    """The last chunk when `stream_options.include_usage`: no choices, the usage."""
+    kind = schemas.ChatCompletionChunk if chat else schemas.Completion
+    return kind(**header.fields(), choices=[], usage=result.usage())

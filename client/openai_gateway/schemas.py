@@ -1,0 +1,178 @@
+"""OpenAI request and response bodies (pydantic), as the `openai` SDK sends and reads them.
+
+Requests keep unknown fields (`extra="allow"`) so that a parameter we do not serve can
+be refused by name (see translate.py) instead of silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+
+
+class SamplingFields(BaseModel):
+    """What chat and completions requests share (OpenAI's fields, then vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # vLLM's extensions that OpenAI-speaking tools send to vLLM servers
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = Field(None, ge=0)
+    ignore_eos: Optional[bool] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+# -- logprobs --------------------------------------------------------------------------
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[Optional[float]] = []
+    top_logprobs: list[Optional[dict[str, float]]] = []
+    text_offset: list[int] = []
+
+
+# -- responses -------------------------------------------------------------------------
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Optional[str] = None
+    logprobs: Optional[ChatLogprobs] = None
+
+
+class ResponseFields(BaseModel):
+    """What every response and chunk carries (see responses.ResponseHeader)."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: Optional[str] = None
+    usage: Optional[Usage] = None
+
+
+class ChatCompletion(ResponseFields):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: Optional[str] = None
+    logprobs: Optional[ChatLogprobs] = None
+
+
+class ChatCompletionChunk(ResponseFields):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Optional[str] = None
+    logprobs: Optional[CompletionLogprobs] = None
+
+
+class Completion(ResponseFields):
+    """Also each streamed chunk of /v1/completions (OpenAI uses one shape for both)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedserve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Any] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

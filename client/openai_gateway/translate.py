@@ -1,0 +1,142 @@
+"""OpenAI requests as `llm` model requests: which inputs to send, which fields to refuse.
+
+The `llm` model speaks Triton's vLLM-backend contract (text or chat `messages` in,
+`sampling_parameters` JSON, return_* flags), so most OpenAI fields map one to one onto
+vLLM sampling parameters. The chat template is applied in the server, by the served
+model's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import unsupported
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+
+# Sent as-is in `sampling_parameters` when not None (OpenAI's names are vLLM's).
+_PASSED_THROUGH = (
+    "temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+    "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+
+# Fields we cannot honour yet, and the values of them that ask for nothing.
+_REFUSED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "suffix": (None, ""),
+    "use_beam_search": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+}
+
+
+@dataclass
+class LLMRequest:
+    """One request to the `llm` model: its inputs, and what the gateway must add itself."""
+
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    echo: bool = False
+    """The prompt goes in front of the text (completions' `echo`)."""
+    top_logprobs: int | None = None
+    """How many alternatives per token the client asked for; None: no logprobs."""
+
+    def inputs(self) -> dict[str, Any]:
+        """Input name -> value (str, bool), for the `llm` model."""
+        values: dict[str, Any] = {"messages": json.dumps(self.messages)} if self.messages is not None else {"text_input": self.text}
+        values |= {
+            "stream": self.stream,
+            "exclude_input_in_output": not (self.echo and not self.stream),
+            "sampling_parameters": json.dumps(self.sampling),
+            "return_finish_reason": True,
+            "return_num_input_tokens": True,
+            "return_num_output_tokens": True,
+        }
+        if self.top_logprobs is not None:
+            values["return_logprobs"] = True
+        return values
+
+
+def chat_request(request: ChatCompletionRequest, default_max_tokens: int) -> LLMRequest:
+    _refuse_unsupported(request)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise unsupported("top_logprobs", "needs `logprobs: true`")
+    top = (request.top_logprobs or 0) if request.logprobs else None
+    max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
+    return LLMRequest(
+        messages=[_message(i, m) for i, m in enumerate(request.messages)],
+        sampling=_sampling(request, max_tokens, top),
+        stream=request.stream,
+        top_logprobs=top,
+    )
+
+
+def completion_requests(request: CompletionRequest, default_max_tokens: int) -> list[LLMRequest]:
+    """One `llm` request per prompt (a list of prompts fans out; choices follow prompt order)."""
+    _refuse_unsupported(request)
+    prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise unsupported("prompt", "must be a string or a list of strings (token-id prompts are not supported)")
+    best_of = getattr(request, "best_of", None)
+    if best_of not in (None, request.n):
+        raise unsupported("best_of", f"must equal `n` ({request.n}) here; best-of ranking is not supported")
+    max_tokens = request.max_tokens or default_max_tokens
+    sampling = _sampling(request, max_tokens, request.logprobs)
+    return [
+        LLMRequest(text=p, sampling=sampling, stream=request.stream, echo=request.echo, top_logprobs=request.logprobs)
+        for p in prompts
+    ]
+
+
+def _sampling(request: SamplingFields, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+    values: dict[str, Any] = {"max_tokens": max_tokens}
+    for name in _PASSED_THROUGH:
+        value = getattr(request, name, None)
+        if value is not None:
+            values[name] = value
+    if request.stop:
+        values["stop"] = [request.stop] if isinstance(request.stop, str) else list(request.stop)
+    if logprobs is not None:
+        values["logprobs"] = logprobs
+    return values
+
+
+def _message(index: int, message: ChatMessage) -> dict[str, str]:
+    if message.model_extra and message.model_extra.get("tool_calls"):
+        raise unsupported(f"messages[{index}].tool_calls")
+    content = message.content
+    if isinstance(content, list):
+        for part in content:
+            if part.type != "text":
+                raise unsupported(f"messages[{index}].content", f"has a part of type {part.type!r}; only text is supported")
+        content = "".join(part.text or "" for part in content)
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": content or ""}
+
+
+def _refuse_unsupported(request: SamplingFields) -> None:
+    extra = request.model_extra or {}
+    for name, neutral in _REFUSED.items():
+        value = extra.get(name)
+        if value not in neutral:
+            raise unsupported(name)
+    response_format = extra.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise unsupported("response_format", "other than {\"type\": \"text\"} is not supported")
+    modalities = extra.get("modalities")
+    if modalities not in (None, ["text"]):
+        raise unsupported("modalities", "other than [\"text\"] is not supported")

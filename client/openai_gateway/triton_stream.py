@@ -1,0 +1,136 @@
+"""The gateway's side of Triton: one gRPC stream per request to the `llm` model.
+
+A stream that is closed before its final response (the HTTP client went away, the
+handler was cancelled) cancels its gRPC call, which cancels the request in Triton and
+frees its KV blocks in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import grpc
+import numpy as np
+
+from ..client import infer_inputs
+from .errors import OpenAIError, from_triton
+from .translate import LLMRequest
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token, its logprob, and the `top` alternatives (token, logprob) by rank."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass
+class SampleDelta:
+    """What one response adds to one sample (choice)."""
+
+    text: str
+    finish_reason: str | None
+    num_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class LLMStep:
+    """One response of the `llm` model: a delta per sample, in sample order."""
+
+    samples: list[SampleDelta]
+    num_input_tokens: int
+    final: bool
+
+
+class TritonLLM:
+    """tritonclient.grpc.aio over one channel, shared by every request of the gateway."""
+
+    def __init__(self, url: str):
+        import tritonclient.grpc.aio as aioclient
+
+        self._module = aioclient
+        self.url = url
+        self.client = aioclient.InferenceServerClient(url)
+
+    async def is_ready(self, model: str) -> bool:
+        try:
+            return await self.client.is_server_ready() and await self.client.is_model_ready(model)
+        except Exception:  # unreachable or not serving: not ready, whatever the cause
+            return False
+
+    async def stream(self, model: str, request: LLMRequest) -> AsyncIterator[LLMStep]:
+        inputs = infer_inputs(self._module, request.inputs())
+
+        async def one_request():
+            yield {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
+
+        call = self.client.stream_infer(one_request())
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise from_triton(str(error.message() if hasattr(error, "message") else error))
+                step = parse_step(result, request.top_logprobs)
+                finished = step.final
+                yield step
+                if finished:
+                    return
+            raise OpenAIError(500, f"the `{model}` model ended its stream without a final response")
+        except grpc.RpcError as error:
+            status = 503 if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else 500
+            raise OpenAIError(status, f"Triton at {self.url}: {error.details()}") from None
+        finally:
+            if not finished:
+                call.cancel()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def parse_step(result: Any, top_logprobs: int | None) -> LLMStep:
+    texts = _strings(result.as_numpy("text_output"))
+    reasons = _strings(result.as_numpy("finish_reason"))
+    counts = result.as_numpy("num_output_tokens")
+    num_input = result.as_numpy("num_input_tokens")
+    logprobs = _strings(result.as_numpy("logprobs")) if top_logprobs is not None else []
+    samples = [
+        SampleDelta(
+            text=text,
+            finish_reason=None if i >= len(reasons) or reasons[i] == "None" else reasons[i],
+            num_tokens=int(counts[i]) if counts is not None and i < counts.size else 0,
+            logprobs=_token_logprobs(logprobs[i], top_logprobs) if i < len(logprobs) else None,
+        )
+        for i, text in enumerate(texts)
+    ]
+    parameters = result.get_response().parameters
+    final = "triton_final_response" in parameters and parameters["triton_final_response"].bool_param
+    return LLMStep(samples, int(num_input[0]) if num_input is not None and num_input.size else 0, bool(final))
+
+
+def _strings(array: np.ndarray | None) -> list[str]:
+    if array is None:
+        return []
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+
+
+def _token_logprobs(raw: str, top: int | None) -> list[TokenLogprob]:
+    """vLLM-backend logprobs JSON: per token, {token_id: {logprob, rank, decoded_token}},
+    the sampled token first, then the alternatives."""
+    tokens = json.loads(raw) or []
+    parsed = []
+    for position in tokens:
+        entries = list(position.values())
+        sampled = entries[0]
+        ranked = sorted((e for e in entries if e["rank"] <= (top or 0)), key=lambda e: e["rank"])
+        parsed.append(TokenLogprob(
+            token=sampled["decoded_token"],
+            logprob=float(sampled["logprob"]),
+            top=[(e["decoded_token"], float(e["logprob"])) for e in ranked],
+        ))
+    return parsed

@@ -1,0 +1,233 @@
+"""`pagedserve openai` in front of a real tritonserver, driven by the official `openai` SDK.
+
+The gateway is its own process (as users run it); the server has room for 32 streams
+at once (the session server of conftest.py keeps a small queue for its busy tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import urllib.request
+
+import openai
+import pytest
+
+from pagedserve.backend.model_files import resolve_model_path
+from pagedserve.backend.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from pagedserve.client.process import ServerProcess, free_port, http_status
+from pagedserve.client.repository import write_repository
+from pagedserve.client.triton_server import TritonServer
+
+from .conftest import ENGINE, llm_inputs, stream_request, texts, wait_idle
+
+KEY = "test-key"
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def triton(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("openai_triton")
+    engine = ENGINE | {"max_num_seqs": "32", "max_queue_size": "32"}
+    server = TritonServer(write_repository(workdir / "model_repository", engine=engine), log_file=workdir / "tritonserver.log")
+    server.start(timeout=300)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(triton, tmp_path_factory):
+    """Base URL of `pagedserve openai` (API key required)."""
+    import time
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("openai_gateway") / "gateway.log"
+    command = [sys.executable, "-m", "pagedserve.client.cli", "openai", "--port", str(port),
+               "--triton-url", triton.grpc_url, "--api-key", KEY]
+    process = ServerProcess(command, log, name="pagedserve openai").start()
+    process.wait_ready(lambda: http_status(f"http://localhost:{port}/health") == 200, time.monotonic() + 60)
+    try:
+        yield f"http://localhost:{port}"
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model_path(""))
+
+
+def streamed_chat(client, **kwargs):
+    """(text per choice, finish reason per choice, usage) of a streamed chat completion."""
+    texts_, reasons, usage = {}, {}, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts_[choice.index] = texts_.get(choice.index, "") + (choice.delta.content or "")
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    return texts_, reasons, usage
+
+
+def test_chat_streamed_equals_not_streamed_with_exact_usage(client, tokenizer):
+    whole = client.chat.completions.create(model="llm", messages=CHAT, max_tokens=24, temperature=0)
+    streamed, reasons, usage = streamed_chat(client, model="llm", messages=CHAT, max_tokens=24, temperature=0)
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-") and whole.system_fingerprint
+    assert whole.choices[0].message.role == "assistant"
+    assert streamed == {0: whole.choices[0].message.content}
+    assert reasons == {0: whole.choices[0].finish_reason} and whole.choices[0].finish_reason in ("stop", "length")
+    prompt_tokens = len(apply_chat_template(tokenizer, CHAT))
+    generated = len(tokenizer.encode(whole.choices[0].message.content, add_special_tokens=False))
+    assert whole.usage.prompt_tokens == usage.prompt_tokens == prompt_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.usage.total_tokens == prompt_tokens + whole.usage.completion_tokens
+    assert abs(whole.usage.completion_tokens - generated) <= 1  # the EOS token counts, and is not text
+
+
+def test_completion_streamed_equals_not_streamed_and_counts_forced_tokens(client, tokenizer):
+    prompt = "The three primary colours are"
+    whole = client.completions.create(model="llm", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    pieces = list(client.completions.create(model="llm", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert whole.object == "text_completion"
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == whole.choices[0].text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(encode_prompt(tokenizer, prompt))
+    assert whole.usage.completion_tokens == 12 == pieces[-1].usage.completion_tokens
+
+
+def test_echo_puts_the_prompt_in_front(client):
+    prompt = "Once upon a time"
+    plain = client.completions.create(model="llm", prompt=prompt, max_tokens=6, temperature=0)
+    echoed = client.completions.create(model="llm", prompt=prompt, max_tokens=6, temperature=0, echo=True)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="llm", prompt=prompt, max_tokens=6, temperature=0, echo=True, stream=True))
+    assert echoed.choices[0].text == prompt + plain.choices[0].text == streamed
+
+
+def test_n_samples_are_choices_with_their_own_text(client):
+    reply = client.chat.completions.create(model="llm", messages=CHAT, max_tokens=16, temperature=1.0, seed=7, n=2)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert all(c.message.content for c in reply.choices)
+    streamed, _, usage = streamed_chat(client, model="llm", messages=CHAT, max_tokens=16, temperature=1.0, seed=7, n=2)
+    assert streamed == {c.index: c.message.content for c in reply.choices}
+    assert usage.completion_tokens == reply.usage.completion_tokens
+    many = client.completions.create(model="llm", prompt=["Red is", "Blue is"], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == many.choices[1].text  # greedy: both samples of a prompt agree
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    free = client.completions.create(model="llm", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
+    stop = free.strip().split()[1]  # a word the free run produces
+    cut = client.completions.create(model="llm", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == free[: free.index(stop)]
+
+
+def test_logprobs_chat_and_completions(client):
+    reply = client.chat.completions.create(model="llm", messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == reply.choices[0].message.content
+    for token in content:
+        assert token.logprob <= 0 and len(token.top_logprobs) == 3
+        assert token.top_logprobs[0].token == token.token  # greedy: the sampled token is the top one
+        assert token.bytes == list(token.token.encode())
+    done = client.completions.create(model="llm", prompt="The sky is", max_tokens=4, temperature=0, logprobs=2)
+    logprobs = done.choices[0].logprobs
+    assert "".join(logprobs.tokens) == done.choices[0].text and len(logprobs.token_logprobs) == 4
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+
+
+def test_refusals_are_openai_errors_naming_the_parameter(client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="llm", messages=CHAT, temperature=5)
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as refused:  # the engine's own check, through Triton
+        client.chat.completions.create(model="llm", messages=CHAT, extra_body={"repetition_penalty": 0})
+    assert "repetition_penalty" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as tools:
+        client.chat.completions.create(model="llm", messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert tools.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as streamed:  # refused before the stream starts: a status, not an event
+        client.chat.completions.create(model="llm", messages=CHAT, stream=True, extra_body={"top_k": -5})
+    assert streamed.value.body["param"] == "top_k"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT)
+    assert missing.value.body["code"] == "model_not_found"
+
+
+def test_the_api_key_guards_every_route_but_health(gateway):
+    wrong = openai.OpenAI(base_url=f"{gateway}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model="llm", messages=CHAT)
+    assert http_status(f"{gateway}/health") == 200
+    right = openai.OpenAI(base_url=f"{gateway}/v1", api_key=KEY)
+    assert [m.id for m in right.models.list()] == ["llm"]
+    assert right.models.retrieve("llm").id == "llm"
+
+
+def aborted_in_engine(triton) -> int:
+    return triton.read_log().count("[pagedserve] aborted request")
+
+
+def wait_aborted(triton, count: int) -> None:
+    """Until the engine logged `count` aborts (the request was cancelled, not finished) and is idle."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while aborted_in_engine(triton) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert aborted_in_engine(triton) == count
+    wait_idle(triton, timeout=30)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_kv_blocks(client, triton):
+    aborted = aborted_in_engine(triton)
+    stream = client.chat.completions.create(model="llm", messages=CHAT, max_tokens=800, stream=True,
+                                            extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    wait_aborted(triton, aborted + 1)
+    # a plain HTTP client that gives up on a non-streamed request and drops its connection
+    body = json.dumps({"model": "llm", "messages": CHAT, "max_tokens": 800, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{client.base_url}chat/completions", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with pytest.raises(TimeoutError):
+        urllib.request.urlopen(request, timeout=1.5)
+    wait_aborted(triton, aborted + 2)
+
+
+def test_32_async_streams_at_once_match_the_grpc_path(gateway, triton):
+    async def one(client, seed):
+        text = ""
+        stream = await client.chat.completions.create(
+            model="llm", messages=CHAT, max_tokens=24, temperature=0.8, seed=seed, stream=True)
+        async for chunk in stream:
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+        return text
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=f"{gateway}/v1", api_key=KEY, max_retries=0) as client:
+            return await asyncio.gather(*(one(client, seed) for seed in range(32)))
+
+    through_gateway = asyncio.run(all_of_them())
+    assert all(through_gateway)
+    for seed in (0, 13, 31):
+        results, error = stream_request(triton, llm_inputs(messages=CHAT, max_tokens=24, temperature=0.8, seed=seed))
+        assert error is None
+        assert "".join(texts(results)) == through_gateway[seed]
+    wait_idle(triton)

@@ -1,0 +1,93 @@
+"""The OpenAI gateway's translation, without a server: OpenAI fields -> `llm` inputs,
+Triton errors -> OpenAI statuses, vLLM-backend logprobs -> OpenAI logprobs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.client.openai_gateway import GatewayConfig, GatewayConfigError
+from pagedserve.client.openai_gateway.errors import OpenAIError, from_triton
+from pagedserve.client.openai_gateway.schemas import ChatCompletionRequest, CompletionRequest
+from pagedserve.client.openai_gateway.translate import chat_request, completion_requests
+from pagedserve.client.openai_gateway.triton_stream import _token_logprobs
+
+
+def chat(**fields):
+    return ChatCompletionRequest(model="llm", messages=[{"role": "user", "content": "hi"}], **fields)
+
+
+def test_chat_fields_become_vllm_sampling_parameters():
+    request = chat(max_completion_tokens=9, max_tokens=3, temperature=0.2, n=2, stop="END", seed=4, logprobs=True,
+                   top_logprobs=2, top_k=5)
+    sent = chat_request(request, default_max_tokens=16)
+    inputs = sent.inputs()
+    assert json.loads(inputs["messages"]) == [{"role": "user", "content": "hi"}]
+    assert json.loads(inputs["sampling_parameters"]) == {
+        "max_tokens": 9, "temperature": 0.2, "n": 2, "seed": 4, "top_k": 5, "stop": ["END"], "logprobs": 2}
+    assert inputs["return_logprobs"] and inputs["return_num_input_tokens"] and inputs["exclude_input_in_output"]
+    assert json.loads(chat_request(chat(), 16).inputs()["sampling_parameters"]) == {"max_tokens": 16, "n": 1}
+
+
+def test_text_parts_are_joined_and_developer_reads_as_system():
+    request = ChatCompletionRequest(model="llm", messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert chat_request(request, 16).messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(fields, param):
+    request = ChatCompletionRequest(**({"model": "llm", "messages": [{"role": "user", "content": "hi"}]} | fields))
+    with pytest.raises(OpenAIError) as refused:
+        chat_request(request, 16)
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted():
+    chat_request(chat(tools=[], tool_choice="none", response_format={"type": "text"}, user="u", store=False), 16)
+
+
+def test_a_list_of_prompts_fans_out_and_token_prompts_are_refused():
+    sent = completion_requests(CompletionRequest(model="llm", prompt=["a", "b"], echo=True, logprobs=0), 16)
+    assert [r.text for r in sent] == ["a", "b"] and all(r.top_logprobs == 0 for r in sent)
+    assert sent[0].inputs()["exclude_input_in_output"] is False  # echo, not streamed: the server prepends
+    with pytest.raises(OpenAIError, match="prompt"):
+        completion_requests(CompletionRequest(model="llm", prompt=[1, 2, 3]), 16)
+
+
+@pytest.mark.parametrize("message, status, param", [
+    ("'temperature': must be >= 0, got -1", 400, "temperature"),
+    ("Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed.", 400, None),
+    ("server busy: 8 requests are waiting (max_queue_size=8); retry later", 503, None),
+    ("Request for unknown model: 'llm' is not found", 503, None),
+    ("engine failure: RuntimeError: boom", 500, None),
+])
+def test_triton_errors_get_fitting_statuses(message, status, param):
+    error = from_triton(message)
+    assert (error.status, error.param) == (status, param)
+    assert error.body()["error"]["message"] == message
+
+
+def test_logprobs_take_the_first_entry_as_sampled_and_rank_the_rest():
+    raw = json.dumps([{"12": {"logprob": -1.5, "rank": 3, "decoded_token": "c"},
+                       "10": {"logprob": -0.2, "rank": 1, "decoded_token": "a"},
+                       "11": {"logprob": -0.4, "rank": 2, "decoded_token": "b"}}])
+    (token,) = _token_logprobs(raw, top=2)
+    assert (token.token, token.logprob, token.top) == ("c", -1.5, [("a", -0.2), ("b", -0.4)])
+    assert _token_logprobs("null", top=0) == []
+
+
+def test_gateway_settings_are_checked_once():
+    assert GatewayConfig(served_model_name="smol").model_ids() == {"smol": "llm"}
+    with pytest.raises(GatewayConfigError, match="triton_url"):
+        GatewayConfig(triton_url="localhost")
+    with pytest.raises(GatewayConfigError, match="served_model_name"):
+        GatewayConfig(models=["a", "b"], served_model_name="x")
