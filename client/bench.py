@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
+DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000", "openai": "localhost:9000"}
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pagedserve bench`; sets `run`."""
     target = parser.add_argument_group("target")
-    target.add_argument("--url", default=None, help="server address (default: localhost:8001 for grpc, localhost:8000 for http)")
-    target.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
-                        help="grpc: tritonclient streaming; http: POST /v2/models/<model>/generate_stream (SSE)")
+    target.add_argument("--url", default=None,
+                        help="server address (default: localhost:8001 grpc, localhost:8000 http, localhost:9000 openai)")
+    target.add_argument("--protocol", choices=("grpc", "http", "openai"), default="grpc",
+                        help="grpc: tritonclient streaming; http: POST /v2/models/<model>/generate_stream (SSE); "
+                             "openai: POST /v1/completions (SSE), e.g. `pagedserve openai` or vLLM's server")
     target.add_argument("--model-name", default="llm")
 
     load = parser.add_argument_group("load")

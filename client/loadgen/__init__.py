@@ -23,7 +23,7 @@ from .config import BenchConfig
 from .report import format_summary
 from .runner import BenchResult, run_benchmark, run_benchmark_async, send_one
 from .stats import Distribution, RequestRecord, Summary, itl_samples, percentile, poisson_arrivals, summarize, tpot
-from .transports import GrpcTransport, HttpTransport, ServerError, StreamChunk, Transport, make_transport
+from .transports import GrpcTransport, HttpTransport, OpenAITransport, ServerError, StreamChunk, Transport, make_transport
 from .workloads import JsonlWorkload, RequestSpec, SyntheticWorkload, Workload, load_workload
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "Distribution",
     "GrpcTransport",
     "HttpTransport",
+    "OpenAITransport",
     "JsonlWorkload",
     "RequestRecord",
     "RequestSpec",

@@ -11,7 +11,7 @@ class BenchConfig:
     """Everything a run depends on; stored with its results."""
 
     url: str = "localhost:8001"
-    protocol: str = "grpc"  # grpc | http
+    protocol: str = "grpc"  # grpc | http | openai
     model_name: str = "llm"
     num_requests: int | None = 64
     duration: float | None = None  # seconds; overrides num_requests
@@ -30,8 +30,8 @@ class BenchConfig:
     request_timeout: float | None = 1800.0  # seconds for a whole request (a hung server must not hang the run)
 
     def validate(self) -> None:
-        if self.protocol not in ("grpc", "http"):
-            raise ValueError(f"protocol must be grpc or http, got {self.protocol!r}")
+        if self.protocol not in ("grpc", "http", "openai"):
+            raise ValueError(f"protocol must be grpc, http or openai, got {self.protocol!r}")
         if self.duration is None and (self.num_requests is None or self.num_requests < 1):
             raise ValueError("give num_requests >= 1 or a duration")
         if self.duration is not None and self.duration <= 0:

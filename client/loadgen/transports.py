@@ -1,8 +1,9 @@
 """How requests reach the server: the `llm` model over gRPC streaming
-(tritonclient.grpc.aio, one stream per request) or over HTTP `generate_stream`
-(server-sent events, aiohttp; the naive baseline server speaks only this).
+(tritonclient.grpc.aio, one stream per request), over HTTP `generate_stream`
+(server-sent events, aiohttp; the naive baseline server speaks only this), or an
+OpenAI-compatible `/v1/completions` (`pagedserve openai`, vLLM's server; SSE, aiohttp).
 
-Both turn a streamed response into :class:`StreamChunk` (token counts), all the
+All turn a streamed response into :class:`StreamChunk` (token counts), all the
 runner needs, so the timing code is the same whichever protocol is measured.
 Client libraries are imported when a transport is made, not with this module.
 """
@@ -135,6 +136,40 @@ class HttpTransport:
         await self.session.close()
 
 
+class OpenAITransport(HttpTransport):
+    """`POST /v1/completions`, streamed. A chunk with text counts as one token; the usage
+    chunk at the end (`stream_options.include_usage`) brings the exact total, any
+    difference is added to the last chunk's count."""
+
+    def __init__(self, url: str, model: str, timeout: float | None = None):
+        super().__init__(url, model, timeout)
+        base = url if url.startswith(("http://", "https://")) else f"http://{url}"
+        self.endpoint = f"{base.rstrip('/')}/v1/completions"
+        self.model = model
+
+    async def stream(self, spec: RequestSpec, sampling: dict[str, Any]) -> AsyncIterator[StreamChunk]:
+        body = {"model": self.model, "prompt": spec.prompt, "stream": True,
+                "stream_options": {"include_usage": True}} | sampling
+        counted = 0
+        async with self.session.post(self.endpoint, json=body) as response:
+            if response.status != 200:
+                text = await response.text()
+                raise ServerError(f"HTTP {response.status}: {_event_error(text) or text.strip()[:300]}")
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise ServerError(str(event["error"]))
+                if event.get("usage"):
+                    usage = event["usage"]
+                    yield StreamChunk(max(0, usage["completion_tokens"] - counted), usage["prompt_tokens"])
+                elif any(choice.get("text") for choice in event.get("choices", ())):
+                    counted += 1
+                    yield StreamChunk(1)
+
+
 def _event_error(text: str) -> str | None:
     """The error message of an SSE or JSON error body, if it is one."""
     for line in text.splitlines():
@@ -150,8 +185,10 @@ def _event_error(text: str) -> str | None:
     return None
 
 
-def make_transport(config: BenchConfig) -> GrpcTransport | HttpTransport:
+def make_transport(config: BenchConfig) -> Transport:
     """Call inside the running event loop (aiohttp binds its session to it)."""
+    if config.protocol == "openai":
+        return OpenAITransport(config.url, config.model_name, config.request_timeout)
     if config.protocol == "http":
         return HttpTransport(config.url, config.model_name, config.request_timeout)
     return GrpcTransport(config.url, config.model_name)

@@ -11,6 +11,7 @@ import json
 import sys
 import urllib.request
 
+import numpy as np
 import openai
 import pytest
 
@@ -20,7 +21,7 @@ from pagedserve.client.process import ServerProcess, free_port, http_status
 from pagedserve.client.repository import write_repository
 from pagedserve.client.triton_server import TritonServer
 
-from .conftest import ENGINE, llm_inputs, stream_request, texts, wait_idle
+from .conftest import ENGINE, llm_inputs, stream_request, tensor, texts, wait_idle
 
 KEY = "test-key"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
@@ -231,3 +232,34 @@ def test_32_async_streams_at_once_match_the_grpc_path(gateway, triton):
         assert error is None
         assert "".join(texts(results)) == through_gateway[seed]
     wait_idle(triton)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_llm_answers_what_tritons_own_openai_frontend_sends_and_reads(triton, tokenizer, stream):
+    """The request of Triton's OpenAI frontend (`--backend vllm`, NVIDIA's container): a
+    chat rendered to text, sampling keys with its defaults, the three return_* flags;
+    it reads one `text_output`, UINT32 token counts in every response (the output count
+    summed over a stream), and logprobs whose lowest-rank entry is the selected token."""
+    prompt = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    sampling = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "temperature": 0.0, "top_p": 1.0, "n": 1,
+                "ignore_eos": False, "max_tokens": 16, "seed": 3, "stop": "\n\n", "logprobs": 1}
+    inputs = [tensor("text_input", prompt), tensor("stream", stream), tensor("exclude_input_in_output", True),
+              tensor("sampling_parameters", json.dumps(sampling)), tensor("return_logprobs", True),
+              tensor("return_num_input_tokens", True), tensor("return_num_output_tokens", True)]
+    results, error = stream_request(triton, inputs)
+    assert error is None
+    assert results[-1].get_response().parameters["triton_final_response"].bool_param
+    if not stream:
+        assert len(results) in (1, 2)
+    output_tokens, selected = 0, ""
+    for result in results:
+        assert result.as_numpy("text_output").shape == (1,)
+        assert result.as_numpy("num_input_tokens").dtype == np.uint32
+        assert int(result.as_numpy("num_input_tokens")[0]) == len(encode_prompt(tokenizer, prompt))
+        count = int(result.as_numpy("num_output_tokens")[0])
+        positions = json.loads(result.as_numpy("logprobs")[0])
+        assert len(positions) == count
+        selected += "".join(min(p.values(), key=lambda e: e["rank"])["decoded_token"] for p in positions)
+        output_tokens += count
+    assert 0 < output_tokens <= 16
+    assert selected.startswith("".join(texts(results)))  # greedy: the top token is the sampled one (EOS adds "<|im_end|>")
