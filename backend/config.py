@@ -29,7 +29,7 @@ class EngineConfig:
     model: str = ""
     """Hugging Face model directory or .gguf file; empty: bundled SmolLM2-135M-Instruct."""
     dtype: str = "auto"
-    """Compute and KV dtype: auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), float32, bfloat16, float16."""
+    """Compute and KV dtype: auto (bfloat16 on CUDA and on CPUs whose flags show native bf16 math: avx512_bf16, amx_bf16, Arm bf16; else float32), float32, bfloat16, float16."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     block_size: int = 16

@@ -6,11 +6,15 @@ machine (GPU memory left after the weights, native bf16 on this CPU) lives here.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .config import EngineConfig
 from .errors import ConfigError
 from .model_config import ModelConfig
+
+logger = logging.getLogger("pagedserve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,17 +28,44 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA and on CPUs with native bf16 math (about 2x float32's
-    speed there), float32 elsewhere."""
+    """auto: bfloat16 on CUDA and on CPUs with native bf16 math, float32 elsewhere; the
+    log says which and why.
+
+    oneDNN reports bf16 as supported on any AVX-512 CPU, emulating it there at about
+    half of float32's speed, so native support is read from the CPU flags instead."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
+        logger.info("dtype auto: bfloat16 (CUDA)")
         return torch.bfloat16
+    flags = native_bf16_flags(_cpuinfo())
+    if flags:
+        logger.info("dtype auto: bfloat16 (this CPU has native bf16 math: %s)", " ".join(flags))
+        return torch.bfloat16
+    logger.info("dtype auto: float32 (no native bf16 math on this CPU: no avx512_bf16, amx_bf16 or Arm bf16 flag; "
+                "bf16 would be emulated, slower than float32)")
+    return torch.float32
+
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX-512 BF16 and AMX; Arm's FEAT_BF16 ("bf16")
+
+
+def native_bf16_flags(cpuinfo: str) -> list[str]:
+    """The CPU flags (of /proc/cpuinfo's text) that mean native bf16 dot products."""
+    present: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            present |= set(value.split())
+    return [flag for flag in NATIVE_BF16_FLAGS if flag in present]
+
+
+def _cpuinfo() -> str:
     try:
-        native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        native_bf16 = False
-    return torch.bfloat16 if native_bf16 else torch.float32
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:  # not Linux: no flags to read, so float32
+        return ""
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -7,6 +7,7 @@ here rather than written four times.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping, Protocol
 
 
@@ -25,6 +26,7 @@ def triton_python_model(pb_utils: Any, adapter: AdapterFactory) -> type:
 
     class TritonPythonModel:
         def initialize(self, args: Mapping[str, str]) -> None:
+            forward_logs_to_triton(pb_utils)
             self.model = adapter.from_args(pb_utils, args)
 
         def execute(self, requests: list[Any]) -> list[Any] | None:
@@ -42,3 +44,34 @@ def log_info(pb_utils: Any, message: str) -> None:
     log = getattr(getattr(pb_utils, "Logger", None), "log_info", None)
     if log is not None:
         log(message)
+
+
+class TritonLogHandler(logging.Handler):
+    """The engine's `pagedserve` log records (start-up choices such as the dtype and why,
+    failures) as lines of the server's log, through pb_utils.Logger."""
+
+    def __init__(self, logger: Any):
+        super().__init__(logging.INFO)
+        self.logger = logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = self.format(record)
+            if record.levelno >= logging.ERROR:
+                self.logger.log_error(message)
+            elif record.levelno >= logging.WARNING:
+                self.logger.log_warn(message)
+            else:
+                self.logger.log_info(message)
+        except Exception:  # noqa: BLE001 (a log line must never fail a request)
+            self.handleError(record)
+
+
+def forward_logs_to_triton(pb_utils: Any) -> None:
+    """Once per stub process: the `pagedserve` logger writes to Triton's log."""
+    logger = logging.getLogger("pagedserve")
+    triton_logger = getattr(pb_utils, "Logger", None)
+    if triton_logger is None or any(isinstance(h, TritonLogHandler) for h in logger.handlers):
+        return
+    logger.addHandler(TritonLogHandler(triton_logger))
+    logger.setLevel(logging.INFO)

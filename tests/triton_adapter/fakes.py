@@ -202,6 +202,14 @@ class Logger:
     def log_info(cls, message: str) -> None:
         cls.lines.append(message)
 
+    @classmethod
+    def log_warn(cls, message: str) -> None:
+        cls.lines.append(f"W {message}")
+
+    @classmethod
+    def log_error(cls, message: str) -> None:
+        cls.lines.append(f"E {message}")
+
 
 class FakePbUtils:
     """The module's surface the adapter uses; BLS calls go to `bls_handler`."""

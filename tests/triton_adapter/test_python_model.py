@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 
-from pagedserve.backend.triton_adapter.python_model import triton_python_model
+from pagedserve.backend.triton_adapter.python_model import TritonLogHandler, triton_python_model
 from pagedserve.backend.triton_adapter.stateless import PreprocessingModel
 
-from .fakes import CharTokenizer, FakePbUtils, Request
+from .fakes import CharTokenizer, FakePbUtils, Logger, Request
 
 
 class RecordingAdapter:
@@ -43,3 +44,19 @@ def test_each_model_gets_its_own_adapter_instance(monkeypatch):
     assert first.model is not second.model
     (response,) = first.execute([Request({"text_input": "hi"})])
     assert response.outputs()["input_ids"].tolist() == [104, 105]
+
+
+def test_the_engines_log_lines_reach_the_servers_log():
+    """e.g. the dtype `auto` chose and why, written while the model loads."""
+    engine_log = logging.getLogger("pagedserve")
+    before = list(engine_log.handlers)
+    engine_log.handlers[:] = [h for h in before if not isinstance(h, TritonLogHandler)]
+    try:
+        triton_python_model(FakePbUtils(), RecordingAdapter)().initialize({"model_name": "llm"})
+        triton_python_model(FakePbUtils(), RecordingAdapter)().initialize({"model_name": "llm"})  # one handler, not two
+        assert sum(isinstance(h, TritonLogHandler) for h in engine_log.handlers) == 1
+        engine_log.info("dtype auto: float32 (why)")
+        engine_log.warning("slow")
+        assert Logger.lines[-2:] == ["dtype auto: float32 (why)", "W slow"]
+    finally:
+        engine_log.handlers[:] = before
