@@ -16,6 +16,37 @@ triton.testing.do_bench (L2 flushed between runs).
                                  [--no-attention] [--rep 100]
     python benchmarks/kernels.py --smoke    # tiny shapes on CPU via TRITON_INTERPRET=1;
                                             # checks the plumbing, timings meaningless
+    python benchmarks/kernels.py --static [--targets sm_80,sm_89,sm_90] [--dtypes bfloat16]
+                                          [--reduced]   # no GPU needed, see below
+
+--static: every kernel configuration the launchers choose (kernels/aot.py: Llama-3-8B and
+SmolLM2-135M shapes, bf16/fp16/fp32 activations, bf16/fp16/fp8 KV) compiled ahead of time
+for each target on the CPU; per configuration and target: registers per thread, spilled
+words, shared memory, and the occupancy bound (resident warps per SM and what limits
+them: registers, shared memory, warp or block slots; aot.occupancy). Then, for the first
+scenario that chose the configuration, the bytes the kernel must move against the bytes
+its tiling is designed to move (global-memory loads and stores it issues; masked lanes
+move nothing; L2 hits are not subtracted, so "designed" is an upper bound on DRAM traffic):
+
+  paged attention  must: K and V of every sequence's keys (seq_len x kv_heads x head_dim x
+                   2 x KV bytes) + query + output. designed: each q-block (BLOCK_Q tokens)
+                   reads the K/V of the keys it can see (context + its last token), so a
+                   prefill of q tokens reads the context ~q / BLOCK_Q times; query and
+                   output once; under split-KV (NUM_SPLITS > 1) + fp32 partials
+                   (acc, max, sum) written.
+  split reduce     must: the output. designed: the partials read + the output.
+  cache write      must = designed: new K and V read, written to the cache.
+  W4A16 GEMM       must: packed weight (K x N / 2) + scales and offsets ((K / G) x N each)
+                   + x (M x K) + output (M x N). designed: the weight and its scales /
+                   offsets once per row of output tiles (cdiv(M, BLOCK_M) times; scales and
+                   offsets once per K tile, K / BLOCK_K, not per group), x once per column
+                   of tiles (cdiv(N, BLOCK_N)), the output once, or under split-K an fp32
+                   partial per K slice (SPLIT x M x N x 4).
+  FP8 GEMM         as W4A16 with a 1-byte weight and fp32 per-channel scale, activations
+                   in the kernel's input dtype (e4m3 after per-token quant, or bf16/fp16).
+  per-token quant  must: x read once, e4m3 + scale written. designed: x read twice (amax,
+                   then quantize).
+  split-K reduce   must: the output. designed: SPLIT fp32 partials read + the output.
 """
 
 from __future__ import annotations
@@ -223,6 +254,124 @@ def targets(rows: List[Row], ceil: Ceilings) -> List[str]:
     return lines
 
 
+# ------------------------------------------------------------------ --static
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _attention_traffic(b) -> tuple:
+    q, out, kc = b["q_ptr"], b["out_ptr"], b["k_ptr"]
+    kv_heads, head_dim = kc.shape[2], kc.shape[3]
+    per_key = 2 * kv_heads * head_dim * kc.element_size()  # K and V of one key, all kv heads
+    lens = b["seq_lens_ptr"].tolist()
+    starts = b["query_start_loc_ptr"].tolist()
+    block_q = b["BLOCK_Q"]
+    io = _nbytes(q) + _nbytes(out)
+    must = sum(lens) * per_key + io
+    designed = io
+    for i, seq_len in enumerate(lens):
+        q_len = starts[i + 1] - starts[i]
+        context = seq_len - q_len
+        for qb in range(-(-q_len // block_q)):
+            designed += (context + min((qb + 1) * block_q, q_len)) * per_key
+    if b["NUM_SPLITS"] > 1:
+        designed += q.shape[0] * q.shape[1] * b["NUM_SPLITS"] * (b["HEAD_DIM_PAD"] + 2) * 4
+    return must, designed
+
+
+def _gemm_traffic(b, grid, x, w_bytes, scale_bytes_designed, out) -> tuple:
+    m, n, k = b["M"], b["N"], b["K"]
+    row_tiles, col_tiles = -(-m // b["BLOCK_M"]), -(-n // b["BLOCK_N"])
+    split = grid[1] if len(grid) > 1 else 1
+    out_bytes = m * n * out.element_size() if split == 1 else split * m * n * 4
+    x_bytes = m * k * x.element_size()
+    designed = row_tiles * (w_bytes + scale_bytes_designed) + col_tiles * x_bytes + out_bytes
+    return x_bytes, out_bytes, designed
+
+
+def traffic(launch) -> tuple:
+    """(bytes the kernel must move, bytes its tiling is designed to move) for a recorded
+    launch (see the module docstring for the formulas)."""
+    b = launch.bound()
+    name = launch.kernel
+    if name == "_paged_attention_kernel":
+        return _attention_traffic(b)
+    if name == "_split_reduce_kernel":
+        out = b["out_ptr"]
+        return _nbytes(out), _nbytes(b["part_acc_ptr"]) + 2 * _nbytes(b["part_m_ptr"]) + _nbytes(out)
+    if name == "_write_kv_kernel":
+        t = b["key_ptr"].shape[0]
+        row = b["num_kv_heads"] * b["HEAD_DIM"]
+        nbytes = 2 * t * row * (b["key_ptr"].element_size() + b["key_cache_ptr"].element_size())
+        return nbytes, nbytes
+    if name == "_splitk_reduce_kernel":
+        out = b["out_ptr"]
+        return _nbytes(out), _nbytes(b["part_ptr"]) + _nbytes(out)
+    if name == "_per_token_quant_kernel":
+        x, q = b["x_ptr"], b["q_ptr"]
+        extra = _nbytes(q) + 4 * x.shape[0]
+        return _nbytes(x) + extra, 2 * _nbytes(x) + extra
+    if name == "_w4a16_kernel":
+        m, n, k, g = b["M"], b["N"], b["K"], b["group_size"]
+        s_el = b["s_ptr"].element_size()
+        w_bytes = k * n // 2
+        must_scales = 2 * (k // g) * n * s_el
+        designed_scales = 2 * (k // b["BLOCK_K"]) * n * s_el
+        x_bytes, out_bytes, designed = _gemm_traffic(b, launch.grid, b["x_ptr"], w_bytes, designed_scales,
+                                                     b["out_ptr"])
+        return w_bytes + must_scales + x_bytes + m * n * b["out_ptr"].element_size(), designed
+    if name == "_fp8_gemm_kernel":
+        m, n, k = b["M"], b["N"], b["K"]
+        w_bytes = n * k + 4 * n
+        x_bytes, out_bytes, designed = _gemm_traffic(b, launch.grid, b["a_ptr"], w_bytes, 0, b["out_ptr"])
+        return w_bytes + x_bytes + m * n * b["out_ptr"].element_size(), designed
+    return 0, 0
+
+
+def static_report(targets: List[str], dtypes: List[torch.dtype], reduced: bool) -> str:
+    from pagedserve.kernels import aot
+
+    t0 = time.perf_counter()
+    results = aot.compile_all(targets, dtypes, reduced=reduced)
+    seconds = time.perf_counter() - t0
+    rows: dict = {}  # config key -> [config, {target: result}]
+    for cfg, r in results:
+        rows.setdefault(cfg.key, [cfg, {}])[1][r.target] = r
+
+    def cell(r) -> str:
+        if r is None:
+            return "-"
+        if not r.ok:
+            return f"FAIL: {r.error}"
+        flags = (" SPILLS" if r.spills else "") + (" SMEM>LIMIT" if not r.smem_ok else "")
+        return (f"{r.registers}r {r.spills}sp {r.shared / 1024:.1f}K {r.warps_per_sm}w "
+                f"({r.occupancy_limit}){flags}")
+
+    lines = [f"{len(results)} compiles ({len(rows)} configurations) for {', '.join(targets)} in {seconds:.0f} s "
+             f"(triton {__import__('triton').__version__}, ptxas of the wheel)",
+             "cell: registers/thread, spilled words, shared memory KiB, resident warps/SM bound (limiter); "
+             "'-': not chosen on that target. Bytes: for the first scenario listed (see --help).", ""]
+    for kernel in dict.fromkeys(cfg.kernel for cfg, _ in rows.values()):
+        lines += [f"### {kernel}", "",
+                  "| config | " + " | ".join(targets) + " | scenario | must MB | designed MB | x |",
+                  "|---|" + "---|" * len(targets) + "---|---:|---:|---:|"]
+        for cfg, by_target in rows.values():
+            if cfg.kernel != kernel:
+                continue
+            must, designed = traffic(cfg.launch)
+            ratio = f"{designed / must:.2f}" if must else "-"
+            timed = " (timed candidate only)" if cfg.timed_only else ""
+            lines.append(f"| {cfg.summary}{timed} | " + " | ".join(cell(by_target.get(t)) for t in targets)
+                         + f" | {cfg.uses[0]} (+{len(cfg.uses) - 1}) | {must / 1e6:.2f} | {designed / 1e6:.2f} "
+                         f"| {ratio} |")
+        lines.append("")
+    bad = [r for _, r in results if not r.ok or r.spills or not r.smem_ok]
+    lines.append(f"{len(bad)} of {len(results)} compiles failed, spilled or exceed shared memory")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", default="1,4,16,64,2048,4096", help="comma-separated token counts (GEMM M)")
@@ -230,7 +379,17 @@ def main() -> None:
     p.add_argument("--no-attention", action="store_true")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time per measurement, ms")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through the Triton interpreter")
+    p.add_argument("--static", action="store_true",
+                   help="compile every kernel configuration for sm_80/sm_89/sm_90 on the CPU and print its "
+                        "registers, spills, shared memory, occupancy bound and bytes moved (no GPU needed)")
+    p.add_argument("--targets", default="sm_80,sm_89,sm_90", help="--static: targets")
+    p.add_argument("--dtypes", default="bfloat16,float16,float32", help="--static: activation dtypes")
+    p.add_argument("--reduced", action="store_true", help="--static: aot.representative configurations only")
     args = p.parse_args()
+    if args.static:
+        print(static_report(args.targets.split(","), [getattr(torch, d) for d in args.dtypes.split(",")],
+                            args.reduced))
+        return
 
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any triton kernel module is imported

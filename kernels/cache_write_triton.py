@@ -5,12 +5,14 @@ token writes all its kv heads (a [heads, head_dim] tile) for K and V; a negative
 slot means "skip". Slot arithmetic is int64 (slot = block * block_size + offset).
 
 FP8 (float8_e4m3fn cache): x / scale is computed with a correctly rounded
-division (tl.math.fdiv(..., ieee_rounding=True)), saturated to +-448 and encoded to e4m3 bits with
-integer arithmetic (round to nearest-even, subnormals included), then stored
-through a uint8 view of the cache. Doing the encoding by hand makes the result
-bit-identical to torch's `.to(torch.float8_e4m3fn)` both compiled and under
-TRITON_INTERPRET=1 (the interpreter's own float -> fp8 cast truncates and can
-carry a rounded mantissa into the wrong exponent bit).
+division (tl.math.fdiv(..., ieee_rounding=True)), saturated to +-448 and encoded
+to e4m3 bits with integer arithmetic (`e4m3_triton.e4m3_bits`: round to
+nearest-even, subnormals included), then stored through a uint8 view of the
+cache. Doing the encoding by hand makes the result bit-identical to torch's
+`.to(torch.float8_e4m3fn)` both compiled and under TRITON_INTERPRET=1 (the
+interpreter's own float -> fp8 cast truncates and can carry a rounded mantissa
+into the wrong exponent bit), and keeps fp8 types out of the kernel, so it
+compiles for every GPU (sm_80 has no tl.float8e4nv).
 """
 
 from __future__ import annotations
@@ -19,27 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .e4m3_triton import e4m3_bits
 from .paged_attention import is_fp8, kv_scales
-
-
-@triton.jit
-def _e4m3_bits(x):
-    """float32 -> float8_e4m3fn bit pattern (uint8), saturating, round-half-even."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    # Normal range (|x| >= 2^-6): keep 3 of 23 mantissa bits, rounding half to even
-    # (a carry ripples into the exponent), then rebias the exponent 127 -> 7.
-    rounded = mag + 0x7FFFF + ((mag >> 20) & 1)
-    normal = (rounded >> 20) - (120 << 3)
-    # Subnormal range: value = m * 2^-9, m = round_half_even(|x| * 512) in 0..8
-    # (m = 8 is the smallest normal, whose code is also 8). Adding 2^23 makes the
-    # float unit in the last place 1, so the hardware rounding does the work.
-    shifted = tl.abs(x) * 512.0 + 8388608.0
-    sub = shifted.to(tl.int32, bitcast=True) - 0x4B000000
-    code = tl.where(mag >= 0x3C800000, normal, sub) | sign
-    return code.to(tl.uint8)
 
 
 @triton.jit
@@ -69,8 +52,8 @@ def _write_kv_kernel(
     k = tl.load(key_ptr + t * stride_kt + (h64 * stride_kh)[:, None] + d[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + (h64 * stride_vh)[:, None] + d[None, :], mask=mask)
     if FP8:
-        k = _e4m3_bits(tl.math.fdiv(k.to(tl.float32), k_scale, ieee_rounding=True))
-        v = _e4m3_bits(tl.math.fdiv(v.to(tl.float32), v_scale, ieee_rounding=True))
+        k = e4m3_bits(tl.math.fdiv(k.to(tl.float32), k_scale, ieee_rounding=True))
+        v = e4m3_bits(tl.math.fdiv(v.to(tl.float32), v_scale, ieee_rounding=True))
     kc = key_cache_ptr + block * stride_kcb + offset * stride_kcs + (h64 * stride_kch)[:, None] + d[None, :]
     vc = value_cache_ptr + block * stride_vcb + offset * stride_vcs + (h64 * stride_vch)[:, None] + d[None, :]
     tl.store(kc, k.to(key_cache_ptr.dtype.element_ty), mask=mask)

@@ -4,7 +4,8 @@
           small kernel, then `tl.dot` runs on fp8 x fp8 operands (FP8 tensor cores);
           the fp32 product is multiplied by x_scale[m] * w_scale[n] in the epilogue.
 * "w8a16" (older GPUs): the weight is read as raw bytes and decoded from e4m3 bits to
-          fp32 with integer ops (exact; no fp8 type, which Triton rejects before sm89),
+          fp32 with integer ops (`e4m3_triton.decode_e4m3`: exact; no fp8 type, which
+          Triton rejects before sm89),
           cast to the activation dtype and multiplied on 16-bit tensor cores; w_scale[n]
           is applied in the epilogue.
 
@@ -13,9 +14,12 @@ choice, tile order) is shared with the INT4 kernel in `gemm_triton`.
 
 Under TRITON_INTERPRET=1 both paths run (the interpreter keeps fp8 as uint8 and decodes
 it for `tl.dot`); the default there is "fp8" (what an H100 runs), PAGEDSERVE_FP8_MODE
-overrides it. The activation quantizer rounds to the e4m3 grid in fp32 before the cast,
-so the cast is exact on every backend (the interpreter's own fp32->fp8 rounding is not
-round-to-nearest-even) and the result equals `fp8.quantize_per_token_fp8` bit for bit.
+overrides it, except on a CUDA device without e4m3 hardware (< sm89), where only "w8a16"
+compiles and is always the default (an explicit mode="fp8" raises there). The activation
+quantizer encodes e4m3 bits with integer ops (`e4m3_triton.e4m3_bits`, round to nearest
+even) and stores them through a uint8 view, so its result equals
+`fp8.quantize_per_token_fp8` bit for bit on every backend (the interpreter's own
+fp32->fp8 rounding is not round-to-nearest-even) and it compiles for every GPU.
 """
 
 from __future__ import annotations
@@ -27,27 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .e4m3_triton import decode_e4m3, e4m3_bits, native_fp8
 from .fp8 import Fp8Weight
 from .gemm_triton import (
     GemmConfig, bucket_m, check_activations, grouped_tile, interpreter_tile, interpreting,
     launch_splitk_reduce, plan_split, split_k_range, store_tile, timed_choice,
 )
 from .numerics import AMAX_EPS, FP8_DTYPE, FP8_MAX
-
-
-@triton.jit
-def _round_to_e4m3_grid(v):
-    """Round fp32 |v| <= 448 to the nearest e4m3 value (ties to even), still in fp32."""
-    a = tl.abs(v)
-    bits = a.to(tl.int32, bitcast=True)
-    # Normal range: keep 3 of 23 mantissa bits, round half to even; carries go to the exponent.
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
-    normal = bits.to(tl.float32, bitcast=True)
-    # Subnormal range (|v| < 2^-6): grid step 2^-9; adding 1.5 * 2^23 rounds to an integer.
-    sub = ((a * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-    r = tl.where(a < 0.015625, sub, normal).to(tl.int32, bitcast=True)
-    sign = v.to(tl.int32, bitcast=True) & -2147483648  # keep -0.0 like torch's cast
-    return (r | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -65,20 +55,7 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
         mask = k0 + offs < K
         v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
         v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX_C), FP8_MAX_C)
-        v = _round_to_e4m3_grid(v)
-        tl.store(q_ptr + row * stride_qm + k0 + offs, v.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _decode_e4m3(b):
-    """uint8 e4m3fn bit patterns -> exact fp32 values (NaN codes are not expected)."""
-    u = b.to(tl.int32)
-    e = (u >> 3) & 0xF
-    m = u & 0x7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125
-    r = tl.where(e == 0, sub, normal)
-    return tl.where(u >= 128, -r, r)
+        tl.store(q_ptr + row * stride_qm + k0 + offs, e4m3_bits(v), mask=mask)  # q_ptr: uint8
 
 
 @triton.jit
@@ -107,7 +84,7 @@ def _fp8_gemm_kernel(
         if A_FP8:
             acc = tl.dot(a, b, acc)
         else:
-            bf = _decode_e4m3(b)
+            bf = decode_e4m3(b)
             if DOT_F32:
                 acc = tl.dot(a.to(tl.float32), bf, acc, input_precision="ieee")
             else:
@@ -123,11 +100,14 @@ def _fp8_gemm_kernel(
 # ------------------------------------------------------------------ host side
 
 def default_mode(device: torch.device) -> str:
+    """The mode for `device`: "w8a16" without e4m3 hardware (CUDA < sm89, where "fp8" would
+    not compile, whatever PAGEDSERVE_FP8_MODE says), else PAGEDSERVE_FP8_MODE if set, else
+    "fp8"."""
+    if not native_fp8(device):
+        return "w8a16"
     env = os.environ.get("PAGEDSERVE_FP8_MODE")
     if env in ("fp8", "w8a16"):
         return env
-    if device.type == "cuda":
-        return "fp8" if torch.cuda.get_device_capability(device) >= (8, 9) else "w8a16"
     return "fp8"
 
 
@@ -138,7 +118,7 @@ def per_token_quant_fp8_triton(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
         block = min(4096, max(16, triton.next_power_of_2(k)))
-        _per_token_quant_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0),
+        _per_token_quant_kernel[(m,)](x, q.view(torch.uint8), s, k, x.stride(0), q.stride(0),
                                       FP8_MAX_C=FP8_MAX, EPS=AMAX_EPS, BLOCK=block, num_warps=4)
     return q, s
 
@@ -188,6 +168,8 @@ def fp8_matmul_triton(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor
     mode = mode or default_mode(x.device)
     if mode not in ("fp8", "w8a16"):
         raise ValueError(f"mode must be 'fp8' or 'w8a16', got {mode!r}")
+    if mode == "fp8" and not native_fp8(x.device):
+        raise ValueError("mode 'fp8' needs FP8 tensor cores (compute capability >= 8.9); use 'w8a16'")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]

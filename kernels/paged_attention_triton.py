@@ -25,11 +25,16 @@ the context is long, the key range of every q-block is cut into NUM_SPLITS
 tile-aligned segments, the kernel writes unnormalised partials (acc, max, sum)
 and `_split_reduce_kernel` merges them. Same kernel, NUM_SPLITS is a constexpr.
 
-FP8 KV (float8_e4m3fn): caches are passed as uint8 views and bitcast to
-tl.float8e4nv inside the kernel (works the same compiled and under
-TRITON_INTERPRET=1, whose fp8 -> fp32 conversion is exact). k_scale is folded
-into the softmax scale and v_scale into the final normalisation, so dequant is
-a plain type conversion.
+FP8 KV (float8_e4m3fn): caches are passed as uint8 views. Where the GPU has
+e4m3 in hardware (compute capability >= 8.9, `e4m3_triton.native_fp8`) the
+bytes are bitcast to tl.float8e4nv and converted by the hardware (works the
+same under TRITON_INTERPRET=1, whose fp8 -> fp32 conversion is exact); before
+sm_89 (A100), where Triton refuses that type, they are decoded with integer
+ops (`e4m3_triton.decode_e4m3`, exact too). The launcher picks one from the
+device's compute capability: constexpr KV_FP8 = 0 (cache in the query dtype),
+1 (e4m3, hardware conversion) or 2 (e4m3, decoded in software). k_scale is
+folded into the softmax scale and v_scale into the final normalisation, so
+dequant is a plain type conversion.
 
 Interpreter (TRITON_INTERPRET=1, CPU): the interpreter's tl.dot multiplies the
 raw uint16 bits of bfloat16 operands, so there the dot operands are upcast to
@@ -46,6 +51,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from .e4m3_triton import decode_e4m3, native_fp8
 from .numerics import cdiv
 from .paged_attention import is_fp8, kv_scales
 
@@ -74,6 +80,17 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _fp8_to_float(x, NATIVE: tl.constexpr):
+    """uint8 e4m3fn bytes -> a float tensor holding the exact values: tl.float8e4nv
+    (hardware conversion, sm_89+) when NATIVE, else float32 decoded with integer ops."""
+    if NATIVE:
+        y = x.to(tl.float8e4nv, bitcast=True)
+    else:
+        y = decode_e4m3(x)
+    return y
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -91,7 +108,8 @@ def _paged_attention_kernel(
     KV_BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    KV_FP8: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # 0: cache in the query dtype; 1: e4m3, hardware conversion; 2: e4m3 in software
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -146,7 +164,7 @@ def _paged_attention_kernel(
         # K tile loaded transposed: [HEAD_DIM_PAD, BLOCK_N]
         k = tl.load(k_head + (block * stride_kb + offset * stride_ks)[None, :] + d[:, None], mask=kv_mask, other=0.0)
         if KV_FP8:
-            k = k.to(tl.float8e4nv, bitcast=True)
+            k = _fp8_to_float(k, KV_FP8 == 1)
         k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
         visible = n_ok[None, :] & (n[None, :] <= last_key[:, None])
@@ -161,7 +179,7 @@ def _paged_attention_kernel(
         v = tl.load(v_head + (block * stride_vb + offset * stride_vs)[:, None] + d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if KV_FP8:
-            v = v.to(tl.float8e4nv, bitcast=True)
+            v = _fp8_to_float(v, KV_FP8 == 1)
         v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -232,15 +250,21 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, block_n
     return 1 << (splits.bit_length() - 1)
 
 
-def _tiles(num_tokens: int, num_seqs: int, group_pad: int, head_dim_pad: int, interpret: bool) -> tuple[int, int]:
+def _tiles(num_tokens: int, num_seqs: int, group_pad: int, head_dim_pad: int, interpret: bool,
+           elem_bytes: int = 2) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N). GPU: 16 rows for decode-dominated batches (the minimum
-    tl.dot tile; a decode fills GROUP of them), 64 once queries are long. The
-    interpreter pays per operation, not per element, so it takes big tiles."""
+    tl.dot tile; a decode fills GROUP of them), 64 once queries are long, 64 keys; 32
+    rows and 32 keys instead when a row of the dot operands (head_dim_pad x elem_bytes,
+    the query dtype) exceeds 256 bytes (head_dim > 128 in 16-bit, > 64 in float32), so
+    the K/V stages fit shared memory on every target (float32 head 128 at 64 x 64 needs
+    112 KiB; sm_89 allows 99, kernels/aot.py). The interpreter pays per operation, not
+    per element, so it takes big tiles."""
     if interpret:
         return max(64, group_pad), 128
     avg_q = num_tokens / max(num_seqs, 1)
-    block_m = 16 if avg_q < 8 else (64 if head_dim_pad <= 128 else 32)
-    block_n = 64 if head_dim_pad <= 128 else 32
+    wide = head_dim_pad * elem_bytes > 256
+    block_m = 16 if avg_q < 8 else (32 if wide else 64)
+    block_n = 32 if wide else 64
     return max(block_m, group_pad), block_n
 
 
@@ -294,7 +318,7 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    auto_m, auto_n = _tiles(num_tokens, num_seqs, group_pad, head_dim_pad, interpret)
+    auto_m, auto_n = _tiles(num_tokens, num_seqs, group_pad, head_dim_pad, interpret, query.element_size())
     block_m = max(block_m or auto_m, group_pad)
     block_n = block_n or auto_n
     if block_m & (block_m - 1) or block_n & (block_n - 1):
@@ -338,7 +362,7 @@ def paged_attention_triton(
         KV_BLOCK_SIZE=kv_block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         NUM_SPLITS=num_splits,
-        KV_FP8=fp8, DOT_FP32=dot_fp32,
+        KV_FP8=(1 if native_fp8(query.device) else 2) if fp8 else 0, DOT_FP32=dot_fp32,
         PRECISION="ieee" if query.dtype == torch.float32 else None,
         num_warps=4 if block_m * head_dim_pad <= 64 * 128 else 8,
         num_stages=2,

@@ -1,0 +1,142 @@
+"""Every Triton kernel configuration compiled for A100 (sm_80), L40S/L4 (sm_89) and H100
+(sm_90) on the CPU, ahead of time (kernels/aot.py), and checked: it compiles, it does not
+spill registers, its shared memory fits the target. No GPU is needed, none is skipped.
+
+The interpreter tests run the kernels' logic but accept code the compiler rejects (an
+fp8 type sm_80 lacks, loop-carried type changes, dot shapes), and say nothing about
+registers or shared memory; this is the check a GPU-less CI can make of those.
+
+What is compiled (budget: a few minutes on a 2-core CPU, cold Triton cache): the
+configurations the launchers choose for Llama-3-8B and SmolLM2-135M (`aot.MODELS`) with
+bfloat16 activations (the engine's CUDA default) and float32 ones (attention and cache
+write only: the quantized GEMMs take 16-bit activations; float32 tiles are the largest
+in shared memory), thinned by `aot.representative`: of GEMM configs differing only in
+BLOCK_K the largest is compiled (it bounds the smaller K tiles of INT4 group sizes 32 /
+64 in shared memory and registers), of attention configs differing only in NUM_SPLITS > 1
+the largest (the value enters scalar arithmetic only), of the reductions' split counts
+the largest. That is every tile shape, warp / stage count, split-K / split-KV / fp8
+branch of every kernel, ~90 compiles per target, shared out among child processes, one
+per CPU core (PAGEDSERVE_AOT_JOBS overrides). float16 (the same code as bfloat16 but for
+the type) and the unthinned set: `python benchmarks/kernels.py --static`.
+
+Shared memory: a configuration must fit unless it is only ever a timed GEMM candidate
+(not the first of `_candidates`): `gemm_triton.timed_choice` skips candidates that fail
+to launch, and the first candidate is what runs untimed. Those are reported as warnings.
+
+The children run without TRITON_INTERPRET (set by conftest.py without CUDA; see
+kernels/aot.py); the results are shared by the tests here.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import triton  # noqa: F401 - a hard requirement here: this test is the GPU-less check
+
+from pagedserve.kernels import aot
+
+TARGETS = list(aot.TARGETS)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return aot.compile_all(TARGETS, dtypes=(torch.bfloat16, torch.float32), reduced=True)
+
+
+def _rows(results, target, bad):
+    rows = [f"{r.kernel} [{r.config}]: {bad(cfg, r)} (e.g. {cfg.uses[0]})"
+            for cfg, r in results if r.target == target and bad(cfg, r)]
+    return "\n".join(rows)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_configuration_compiles(results, target):
+    failed = _rows(results, target, lambda cfg, r: r.error if not r.ok else "")
+    assert not failed, f"compile errors on {target}:\n{failed}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_register_spills(results, target):
+    spilled = _rows(results, target, lambda cfg, r: f"{r.spills} spilled words, {r.registers} registers"
+                    if r.ok and r.spills else "")
+    assert not spilled, f"register spills on {target}:\n{spilled}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_shared_memory_fits(results, target):
+    def over(cfg, r):
+        return f"{r.shared} B > {r.smem_limit} B" if r.ok and not r.smem_ok else ""
+
+    too_big = _rows(results, target, lambda cfg, r: over(cfg, r) if not cfg.timed_only else "")
+    assert not too_big, f"shared memory beyond the {target} limit:\n{too_big}"
+    skipped = _rows(results, target, lambda cfg, r: over(cfg, r) if cfg.timed_only else "")
+    if skipped:
+        warnings.warn(f"timed GEMM candidates that cannot launch on {target} (timed_choice skips them):\n{skipped}")
+
+
+def test_enumeration_follows_the_launchers(results):
+    """The recorded configurations show the launchers' choices per target: fp8 KV decoded in
+    software only before sm_89, FP8 activations (per-token quant, fp8 x fp8 dot) only from
+    sm_89, split-KV and split-K both taken and not, both models' head groups."""
+    by_target = {t: [cfg for cfg, r in results if r.target == t] for t in TARGETS}
+
+    def values(target, kernel, name):
+        return {dict(cfg.key[1])[name] for cfg in by_target[target] if cfg.kernel == kernel}
+
+    assert values("sm_80", "_paged_attention_kernel", "KV_FP8") == {0, 2}
+    assert values("sm_89", "_paged_attention_kernel", "KV_FP8") == {0, 1}
+    assert values("sm_90", "_paged_attention_kernel", "KV_FP8") == {0, 1}
+    assert values("sm_80", "_fp8_gemm_kernel", "A_FP8") == {False}
+    assert values("sm_90", "_fp8_gemm_kernel", "A_FP8") == {True}
+    assert not any(cfg.kernel == "_per_token_quant_kernel" for cfg in by_target["sm_80"])
+    for t in TARGETS:
+        assert values(t, "_paged_attention_kernel", "GROUP") == {3, 4}
+        assert values(t, "_paged_attention_kernel", "HEAD_DIM") == {64, 128}
+        assert len(values(t, "_paged_attention_kernel", "NUM_SPLITS")) >= 2
+        assert values(t, "_w4a16_kernel", "SPLIT") == {False, True}
+        assert {cfg.kernel for cfg in by_target[t]} >= {
+            "_write_kv_kernel", "_paged_attention_kernel", "_split_reduce_kernel", "_w4a16_kernel",
+            "_splitk_reduce_kernel", "_fp8_gemm_kernel"}
+
+
+def test_fp8_kv_software_decode_matches_hardware(monkeypatch):
+    """The e4m3 decode sm_80 compiles (KV_FP8=2) gives the same attention output as the
+    hardware conversion (KV_FP8=1): both are exact. Runs wherever the other kernel tests
+    run (interpreter on CPU, compiled on CUDA)."""
+    from pagedserve.kernels import paged_attention_triton as pa
+
+    if not torch.cuda.is_available() and not pa._interpreting():
+        pytest.fail("kernels imported without TRITON_INTERPRET=1 and no CUDA")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, block_size = 4, 2, 32, 16
+    q_lens, seq_lens = [1, 1, 5], [40, 17, 29]
+    cache = (torch.randn(2, 12, block_size, kv_heads, head_dim, generator=gen) * 3).to(torch.float8_e4m3fn)
+    query = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(12, generator=gen)[:9].view(3, 3).to(torch.int32)
+    starts = torch.tensor([0, 1, 2, 7], dtype=torch.int32)
+    args = [t.to(device) for t in (query, cache[0], cache[1], tables, torch.tensor(seq_lens, dtype=torch.int32),
+                                   starts)]
+    outs = []
+    for native in (True, False):
+        monkeypatch.setattr(pa, "native_fp8", lambda dev, native=native: native)
+        outs.append(pa.paged_attention_triton(*args, 0.2, k_scale=0.5, v_scale=0.25))
+    assert torch.isfinite(outs[0].float()).all()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_fp8_gemm_mode_follows_capability(monkeypatch):
+    """Without e4m3 hardware the FP8 GEMM defaults to W8A16 whatever PAGEDSERVE_FP8_MODE
+    says, and refuses an explicit mode="fp8" (it would not compile)."""
+    from pagedserve.kernels import fp8_triton as ft
+    from pagedserve.kernels.fp8 import quantize_fp8
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(ft, "native_fp8", lambda device: False)
+    monkeypatch.setenv("PAGEDSERVE_FP8_MODE", "fp8")
+    assert ft.default_mode(device) == "w8a16"
+    w = quantize_fp8(torch.randn(16, 32)).to(device)
+    with pytest.raises(ValueError, match="8.9"):
+        ft.fp8_matmul_triton(torch.randn(2, 32, device=device).to(torch.bfloat16), w, mode="fp8")
