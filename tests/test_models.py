@@ -48,3 +48,27 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     engine = LLMEngine(model=str(tmp_path), dtype="float32")
     prompts = [[1, 500, 42, 9000, 123], list(range(200, 290)), [7] * 40 + [1000, 2000]]
     assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=12)
+
+
+def test_row_buckets_are_few_and_never_smaller():
+    from pagedserve.backend.models.linear import row_bucket
+
+    buckets = {row_bucket(rows) for rows in range(1, 2049)}
+    assert all(row_bucket(rows) >= rows for rows in range(1, 4096))
+    assert all(row_bucket(rows) - rows < (16 if rows <= 256 else 64 if rows <= 1024 else 256) for rows in range(1, 4096))
+    assert len(buckets) <= 16 + 12 + 4  # a few dozen oneDNN kernels per layer, not one per token count
+
+
+def test_the_bucketed_linear_gives_the_plain_linears_rows():
+    """Padding rows to a bucket (CPU bf16) changes no real row."""
+    import torch.nn.functional as F
+
+    from pagedserve.backend.models.linear import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(64, 96).to(torch.bfloat16)
+    for rows in (1, 5, 17, 100, 300):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        out = layer(x)
+        assert out.shape == (rows, 96)
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)
