@@ -11,6 +11,7 @@ Client libraries are imported when a transport is made, not with this module.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
@@ -114,43 +115,16 @@ class HttpTransport:
             "return_num_output_tokens": True,
             "sampling_parameters": json.dumps(sampling),
         }
-        async with self.session.post(self.endpoint, json=body) as response:
-            if response.status != 200:
-                text = await response.text()
-                raise ServerError(f"HTTP {response.status}: {_event_error(text) or text.strip()[:300]}")
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    raise ServerError(str(event["error"]))
-                if "num_output_tokens" in event:
-                    tokens = int(event["num_output_tokens"] or 0)
-                else:
-                    tokens = 1 if event.get("text_output") else 0
-                prompt_tokens = event.get("num_input_tokens")
-                yield StreamChunk(tokens, int(prompt_tokens) if isinstance(prompt_tokens, (int, float)) else None)
+        async for event in self.events(body):
+            if "num_output_tokens" in event:
+                tokens = int(event["num_output_tokens"] or 0)
+            else:
+                tokens = 1 if event.get("text_output") else 0
+            prompt_tokens = event.get("num_input_tokens")
+            yield StreamChunk(tokens, int(prompt_tokens) if isinstance(prompt_tokens, (int, float)) else None)
 
-    async def close(self) -> None:
-        await self.session.close()
-
-
-class OpenAITransport(HttpTransport):
-    """`POST /v1/completions`, streamed. A chunk with text counts as one token; the usage
-    chunk at the end (`stream_options.include_usage`) brings the exact total, any
-    difference is added to the last chunk's count."""
-
-    def __init__(self, url: str, model: str, timeout: float | None = None):
-        super().__init__(url, model, timeout)
-        base = url if url.startswith(("http://", "https://")) else f"http://{url}"
-        self.endpoint = f"{base.rstrip('/')}/v1/completions"
-        self.model = model
-
-    async def stream(self, spec: RequestSpec, sampling: dict[str, Any]) -> AsyncIterator[StreamChunk]:
-        body = {"model": self.model, "prompt": spec.prompt, "stream": True,
-                "stream_options": {"include_usage": True}} | sampling
-        counted = 0
+    async def events(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The JSON events of a POSTed SSE stream (`data: [DONE]` ends it); errors raised."""
         async with self.session.post(self.endpoint, json=body) as response:
             if response.status != 200:
                 text = await response.text()
@@ -162,12 +136,37 @@ class OpenAITransport(HttpTransport):
                 event = json.loads(line[5:])
                 if "error" in event:
                     raise ServerError(str(event["error"]))
-                if event.get("usage"):
-                    usage = event["usage"]
-                    yield StreamChunk(max(0, usage["completion_tokens"] - counted), usage["prompt_tokens"])
-                elif any(choice.get("text") for choice in event.get("choices", ())):
-                    counted += 1
-                    yield StreamChunk(1)
+                yield event
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+class OpenAITransport(HttpTransport):
+    """`POST /v1/completions`, streamed. A chunk with text counts as one token; the usage
+    chunk at the end (`stream_options.include_usage`) brings the exact total, any
+    difference is added to the last chunk's count. $OPENAI_API_KEY, when set, is sent
+    as the bearer key."""
+
+    def __init__(self, url: str, model: str, timeout: float | None = None):
+        super().__init__(url, model, timeout)
+        if os.environ.get("OPENAI_API_KEY"):
+            self.session.headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
+        base = url if url.startswith(("http://", "https://")) else f"http://{url}"
+        self.endpoint = f"{base.rstrip('/')}/v1/completions"
+        self.model = model
+
+    async def stream(self, spec: RequestSpec, sampling: dict[str, Any]) -> AsyncIterator[StreamChunk]:
+        body = {"model": self.model, "prompt": spec.prompt, "stream": True,
+                "stream_options": {"include_usage": True}} | sampling
+        counted = 0
+        async for event in self.events(body):
+            if event.get("usage"):
+                usage = event["usage"]
+                yield StreamChunk(max(0, usage["completion_tokens"] - counted), usage["prompt_tokens"])
+            elif any(choice.get("text") for choice in event.get("choices", ())):
+                counted += 1
+                yield StreamChunk(1)
 
 
 def _event_error(text: str) -> str | None:

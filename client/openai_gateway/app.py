@@ -61,6 +61,7 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
         return JSONResponse(OpenAIError(400, f"`{param}`: {first.get('msg')}", param=param).body(), status_code=400)
 
     @app.get("/health")
+    @app.get("/health/ready")  # the route of Triton's own OpenAI frontend
     async def health() -> Response:
         ready = [await app.state.triton.is_ready(name) for name in model_ids.values()]
         status = 200 if all(ready) else 503

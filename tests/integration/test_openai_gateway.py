@@ -173,7 +173,7 @@ def test_the_api_key_guards_every_route_but_health(gateway):
         wrong.models.list()
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model="llm", messages=CHAT)
-    assert http_status(f"{gateway}/health") == 200
+    assert http_status(f"{gateway}/health") == http_status(f"{gateway}/health/ready") == 200
     right = openai.OpenAI(base_url=f"{gateway}/v1", api_key=KEY)
     assert [m.id for m in right.models.list()] == ["llm"]
     assert right.models.retrieve("llm").id == "llm"
@@ -263,3 +263,14 @@ def test_llm_answers_what_tritons_own_openai_frontend_sends_and_reads(triton, to
         output_tokens += count
     assert 0 < output_tokens <= 16
     assert selected.startswith("".join(texts(results)))  # greedy: the top token is the sampled one (EOS adds "<|im_end|>")
+
+
+def test_the_load_generator_speaks_openai(gateway, monkeypatch):
+    """`pagedserve bench --protocol openai`: token counts exact through the usage chunk."""
+    from pagedserve.client.loadgen import BenchConfig, run_benchmark
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    config = BenchConfig(url=gateway, protocol="openai", num_requests=4, concurrency=2, prompt_len_mean=32,
+                         prompt_len_range=0, output_len=8, warmup=0)
+    summary = run_benchmark(config, progress=False).summary
+    assert (summary.num_errors, summary.total_output_tokens, summary.total_prompt_tokens) == (0, 32, 4 * 32)
