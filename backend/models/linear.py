@@ -18,7 +18,10 @@ from torch import nn
 
 
 def row_bucket(rows: int) -> int:
-    """The padded row count for `rows`: the next multiple of 16 (<= 256 rows), 64 (<= 1,024) or 256."""
+    """The padded row count for `rows`: itself up to 16, else the next multiple of 16
+    (<= 256 rows), 64 (<= 1,024) or 256."""
+    if rows <= 16:
+        return rows
     step = 16 if rows <= 256 else 64 if rows <= 1024 else 256
     return -(-rows // step) * step
 
