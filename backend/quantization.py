@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.kernels.dispatch import fp8_linear, int4_linear
 from pagedserve.kernels.fp8 import quantize_fp8
-from pagedserve.kernels.int4 import quantize_int4
+from pagedserve.kernels.int4 import int4_group_size, quantize_int4
 
 from .models.llama import LlamaForCausalLM
 
@@ -33,17 +33,6 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.bias)
-
-
-def int4_group_size(in_features: int, source_group_size: int | None = None) -> int:
-    """The checkpoint's own 4-bit block size when it has one (re-quantizing a GGUF Q4_1
-    with its 32-wide blocks is then exact: scale = d, offset = m); otherwise 128, the
-    usual group, where it divides the input width, else the largest of 64, 32, 16."""
-    preferred = [source_group_size] if source_group_size and source_group_size <= 128 else []
-    for size in preferred + [128, 64, 32, 16]:
-        if in_features % size == 0:
-            return size
-    raise ValueError(f"INT4 needs an input width divisible by 16, got {in_features}")
 
 
 def quantize_linear(linear: nn.Linear, method: str, source_group_size: int | None = None) -> QuantizedLinear:

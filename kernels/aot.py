@@ -314,7 +314,7 @@ _TIMED = " (timed candidate)"  # a GEMM candidate after the first: launched only
 
 
 def _record_gemms(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -> List[Tuple[str, Launch]]:
-    from pagedserve.backend.quantization import int4_group_size  # the engine's group-size policy
+    from pagedserve.kernels.int4 import int4_group_size  # the engine's group-size policy
 
     it, ft = m.int4_triton, m.fp8_triton
     mode = ft.default_mode(torch.device("cuda"))  # patched: the target's capability decides

@@ -90,6 +90,17 @@ class Int4Weight:
 
 # ---------------------------------------------------------------- packing helpers
 
+def int4_group_size(in_features: int, source_group_size: int | None = None) -> int:
+    """The checkpoint's own 4-bit block size when it has one (re-quantizing a GGUF Q4_1
+    with its 32-wide blocks is then exact: scale = d, offset = m); otherwise 128, the
+    usual group, where it divides the input width, else the largest of 64, 32, 16."""
+    preferred = [source_group_size] if source_group_size and source_group_size <= 128 else []
+    for size in preferred + [128, 64, 32, 16]:
+        if in_features % size == 0:
+            return size
+    raise ValueError(f"INT4 needs an input width divisible by 16, got {in_features}")
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Pack codes q [K, N] (0..15, K-major = transposed weight) into int32 [K // 8, N],
     sequential along K (nibble j of row r <- q[8r + j])."""
