@@ -112,13 +112,15 @@ def metric(server, name: str) -> float:
 
 def wait_idle(server, timeout: float = 60.0) -> None:
     """Until no request runs or waits and no KV block is used, in two readings 0.3 s
-    apart: the gauges refresh every 0.25 s, so one reading may predate a request."""
+    apart: the gauges refresh every 0.25 s, so one reading may predate a request (and
+    right after a start they may not be exported yet)."""
     import time
 
     deadline = time.monotonic() + timeout
     idle_since = None
     while time.monotonic() < deadline:
-        if all(metric(server, name) == 0 for name in IDLE_GAUGES):
+        gauges = read_metrics(server.metrics_url, IDLE_GAUGES)  # None until first exported after a start
+        if all(gauges[name] == 0 for name in IDLE_GAUGES):
             idle_since = idle_since or time.monotonic()
             if time.monotonic() - idle_since >= 0.3:
                 return
