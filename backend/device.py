@@ -38,7 +38,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         logger.info("dtype auto: bfloat16 (CUDA)")
         return torch.bfloat16
-    flags = native_bf16_flags(_cpuinfo())
+    flags = native_bf16_flags(cpuinfo())
     if flags:
         logger.info("dtype auto: bfloat16 (this CPU has native bf16 math: %s)", " ".join(flags))
         return torch.bfloat16
@@ -60,7 +60,8 @@ def native_bf16_flags(cpuinfo: str) -> list[str]:
     return [flag for flag in NATIVE_BF16_FLAGS if flag in present]
 
 
-def _cpuinfo() -> str:
+def cpuinfo() -> str:
+    """/proc/cpuinfo's text ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             return f.read()

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedserve.backend.device import cpuinfo, native_bf16_flags
 from pagedserve.client.loadgen import BenchConfig, Summary, load_workload, run_benchmark_async
 from pagedserve.client.process import ServerProcess, free_port, http_status
 from pagedserve.client.repository import write_repository
@@ -110,8 +111,7 @@ def report(results: dict[tuple[int, str], list[Summary]], args: argparse.Namespa
             ratio = f"{tps / grpc_tps:.3f}" if protocol == "openai" else ""
             lines.append(f"| {concurrency} | {PATHS[protocol]} | {tps:.1f} | {mean([s.ttft.p50 for s in runs]) * 1e3:.0f} | "
                          f"{mean([s.itl.p50 for s in runs]) * 1e3:.1f} | {ratio} |")
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    bf16 = " ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "none"
+    bf16 = " ".join(native_bf16_flags(cpuinfo())) or "none"
     lines += [
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (bf16 flags: {bf16}); server, gateway and load generator "

@@ -613,13 +613,14 @@ def conditions() -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
-    flags = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M)
+    from pagedserve.backend.device import cpuinfo, native_bf16_flags
+
+    text = cpuinfo()
+    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
     return {
         "cpu": model.group(1) if model else platform.processor(),
         "cpus": os.cpu_count(),
-        "bf16_flags": sorted(f for f in (flags.group(1).split() if flags else []) if "bf16" in f),
+        "bf16_flags": native_bf16_flags(text),
         "loadavg_before": os.getloadavg(),
         "commit": run("git", "log", "--oneline", "-1").strip(),
         "uncommitted": [line for line in run("git", "status", "--porcelain").splitlines() if line.strip()],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import uuid
@@ -63,14 +64,18 @@ def parse_result(result: Any) -> Chunk:
     text = result.as_numpy("text_output")
     reason = result.as_numpy("finish_reason")
     count = result.as_numpy("num_output_tokens")
-    response = result.get_response()
-    final = bool(response.parameters["triton_final_response"].bool_param) if "triton_final_response" in response.parameters else False
     return Chunk(
         text="".join(t.decode("utf-8") for t in text) if text is not None else "",
         finish_reason=(reason[0].decode() if reason is not None and reason.size else None),
         num_output_tokens=int(count.sum()) if count is not None and count.size else 0,
-        final=final,
+        final=is_final(result),
     )
+
+
+def is_final(result: Any) -> bool:
+    """Whether a streamed result is its request's last (Triton's `triton_final_response`)."""
+    parameters = result.get_response().parameters
+    return "triton_final_response" in parameters and bool(parameters["triton_final_response"].bool_param)
 
 
 def chunk_or_raise(result: Any, error: Exception | None) -> Chunk:
@@ -123,16 +128,36 @@ class AsyncLLMClient:
     async def stream(
         self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **sampling: Any
     ) -> AsyncIterator[Chunk]:
-        inputs = build_inputs(self._module, prompt, messages, stream=True, **sampling)
+        async with contextlib.aclosing(self.results(build_inputs(self._module, prompt, messages, stream=True, **sampling))) as results:
+            async for result in results:
+                yield parse_result(result)
 
-        async def requests():
-            yield {"model_name": self.model, "inputs": inputs, "request_id": uuid.uuid4().hex}
+    async def results(self, inputs: list[Any], model: str | None = None) -> AsyncIterator[Any]:
+        """The raw results of one request on a gRPC stream of its own, up to the final one.
 
-        async for result, error in self.client.stream_infer(requests()):
-            chunk = chunk_or_raise(result, error)
-            yield chunk
-            if chunk.final:
-                return
+        The server's error is raised (InferenceServerException), as is a stream that ends
+        without a final result; closing this early cancels the request in the server."""
+        from tritonclient.utils import InferenceServerException
+
+        model = model or self.model
+
+        async def one_request():
+            yield {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
+
+        call = self.client.stream_infer(one_request())
+        final = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise error
+                final = is_final(result)
+                yield result
+                if final:
+                    return
+            raise InferenceServerException(f"the `{model}` model ended its stream without a final response")
+        finally:
+            if not final:
+                call.cancel()
 
     async def generate(self, prompt: str | None = None, **sampling: Any) -> str:
         return "".join([chunk.text async for chunk in self.stream(prompt, **sampling)])

@@ -243,10 +243,6 @@ class TritonServer:
         """Last ``n`` lines this run wrote to the log ("" if none)."""
         return self._process.log_tail(n) if self._process is not None else ""
 
-    def read_log(self) -> str:
-        """This run's log ("" if none)."""
-        return self._process.read_log() if self._process is not None else ""
-
     def error_lines(self, n: int = 10) -> list[str]:
         """Last ``n`` error lines of this run's log.
 

@@ -22,10 +22,10 @@ def test_native_bf16_is_read_from_the_cpu_flags():
 
 
 def test_auto_picks_float32_on_an_emulating_cpu_and_says_why(monkeypatch, caplog):
-    monkeypatch.setattr(device, "_cpuinfo", lambda: AVX512_ONLY)
+    monkeypatch.setattr(device, "cpuinfo", lambda: AVX512_ONLY)
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         assert device.resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert "no native bf16" in caplog.text
-    monkeypatch.setattr(device, "_cpuinfo", lambda: SAPPHIRE_RAPIDS)
+    monkeypatch.setattr(device, "cpuinfo", lambda: SAPPHIRE_RAPIDS)
     assert device.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
     assert device.resolve_dtype("float32", torch.device("cpu")) == torch.float32

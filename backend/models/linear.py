@@ -33,8 +33,9 @@ def needs_buckets(x: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if not needs_buckets(x) or row_bucket(rows) == rows:
+        bucket = row_bucket(rows) if needs_buckets(x) else rows
+        if bucket == rows:
             return F.linear(x, self.weight, self.bias)
-        padded = x.new_zeros((row_bucket(rows), x.shape[1]))
+        padded = x.new_zeros((bucket, x.shape[1]))
         padded[:rows] = x
         return F.linear(padded, self.weight, self.bias)[:rows]

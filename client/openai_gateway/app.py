@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
+import json
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -24,7 +24,6 @@ from .config import GatewayConfig
 from .errors import OpenAIError
 from .triton_stream import LLMStep, TritonLLM
 
-log = logging.getLogger("pagedserve.openai")
 DISCONNECT_POLL_S = 0.25
 
 
@@ -83,19 +82,18 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
         llm_request = translate.chat_request(body, config.default_max_tokens)
         header = responses.ResponseHeader.new("chatcmpl", body.model)
         result = responses.Accumulator(n=body.n)
-        steps = app.state.triton.stream(model, llm_request)
+        steps = merged([app.state.triton.stream(model, llm_request)])
         if not body.stream:
             await until_disconnect(request, collect(steps, result))
             return JSONResponse(responses.chat_completion(header, result).model_dump())
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        async def chunks(first: LLMStep | None) -> AsyncIterator[BaseModel]:
+        async def chunks(first: tuple[int, LLMStep] | None) -> AsyncIterator[BaseModel]:
             yield responses.chat_role_chunk(header, body.n)
-            async for step in prepend(first, steps):
+            async for _, step in prepend(first, steps):
                 result.add(step)
                 for chunk in responses.chat_chunks(header, step):
                     yield chunk
-            if include_usage:
+            if body.include_usage:
                 yield responses.usage_chunk(header, result, chat=True)
 
         return await sse(steps, chunks)
@@ -109,12 +107,8 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
         result = responses.Accumulator(n=body.n)
         steps = merged([app.state.triton.stream(model, r) for r in llm_requests])
         if not body.stream:
-            async def collect_all() -> None:
-                async for index, step in steps:
-                    result.add(step, index)
-            await until_disconnect(request, collect_all())
+            await until_disconnect(request, collect(steps, result))
             return JSONResponse(responses.completion(header, result, prompts, body.echo).model_dump())
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def chunks(first: tuple[int, LLMStep] | None) -> AsyncIterator[BaseModel]:
             echoed: set[int] = set()
@@ -127,7 +121,7 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
                 result.add(step, index)
                 for chunk in responses.completion_chunks(header, step, index * body.n):
                     yield chunk
-            if include_usage:
+            if body.include_usage:
                 yield responses.usage_chunk(header, result, chat=False)
 
         return await sse(steps, chunks)
@@ -135,9 +129,9 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
     return app
 
 
-async def collect(steps: AsyncIterator[LLMStep], result: responses.Accumulator) -> None:
-    async for step in steps:
-        result.add(step)
+async def collect(steps: AsyncIterator[tuple[int, LLMStep]], result: responses.Accumulator) -> None:
+    async for index, step in steps:
+        result.add(step, index)
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -174,7 +168,7 @@ async def sse(steps: AsyncIterator[Any], chunks: Callable[[Any], AsyncIterator[B
             async for chunk in chunks(first):
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except OpenAIError as error:  # after the 200 went out: OpenAI's in-stream error event
-            yield f"data: {schemas.ErrorResponse.model_validate(error.body()).model_dump_json()}\n\n"
+            yield f"data: {json.dumps(error.body())}\n\n"
         finally:
             await steps.aclose()
         yield "data: [DONE]\n\n"

@@ -144,8 +144,7 @@ def chat_chunks(header: ResponseHeader, step: LLMStep) -> list[schemas.ChatCompl
             index=i, delta=schemas.ChatDelta(content=d.text), finish_reason=d.finish_reason,
             logprobs=chat_logprobs(d.logprobs),
         )])
-        for i, d in enumerate(step.samples)
-        if d.text or d.finish_reason or d.logprobs
+        for i, d in moved(step)
     ]
 
 
@@ -155,9 +154,13 @@ def completion_chunks(header: ResponseHeader, step: LLMStep, first_index: int) -
             index=first_index + i, text=d.text, finish_reason=d.finish_reason,
             logprobs=completion_logprobs(d.logprobs),
         )])
-        for i, d in enumerate(step.samples)
-        if d.text or d.finish_reason or d.logprobs
+        for i, d in moved(step)
     ]
+
+
+def moved(step: LLMStep) -> list[tuple[int, SampleDelta]]:
+    """(sample index, delta) of the samples this response moved on (text, an end, logprobs)."""
+    return [(i, d) for i, d in enumerate(step.samples) if d.text or d.finish_reason or d.logprobs]
 
 
 def usage_chunk(header: ResponseHeader, result: Accumulator, chat: bool) -> schemas.BaseModel:

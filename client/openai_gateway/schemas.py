@@ -54,6 +54,11 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
 
+    @property
+    def include_usage(self) -> bool:
+        """A streamed response ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)

@@ -7,15 +7,15 @@ frees its KV blocks in the engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import grpc
 import numpy as np
 
-from ..client import infer_inputs
+from ..client import infer_inputs, is_final
 from .errors import OpenAIError, from_triton
 from .translate import LLMRequest
 
@@ -49,48 +49,36 @@ class LLMStep:
 
 
 class TritonLLM:
-    """tritonclient.grpc.aio over one channel, shared by every request of the gateway."""
+    """The `llm` model over one gRPC channel (client.AsyncLLMClient), shared by every
+    request of the gateway; Triton's errors as OpenAI errors."""
 
     def __init__(self, url: str):
-        import tritonclient.grpc.aio as aioclient
+        from ..client import AsyncLLMClient
 
-        self._module = aioclient
         self.url = url
-        self.client = aioclient.InferenceServerClient(url)
+        self.llm = AsyncLLMClient(url)
 
     async def is_ready(self, model: str) -> bool:
         try:
-            return await self.client.is_server_ready() and await self.client.is_model_ready(model)
+            return await self.llm.client.is_server_ready() and await self.llm.client.is_model_ready(model)
         except Exception:  # unreachable or not serving: not ready, whatever the cause
             return False
 
     async def stream(self, model: str, request: LLMRequest) -> AsyncIterator[LLMStep]:
-        inputs = infer_inputs(self._module, request.inputs())
+        from tritonclient.utils import InferenceServerException
 
-        async def one_request():
-            yield {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
-
-        call = self.client.stream_infer(one_request())
-        finished = False
         try:
-            async for result, error in call:
-                if error is not None:
-                    raise from_triton(str(error.message() if hasattr(error, "message") else error))
-                step = parse_step(result, request.top_logprobs)
-                finished = step.final
-                yield step
-                if finished:
-                    return
-            raise OpenAIError(500, f"the `{model}` model ended its stream without a final response")
+            async with contextlib.aclosing(self.llm.results(infer_inputs(self.llm._module, request.inputs()), model)) as results:
+                async for result in results:  # closing this generator early closes `results`, which cancels
+                    yield parse_step(result, request.top_logprobs)
+        except InferenceServerException as error:
+            raise from_triton(error.message()) from None
         except grpc.RpcError as error:
             status = 503 if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else 500
             raise OpenAIError(status, f"Triton at {self.url}: {error.details()}") from None
-        finally:
-            if not finished:
-                call.cancel()
 
     async def close(self) -> None:
-        await self.client.close()
+        await self.llm.close()
 
 
 def parse_step(result: Any, top_logprobs: int | None) -> LLMStep:
@@ -108,9 +96,7 @@ def parse_step(result: Any, top_logprobs: int | None) -> LLMStep:
         )
         for i, text in enumerate(texts)
     ]
-    parameters = result.get_response().parameters
-    final = "triton_final_response" in parameters and parameters["triton_final_response"].bool_param
-    return LLMStep(samples, int(num_input[0]) if num_input is not None and num_input.size else 0, bool(final))
+    return LLMStep(samples, int(num_input[0]) if num_input is not None and num_input.size else 0, is_final(result))
 
 
 def _strings(array: np.ndarray | None) -> list[str]:

@@ -49,3 +49,22 @@ def test_finish_reason_is_none_until_the_last_response(server):
 def test_stop_string_is_trimmed_in_the_stream(server):
     text = LLMClient(server.grpc_url).generate(messages=CAPITAL, max_tokens=30, temperature=0, stop=["is P"])
     assert text == "The capital of France "
+
+
+def test_the_asyncio_client_streams_the_same_text_as_the_blocking_one(server):
+    import asyncio
+
+    from pagedserve.client.client import AsyncLLMClient
+
+    async def streamed() -> list:
+        client = AsyncLLMClient(server.grpc_url)
+        try:
+            return [chunk async for chunk in client.stream("Once upon a time", max_tokens=8, temperature=0, ignore_eos=True)]
+        finally:
+            await client.close()
+
+    chunks = asyncio.run(streamed())
+    assert chunks[-1].final and not any(c.final for c in chunks[:-1])
+    assert sum(c.num_output_tokens for c in chunks) == 8
+    assert "".join(c.text for c in chunks) == LLMClient(server.grpc_url).generate(
+        "Once upon a time", max_tokens=8, temperature=0, ignore_eos=True)
