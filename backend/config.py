@@ -62,6 +62,8 @@ class EngineConfig:
     """auto (Triton kernel on CUDA, torch elsewhere), torch, or triton."""
     num_threads: int = 0
     """CPU threads for torch; 0 keeps torch's default (all cores)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (Megatron-style tensor parallelism): one process per rank, each holding its share of the weights and of the KV cache; rank 0 runs the engine and spawns the others. Must divide the attention heads, the intermediate size and the vocabulary. On CUDA one GPU per rank (NCCL), on CPU gloo."""
 
     def __post_init__(self) -> None:
         self._coerce_types()
@@ -114,12 +116,26 @@ class EngineConfig:
         _at_least(self, "max_model_len", 0)
         _at_least(self, "max_queue_size", 1)
         _at_least(self, "num_threads", 0)
+        _at_least(self, "tensor_parallel_size", 1)
+        if self.tensor_parallel_size > 1:
+            self._validate_tensor_parallel()
         if self.model and not os.path.exists(self.model):
             raise ConfigError(
                 "model",
                 f"{self.model!r} does not exist; give a Hugging Face model directory "
                 "or a .gguf file, or leave it empty for the bundled default model",
             )
+
+    def _validate_tensor_parallel(self) -> None:
+        """Settings whose sharded form is not implemented (the model's shapes are checked at load)."""
+        for name, neutral in (("quantization", "none"), ("kv_cache_dtype", "auto")):
+            value = getattr(self, name)
+            if value != neutral:
+                raise ConfigError(
+                    "tensor_parallel_size",
+                    f"{self.tensor_parallel_size} ranks with {name}={value!r} is not supported (quantized "
+                    f"weights and KV are not sharded); set {name}={neutral!r} or tensor_parallel_size=1",
+                )
 
 
 def _coerce(value: Any, kind: str) -> Any:

@@ -21,11 +21,13 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .cpu_tuning import keep_freed_memory_in_heap
 from .device import max_model_len, num_kv_blocks, resolve_device, resolve_dtype
+from .distributed import TensorParallelRunner, start_workers
 from .errors import InvalidRequestError
 from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from .model_files import resolve_model_path
 from .model_loader import load_model
 from .model_runner import ModelRunner
+from .models.parallel import SINGLE_RANK
 from .output_renderer import OutputRenderer
 from .outputs import Completion, EngineStats, RequestOutput
 from .quantization import quantize_model
@@ -55,14 +57,16 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
 
         started = time.perf_counter()
-        loaded = load_model(self.model_path, self.dtype, self.device)
+        self.workers = start_workers(config, self.model_path, self.dtype, self.device)
+        """Ranks 1..N-1 with tensor_parallel_size N > 1 (this engine is rank 0), else None."""
+        loaded = load_model(self.model_path, self.dtype, self.device, self.workers.parallel if self.workers else SINGLE_RANK)
         if config.quantization != "none":
             quantize_model(loaded.model, config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
 
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
-        num_blocks = num_kv_blocks(config, self.model_config, self.device, self.kv_dtype)
+        num_blocks = num_kv_blocks(config, loaded.model.local_config, self.device, self.kv_dtype)
         self.max_model_len = max_model_len(config, self.model_config, num_blocks)
         self.scheduler = Scheduler(
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
@@ -73,9 +77,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
         )
-        self.runner = ModelRunner(
-            loaded.model, num_blocks, config.block_size, self.kv_dtype, self.device, config.attention_backend
-        )
+        runner_args = (loaded.model, num_blocks, config.block_size, self.kv_dtype, self.device, config.attention_backend)
+        self.runner = TensorParallelRunner(self.workers, *runner_args) if self.workers else ModelRunner(*runner_args)
         if config.kv_cache_dtype == "fp8":
             calibrate_kv_scales(self.runner, self.encode(CALIBRATION_TEXT)[: self.max_model_len])
         self.sampler = Sampler(self.model_config.eos_token_ids, config.seed, self.device)
@@ -197,6 +200,11 @@ class LLMEngine:
         self.groups.clear()
         self.scheduler.block_manager.reset_prefix_cache()
         self.num_recoveries += 1
+        self.runner.recover()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one rank, which may step on)."""
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -72,12 +72,14 @@ class EngineThread:
                 return
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort everything in flight (callbacks get their final output) and join the thread."""
+        """Abort everything in flight (callbacks get their final output), join the thread,
+        and close the engine (its tensor-parallel workers end)."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("engine thread did not stop within %.0fs", timeout)
+        self.engine.close()
 
     # -- engine thread ---------------------------------------------------------
     def _run(self) -> None:

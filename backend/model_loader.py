@@ -23,6 +23,7 @@ from .errors import ConfigError
 from .model_config import ModelConfig
 from .model_files import is_gguf, resolve_model_path
 from .models.llama import LlamaForCausalLM, RotaryEmbedding
+from .models.parallel import SINGLE_RANK, TensorParallel, take_shard
 from .tokenizer import load_tokenizer
 
 
@@ -38,26 +39,41 @@ def read_checkpoint(path: str) -> Checkpoint:
     return read_gguf_checkpoint(path) if is_gguf(path) else read_hf_checkpoint(path)
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(
+    path: str, dtype: torch.dtype, device: torch.device, parallel: TensorParallel = SINGLE_RANK
+) -> LoadedModel:
+    """The model (this rank's share of it with tensor parallelism) and its tokenizer."""
     path = resolve_model_path(path)
     checkpoint = read_checkpoint(path)
+    model = load_checkpoint(checkpoint, dtype, device, parallel)
+    return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer(path))
+
+
+def load_checkpoint(
+    checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, parallel: TensorParallel = SINGLE_RANK
+) -> LlamaForCausalLM:
+    """The checkpoint's weights in a model (this rank's slices of them), in eval mode."""
     config = checkpoint.config
-    model = build_empty_model(config, dtype, device, config.max_position_embeddings)
+    model = build_empty_model(config, dtype, device, config.max_position_embeddings, parallel)
     packed = None
     if config.packed_int4:
         packed = PackedInt4Loader(model.packed_modules, config.packed_int4, config.source_group_size)
     load_weights(model, checkpoint.tensors, checkpoint.num_tensors, packed)
     if packed is not None:
         packed.install(model.layers, device, dtype)
-    return LoadedModel(model=model.eval(), config=config, tokenizer=load_tokenizer(path))
+    return model.eval()
 
 
 def build_empty_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    parallel: TensorParallel = SINGLE_RANK,
 ) -> LlamaForCausalLM:
     """Allocate the model without initializing weights (they are loaded next)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = LlamaForCausalLM(config, max_positions, parallel)
         if config.packed_int4:  # filled from the packed checkpoint tensors after loading
             for layer in model.layers:
                 for name in model.packed_modules:
@@ -82,7 +98,8 @@ def load_weights(
 ) -> None:
     """Copy Hugging Face-named tensors into the model. The projections of a packed
     module are stacked into its rows once all of them have arrived (they may come in
-    any order, across shards); packed 4-bit projections go to `packed`."""
+    any order, across shards); packed 4-bit projections go to `packed`. With tensor
+    parallelism each tensor is cut to this rank's slice first (the layer's `shards`)."""
     # checkpoint projection -> (our packed module, its place in it, how many parts it has)
     stacked_in = {part: (fused, index, len(parts)) for fused, parts in model.packed_modules.items() for index, part in enumerate(parts)}
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -103,7 +120,7 @@ def load_weights(
         if target is None or target not in params:
             continue
         parts = pending.setdefault(target, [None] * count)
-        parts[index] = (name, tensor)
+        parts[index] = (name, take_shard(model.get_submodule(target.rpartition(".")[0]), index, tensor))
         if all(part is not None for part in parts):
             _copy_rows(params[target], pending.pop(target))
             loaded.add(target)

@@ -46,7 +46,8 @@ class ModelRunner:
         self.kv_caches = self.allocate_kv(num_blocks, kv_dtype)
 
     def allocate_kv(self, num_blocks: int, dtype: torch.dtype) -> list[LayerKVCache]:
-        shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        """Paged K and V per layer for this rank's KV heads (all of them with one rank)."""
+        shape = (num_blocks, self.block_size, self.model.local_config.num_kv_heads, self.config.head_dim)
         return [
             LayerKVCache(torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(self.config.num_layers)
@@ -105,11 +106,26 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one forward; logits [num_sampling_seqs, vocab] float32 and those sequences."""
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attention_kernels)
-        if not inputs.sampling_seqs:
-            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32), []
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return logits, inputs.sampling_seqs
+        return self.run(inputs), inputs.sampling_seqs
+
+    @torch.inference_mode()
+    def run(
+        self, inputs: ModelInputs, kv_caches: list[LayerKVCache] | None = None, attention: AttentionKernels | None = None
+    ) -> torch.Tensor:
+        """One forward over prepared inputs: logits of the rows `logits_indices` names,
+        [len(logits_indices), vocab] float32 (the one call a tensor-parallel worker makes per step)."""
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, kv_caches or self.kv_caches, inputs.meta, attention or self.attention_kernels
+        )
+        if len(inputs.logits_indices) == 0:
+            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def recover(self) -> None:
+        """After a failed step: nothing to rebuild on one rank (tensor parallelism restarts its workers)."""
+
+    def close(self) -> None:
+        """Release what the runner holds besides memory: nothing on one rank (tensor parallelism: its workers)."""
 
     @torch.inference_mode()
     def run_prefill(
@@ -127,7 +143,5 @@ class ModelRunner:
         batch = ScheduledBatch()
         batch.add(seq, len(token_ids))
         inputs = self.prepare(batch)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, kv_caches or self.kv_caches, inputs.meta, attention or self.attention_kernels
-        )
-        return self.model.compute_logits(hidden)
+        inputs.logits_indices = torch.arange(len(token_ids), device=self.device)
+        return self.run(inputs, kv_caches, attention)

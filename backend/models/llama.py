@@ -3,6 +3,8 @@
 Every token of every sequence in the step is one row; attention is the only
 place sequences meet, through the paged KV cache. q/k/v and gate/up are fused
 into single matmuls; numerics otherwise follow Hugging Face's implementation.
+Split over ranks (tensor parallelism), each rank builds its share of every layer
+from models/parallel.py; with one rank those are the plain layers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from torch import nn
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache, attention
 from ..model_config import ModelConfig
-from .linear import Linear
+from .parallel import (
+    SINGLE_RANK,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
 
 
 class RMSNorm(nn.Module):
@@ -81,14 +90,20 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """This rank's query heads and the KV heads they read (all of them with one rank)."""
+
+    def __init__(self, config: ModelConfig, parallel: TensorParallel):
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        local = parallel.local_config(config)
+        self.num_heads = local.num_heads
+        self.num_kv_heads = local.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_size, self.kv_size = local.q_size, local.kv_size
+        kv_shard = parallel.kv_shard(config.num_kv_heads)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, (parallel.shard(0), kv_shard, kv_shard), bias=config.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, parallel)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -111,11 +126,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: TensorParallel):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = parallel.local_config(config).intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, 2 * self.intermediate_size, (parallel.shard(0), parallel.shard(0))
+        )
+        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -123,12 +140,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, parallel)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -142,13 +159,15 @@ class LlamaForCausalLM(nn.Module):
     stacked, in this order, along their output rows. Weight loading, quantize-on-load
     and packed 4-bit checkpoints all follow this one table."""
 
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, parallel: TensorParallel = SINGLE_RANK):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.local_config = local = parallel.local_config(config)
+        """This rank's share of the architecture (`config` itself with one rank): its KV cache is sized from it."""
+        self.embed_tokens = VocabParallelEmbedding(local.vocab_size, config.hidden_size, parallel)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, parallel) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, local.vocab_size, parallel)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_positions)

@@ -1,0 +1,245 @@
+"""Tensor parallelism (backend/distributed/, backend/models/parallel.py): tensor_parallel_size=2
+gives greedy tokens identical to 1 in every batch regime; a killed worker fails its step's
+requests with an error naming it and the engine restarts the workers (or, if that fails,
+refuses requests); shutting down, cancelling, or rank 0 dying leaves no worker process."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from pagedserve.backend import ConfigError, EngineConfig, EngineDeadError, LLMEngine, SamplingParams
+from pagedserve.backend.engine_thread import EngineThread
+
+from .conftest import LONG_TEXT, assert_engine_idle
+from .tensor_parallel_checks import greedy_margins, worker_processes, write_small_llama
+
+pytestmark = pytest.mark.slow
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory, sentencepiece_tokenizer) -> str:
+    return write_small_llama(tmp_path_factory.mktemp("small-llama"), sentencepiece_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def prompts(sentencepiece_tokenizer) -> list[list[int]]:
+    """Five prompts of 7 to 164 tokens."""
+    words = LONG_TEXT.split()
+    texts = ["The quick brown fox", " ".join(words[:20]), " ".join(words[40:130]), "Printers in Venice", " ".join(words[200:230])]
+    return [sentencepiece_tokenizer.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def engines(small_llama):
+    """A tensor_parallel_size 1 and 2 engine per regime's settings, built on first use."""
+    built: dict[tuple, LLMEngine] = {}
+
+    def get(tp: int, **settings) -> LLMEngine:
+        key = (tp, *sorted(settings.items()))
+        if key not in built:
+            built[key] = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=tp, **settings)
+        return built[key]
+
+    yield get
+    pids = {p.pid for engine in built.values() if engine.workers for p in engine.workers.processes}
+    for engine in built.values():
+        engine.close()
+    assert not pids & {p.pid for p in worker_processes()}
+
+
+@pytest.fixture
+def new_workers():
+    """Worker processes of this test process that were not running when the test began
+    (the module's shared engines keep theirs)."""
+    before = {p.pid for p in worker_processes()}
+    return lambda: [p for p in worker_processes() if p.pid not in before]
+
+
+def run_both(engines, prompts, max_tokens, **settings):
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in max_tokens]
+    one, two = engines(1, **settings), engines(2, **settings)
+    results = [engine.generate(prompts, params, use_tqdm=False) for engine in (one, two)]
+    assert [r.token_ids for r in results[1]] == [r.token_ids for r in results[0]]
+    assert_engine_idle(two)
+    return one, two, results[1]
+
+
+def test_plain_batch_is_token_identical_and_the_margins_say_why(engines, prompts):
+    one, two, results = run_both(engines, prompts, [24, 16, 20, 12, 28])
+    assert len(two.workers.processes) == 1 and two.runner.kv_caches[0].key.shape[2] == 1  # 1 of 2 KV heads here
+    sequences = [(p + r.token_ids, len(r.token_ids)) for p, r in zip(prompts, results)]
+    difference, lead = greedy_margins(one, two, sequences)
+    assert 0 < difference < 1e-4  # sharding only reorders float32 sums
+    assert lead > 2 * difference  # so the greedy choice is the same on both, at every position
+
+
+def test_chunked_prefill_is_token_identical(engines, prompts):
+    run_both(engines, prompts, [24, 16, 20, 12, 28], max_num_batched_tokens=16)
+
+
+def test_shared_prefix_is_token_identical_and_hits_the_cache(engines, prompts, sentencepiece_tokenizer):
+    prefix = prompts[2][:64]
+    shared = [prefix + sentencepiece_tokenizer.encode(f" Question {i}: what next?") for i in range(4)]
+    _, two, results = run_both(engines, shared, [12, 16, 8, 20])
+    assert max(r.num_cached_tokens for r in results) >= 48
+
+
+def test_preemption_under_a_tiny_kv_cache_is_token_identical(engines, prompts):
+    # 16 blocks of 16 = 256 slots for 270 prompt tokens and 168 generated: the scheduler must preempt
+    _, two, _ = run_both(engines, prompts[::-1], [40, 24, 40, 24, 40], num_kv_blocks=16)
+    assert two.stats().num_preemptions > 0
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path, sentencepiece_tokenizer, prompts, new_workers):
+    path = write_small_llama(tmp_path, sentencepiece_tokenizer, num_kv_heads=1, tie_word_embeddings=True)
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    results = []
+    for tp in (1, 2):
+        engine = LLMEngine(model=path, dtype="float32", tensor_parallel_size=tp)
+        results.append([c.token_ids for c in engine.generate(prompts, params, use_tqdm=False)])
+        engine.close()
+    assert results[0] == results[1]
+    assert not new_workers()
+
+
+def test_tensor_parallel_size_is_parsed_and_checked_like_every_setting():
+    assert EngineConfig().tensor_parallel_size == 1
+    assert EngineConfig.from_strings({"tensor_parallel_size": "2"}).tensor_parallel_size == 2
+    for value, hint in (("0", ">= 1"), ("two", "expected int")):
+        with pytest.raises(ConfigError, match=hint) as info:
+            EngineConfig.from_strings({"tensor_parallel_size": value})
+        assert info.value.field == "tensor_parallel_size"
+
+
+def test_sizes_and_settings_it_cannot_split_are_refused_before_any_worker_starts(small_llama, model_path, new_workers):
+    with pytest.raises(ConfigError, match=r"9 attention heads is not a multiple of 2.*use one of \[1, 3\]") as info:
+        LLMEngine(model=model_path, tensor_parallel_size=2)  # the bundled SmolLM2: 9 heads, 3 KV heads
+    assert info.value.field == "tensor_parallel_size"
+    with pytest.raises(ConfigError, match="4 attention heads is not a multiple of 3"):
+        LLMEngine(model=small_llama, tensor_parallel_size=3)
+    for setting in ({"quantization": "fp8"}, {"quantization": "int4"}, {"kv_cache_dtype": "fp8"}):
+        with pytest.raises(ConfigError, match=f"{next(iter(setting))}=.*tensor_parallel_size=1") as info:
+            LLMEngine(model=small_llama, tensor_parallel_size=2, **setting)
+        assert info.value.field == "tensor_parallel_size"
+    assert not new_workers()
+
+
+# -- worker death, shutdown, cancellation ------------------------------------------------
+def submit_all(loop: EngineThread, prompts, max_tokens: int) -> queue.Queue:
+    outputs: queue.Queue = queue.Queue()
+    for i, prompt in enumerate(prompts):
+        loop.submit(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), outputs.put)
+    return outputs
+
+
+def finals(outputs: queue.Queue, count: int, timeout: float = 60) -> dict[str, object]:
+    """The final output of each of `count` requests (within `timeout` s in all: no hang)."""
+    deadline, done = time.monotonic() + timeout, {}
+    while len(done) < count:
+        output = outputs.get(timeout=max(0.1, deadline - time.monotonic()))
+        if output.finished:
+            done[output.request_id] = output
+    return done
+
+
+def test_a_killed_worker_fails_its_requests_by_name_and_the_workers_restart(small_llama, prompts, new_workers):
+    engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
+    expected = [c.token_ids for c in engine.generate(prompts[:2], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)]
+    loop = EngineThread(engine)
+    outputs = submit_all(loop, prompts, max_tokens=300)
+    first = outputs.get(timeout=30)
+    assert not first.finished and first.error is None
+    victim = engine.workers.processes[0]
+    os.kill(victim.pid, signal.SIGKILL)
+
+    failed = finals(outputs, len(prompts))
+    assert all(o.finish_reason == "error" for o in failed.values())
+    for output in failed.values():
+        assert f"tensor-parallel worker rank 1 (pid {victim.pid}) died: killed by SIGKILL (exit code -9)" in output.error
+        assert "retrying it may succeed" in output.error
+
+    # served once the workers are restarted (the engine thread does that right after failing the requests)
+    served = [list(loop.stream(f"after{i}", p, SamplingParams(max_tokens=8, **GREEDY))) for i, p in enumerate(prompts[:2])]
+    assert [[t for o in outputs for t in o.new_token_ids] for outputs in served] == expected
+    assert engine.num_recoveries == 1
+    (worker,) = new_workers()
+    assert worker.pid != victim.pid and engine.workers.processes[0].pid == worker.pid
+    loop.shutdown()
+    assert not new_workers()
+
+
+def test_when_the_restart_fails_too_new_requests_are_refused_clearly(small_llama, prompts, tmp_path, new_workers):
+    engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
+    engine.workers.spec.model_path = str(tmp_path / "gone")  # new workers will fail to load
+    loop = EngineThread(engine)
+    outputs = submit_all(loop, prompts[:2], max_tokens=300)
+    outputs.get(timeout=30)
+    os.kill(engine.workers.processes[0].pid, signal.SIGKILL)
+    failed = finals(outputs, 2)
+    assert all("rank 1" in o.error and "SIGKILL" in o.error for o in failed.values())
+    deadline = time.monotonic() + 30
+    while loop.error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(EngineDeadError, match=r"engine failed earlier .*tensor-parallel worker rank 1 .*died: exit code 1"):
+        loop.submit("late", prompts[0], SamplingParams(max_tokens=4), lambda output: None)
+    loop.shutdown()
+    assert not new_workers()
+
+
+def test_shutdown_with_requests_in_flight_leaves_no_worker(small_llama, prompts, new_workers):
+    engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
+    assert len(new_workers()) == 1
+    loop = EngineThread(engine)
+    outputs = submit_all(loop, prompts, max_tokens=300)
+    outputs.get(timeout=30)
+    loop.shutdown()
+    assert len(finals(outputs, len(prompts), timeout=5)) == len(prompts)
+    assert not new_workers()
+
+
+def test_cancelled_requests_then_shutdown_leave_no_worker(small_llama, prompts, new_workers):
+    engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
+    loop = EngineThread(engine)
+    outputs = submit_all(loop, prompts, max_tokens=300)
+    outputs.get(timeout=30)
+    for i in range(len(prompts)):
+        loop.abort(f"r{i}")
+    assert {o.finish_reason for o in finals(outputs, len(prompts)).values()} == {"abort"}
+    assert_engine_idle(engine)
+    assert len(new_workers()) == 1  # cancelling ends requests, not workers
+    loop.shutdown()
+    assert not new_workers()
+
+
+def test_workers_exit_when_rank_0_dies(small_llama):
+    script = textwrap.dedent(f"""
+        import time
+        from pagedserve.backend import LLMEngine
+        engine = LLMEngine(model={small_llama!r}, dtype="float32", tensor_parallel_size=2)
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank0.stdout.readline().strip() == "ready"
+        (worker,) = worker_processes(psutil.Process(rank0.pid))
+        rank0.kill()
+        rank0.wait()
+        deadline = time.monotonic() + 10
+        while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, "the worker outlived rank 0"
+    finally:
+        rank0.kill()
+        rank0.wait()
