@@ -1,5 +1,5 @@
 """Tensor parallelism (backend/distributed/, backend/models/parallel.py): tensor_parallel_size=2
-gives greedy tokens identical to 1 in every batch regime; a killed worker fails its step's
+gives greedy tokens identical to 1 in every batch regime (and 3 on the bundled model); a killed worker fails its step's
 requests with an error naming it and the engine restarts the workers (or, if that fails,
 refuses requests); shutting down, cancelling, or rank 0 dying leaves no worker process."""
 
@@ -33,7 +33,7 @@ def small_llama(tmp_path_factory, sentencepiece_tokenizer) -> str:
 
 
 @pytest.fixture(scope="module")
-def prompts(sentencepiece_tokenizer) -> list[list[int]]:
+def small_prompts(sentencepiece_tokenizer) -> list[list[int]]:
     """Five prompts of 7 to 164 tokens."""
     words = LONG_TEXT.split()
     texts = ["The quick brown fox", " ".join(words[:20]), " ".join(words[40:130]), "Printers in Venice", " ".join(words[200:230])]
@@ -75,41 +75,56 @@ def run_both(engines, prompts, max_tokens, **settings):
     return one, two, results[1]
 
 
-def test_plain_batch_is_token_identical_and_the_margins_say_why(engines, prompts):
-    one, two, results = run_both(engines, prompts, [24, 16, 20, 12, 28])
+def test_plain_batch_is_token_identical_and_the_margins_say_why(engines, small_prompts):
+    one, two, results = run_both(engines, small_prompts, [24, 16, 20, 12, 28])
     assert len(two.workers.processes) == 1 and two.runner.kv_caches[0].key.shape[2] == 1  # 1 of 2 KV heads here
-    sequences = [(p + r.token_ids, len(r.token_ids)) for p, r in zip(prompts, results)]
+    sequences = [(p + r.token_ids, len(r.token_ids)) for p, r in zip(small_prompts, results)]
     difference, lead = greedy_margins(one, two, sequences)
     assert 0 < difference < 1e-4  # sharding only reorders float32 sums
     assert lead > 2 * difference  # so the greedy choice is the same on both, at every position
 
 
-def test_chunked_prefill_is_token_identical(engines, prompts):
-    run_both(engines, prompts, [24, 16, 20, 12, 28], max_num_batched_tokens=16)
+def test_chunked_prefill_is_token_identical(engines, small_prompts):
+    run_both(engines, small_prompts, [24, 16, 20, 12, 28], max_num_batched_tokens=16)
 
 
-def test_shared_prefix_is_token_identical_and_hits_the_cache(engines, prompts, sentencepiece_tokenizer):
-    prefix = prompts[2][:64]
+def test_shared_prefix_is_token_identical_and_hits_the_cache(engines, small_prompts, sentencepiece_tokenizer):
+    prefix = small_prompts[2][:64]
     shared = [prefix + sentencepiece_tokenizer.encode(f" Question {i}: what next?") for i in range(4)]
     _, two, results = run_both(engines, shared, [12, 16, 8, 20])
     assert max(r.num_cached_tokens for r in results) >= 48
 
 
-def test_preemption_under_a_tiny_kv_cache_is_token_identical(engines, prompts):
+def test_preemption_under_a_tiny_kv_cache_is_token_identical(engines, small_prompts):
     # 16 blocks of 16 = 256 slots for 270 prompt tokens and 168 generated: the scheduler must preempt
-    _, two, _ = run_both(engines, prompts[::-1], [40, 24, 40, 24, 40], num_kv_blocks=16)
+    _, two, _ = run_both(engines, small_prompts[::-1], [40, 24, 40, 24, 40], num_kv_blocks=16)
     assert two.stats().num_preemptions > 0
 
 
-def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path, sentencepiece_tokenizer, prompts, new_workers):
+def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path, sentencepiece_tokenizer, small_prompts, new_workers):
     path = write_small_llama(tmp_path, sentencepiece_tokenizer, num_kv_heads=1, tie_word_embeddings=True)
     params = SamplingParams(max_tokens=16, **GREEDY)
     results = []
     for tp in (1, 2):
         engine = LLMEngine(model=path, dtype="float32", tensor_parallel_size=tp)
-        results.append([c.token_ids for c in engine.generate(prompts, params, use_tqdm=False)])
+        results.append([c.token_ids for c in engine.generate(small_prompts, params, use_tqdm=False)])
         engine.close()
     assert results[0] == results[1]
+    assert not new_workers()
+
+
+def test_the_bundled_model_on_3_ranks_is_token_identical_and_still_answers_paris(engine, prompts, new_workers):
+    """Real weights: SmolLM2's 9 heads and 3 KV heads split 3 ways (1 KV head per rank)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    three = LLMEngine(dtype="float32", tensor_parallel_size=3)
+    try:
+        results = three.generate(prompts[:4], params, use_tqdm=False)
+        assert [r.token_ids for r in results] == [r.token_ids for r in engine.generate(prompts[:4], params, use_tqdm=False)]
+        assert results[0].text == "The capital of France is Paris."
+        difference, lead = greedy_margins(engine, three, [(p + r.token_ids, len(r.token_ids)) for p, r in zip(prompts, results)])
+        assert lead > 2 * difference
+    finally:
+        three.close()
     assert not new_workers()
 
 
@@ -153,24 +168,24 @@ def finals(outputs: queue.Queue, count: int, timeout: float = 60) -> dict[str, o
     return done
 
 
-def test_a_killed_worker_fails_its_requests_by_name_and_the_workers_restart(small_llama, prompts, new_workers):
+def test_a_killed_worker_fails_its_requests_by_name_and_the_workers_restart(small_llama, small_prompts, new_workers):
     engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
-    expected = [c.token_ids for c in engine.generate(prompts[:2], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)]
+    expected = [c.token_ids for c in engine.generate(small_prompts[:2], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)]
     loop = EngineThread(engine)
-    outputs = submit_all(loop, prompts, max_tokens=300)
+    outputs = submit_all(loop, small_prompts, max_tokens=300)
     first = outputs.get(timeout=30)
     assert not first.finished and first.error is None
     victim = engine.workers.processes[0]
     os.kill(victim.pid, signal.SIGKILL)
 
-    failed = finals(outputs, len(prompts))
+    failed = finals(outputs, len(small_prompts))
     assert all(o.finish_reason == "error" for o in failed.values())
     for output in failed.values():
         assert f"tensor-parallel worker rank 1 (pid {victim.pid}) died: killed by SIGKILL (exit code -9)" in output.error
         assert "retrying it may succeed" in output.error
 
     # served once the workers are restarted (the engine thread does that right after failing the requests)
-    served = [list(loop.stream(f"after{i}", p, SamplingParams(max_tokens=8, **GREEDY))) for i, p in enumerate(prompts[:2])]
+    served = [list(loop.stream(f"after{i}", p, SamplingParams(max_tokens=8, **GREEDY))) for i, p in enumerate(small_prompts[:2])]
     assert [[t for o in outputs for t in o.new_token_ids] for outputs in served] == expected
     assert engine.num_recoveries == 1
     (worker,) = new_workers()
@@ -179,11 +194,11 @@ def test_a_killed_worker_fails_its_requests_by_name_and_the_workers_restart(smal
     assert not new_workers()
 
 
-def test_when_the_restart_fails_too_new_requests_are_refused_clearly(small_llama, prompts, tmp_path, new_workers):
+def test_when_the_restart_fails_too_new_requests_are_refused_clearly(small_llama, small_prompts, tmp_path, new_workers):
     engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
     engine.workers.spec.model_path = str(tmp_path / "gone")  # new workers will fail to load
     loop = EngineThread(engine)
-    outputs = submit_all(loop, prompts[:2], max_tokens=300)
+    outputs = submit_all(loop, small_prompts[:2], max_tokens=300)
     outputs.get(timeout=30)
     os.kill(engine.workers.processes[0].pid, signal.SIGKILL)
     failed = finals(outputs, 2)
@@ -192,30 +207,30 @@ def test_when_the_restart_fails_too_new_requests_are_refused_clearly(small_llama
     while loop.error is None and time.monotonic() < deadline:
         time.sleep(0.05)
     with pytest.raises(EngineDeadError, match=r"engine failed earlier .*tensor-parallel worker rank 1 .*died: exit code 1"):
-        loop.submit("late", prompts[0], SamplingParams(max_tokens=4), lambda output: None)
+        loop.submit("late", small_prompts[0], SamplingParams(max_tokens=4), lambda output: None)
     loop.shutdown()
     assert not new_workers()
 
 
-def test_shutdown_with_requests_in_flight_leaves_no_worker(small_llama, prompts, new_workers):
+def test_shutdown_with_requests_in_flight_leaves_no_worker(small_llama, small_prompts, new_workers):
     engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
     assert len(new_workers()) == 1
     loop = EngineThread(engine)
-    outputs = submit_all(loop, prompts, max_tokens=300)
+    outputs = submit_all(loop, small_prompts, max_tokens=300)
     outputs.get(timeout=30)
     loop.shutdown()
-    assert len(finals(outputs, len(prompts), timeout=5)) == len(prompts)
+    assert len(finals(outputs, len(small_prompts), timeout=5)) == len(small_prompts)
     assert not new_workers()
 
 
-def test_cancelled_requests_then_shutdown_leave_no_worker(small_llama, prompts, new_workers):
+def test_cancelled_requests_then_shutdown_leave_no_worker(small_llama, small_prompts, new_workers):
     engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
     loop = EngineThread(engine)
-    outputs = submit_all(loop, prompts, max_tokens=300)
+    outputs = submit_all(loop, small_prompts, max_tokens=300)
     outputs.get(timeout=30)
-    for i in range(len(prompts)):
+    for i in range(len(small_prompts)):
         loop.abort(f"r{i}")
-    assert {o.finish_reason for o in finals(outputs, len(prompts)).values()} == {"abort"}
+    assert {o.finish_reason for o in finals(outputs, len(small_prompts)).values()} == {"abort"}
     assert_engine_idle(engine)
     assert len(new_workers()) == 1  # cancelling ends requests, not workers
     loop.shutdown()
