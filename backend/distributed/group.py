@@ -99,11 +99,12 @@ class GroupCollectives:
         _wait(groups.model.allgather([parts], [tensor], options))
         return torch.cat(parts, dim=-1)
 
-    def broadcast(self, tensor: torch.Tensor, control: bool = False, timeout: datetime.timedelta = STEP_TIMEOUT) -> None:
-        """Rank 0's `tensor` into every rank's, over the control group or the model group."""
+    def broadcast(self, tensor: torch.Tensor, control: bool = False, timeout: datetime.timedelta | None = None) -> None:
+        """Rank 0's `tensor` into every rank's, over the control group or the model group
+        (waiting up to `timeout`, default STEP_TIMEOUT)."""
         groups = self._groups()
         options = dist.BroadcastOptions()
-        options.rootRank, options.timeout = 0, timeout
+        options.rootRank, options.timeout = 0, timeout or STEP_TIMEOUT
         _wait((groups.control if control else groups.model).broadcast([tensor], options))
 
     def barrier(self, timeout: datetime.timedelta) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from ..attention import AttentionMetadata
 from ..model_runner import ModelInputs
-from .group import IDLE_TIMEOUT, STEP_TIMEOUT, GroupCollectives
+from .group import IDLE_TIMEOUT, GroupCollectives
 
 HEADER_SIZE = 8
 
@@ -45,7 +45,7 @@ class StepChannel:
         self.device = device
 
     # -- rank 0 ------------------------------------------------------------------
-    def send_command(self, command: Command, arg: int = 0, timeout: datetime.timedelta = STEP_TIMEOUT) -> None:
+    def send_command(self, command: Command, arg: int = 0, timeout: datetime.timedelta | None = None) -> None:
         self._send_header([command, 0, 0, 0, 0, 0, 0, arg], timeout)
 
     def send_step(self, inputs: ModelInputs) -> None:
@@ -54,13 +54,13 @@ class StepChannel:
         self._send_header(
             [Command.STEP, len(inputs.input_ids), num_seqs, max_blocks, len(inputs.logits_indices),
              meta.max_query_len, meta.max_seq_len, 0],
-            STEP_TIMEOUT,
+            None,
         )
         parts = (inputs.input_ids, inputs.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                  meta.query_start_loc, inputs.logits_indices)
         self.collectives.broadcast(torch.cat([p.reshape(-1).to(torch.int64) for p in parts]))
 
-    def _send_header(self, values: list[int], timeout: datetime.timedelta) -> None:
+    def _send_header(self, values: list[int], timeout: datetime.timedelta | None) -> None:
         self.collectives.broadcast(torch.tensor(values, dtype=torch.int64), control=True, timeout=timeout)
 
     # -- workers -----------------------------------------------------------------

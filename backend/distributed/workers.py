@@ -44,7 +44,7 @@ from .step_channel import Command, StepChannel
 logger = logging.getLogger("pagedserve")
 WORKER_MODULE = "pagedserve.backend.distributed.worker"
 SHUTDOWN_WAIT_S = 10.0
-EXIT_REAP_S = 3.0  # a killed process closes its sockets a moment before it can be reaped
+EXIT_REAP_S = 1.0  # a killed process closes its sockets a moment before it can be reaped
 
 
 class TensorParallelError(PagedServeError):
