@@ -99,10 +99,8 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
 def postprocess_texts(inputs: Arrays, tokenizer: Any) -> list[str]:
     """`postprocessing`: each sample's text of released ids after their context ids,
     minus what a stop string trimmed. Stateless: everything needed rides on the inputs."""
-    new_ids = token_ids(inputs, "output_ids")
-    context = token_ids(inputs, "context_ids") if "context_ids" in inputs else []
-    id_lists = _split(new_ids, inputs, "output_lengths")
-    context_lists = _split(context, inputs, "context_lengths") if context else [[] for _ in id_lists]
+    id_lists = split_samples(inputs, "output_ids", "output_lengths")
+    context_lists = split_samples(inputs, "context_ids", "context_lengths") if "context_ids" in inputs else [[] for _ in id_lists]
     trims = token_ids(inputs, "trim_chars") if "trim_chars" in inputs else [0] * len(id_lists)
     if not len(context_lists) == len(trims) == len(id_lists):
         raise InvalidRequestError("trim_chars", f"has {len(trims)} entries for {len(id_lists)} samples")
@@ -114,8 +112,9 @@ def postprocess_texts(inputs: Arrays, tokenizer: Any) -> list[str]:
     return texts
 
 
-def _split(ids: list[int], inputs: Arrays, lengths_name: str) -> list[list[int]]:
-    """Concatenated samples' ids cut at `lengths_name` (one sample when it is absent)."""
+def split_samples(inputs: Arrays, ids_name: str, lengths_name: str) -> list[list[int]]:
+    """The samples' ids of `ids_name` (concatenated), cut at `lengths_name` (one sample when it is absent)."""
+    ids = token_ids(inputs, ids_name)
     if lengths_name not in inputs:
         return [ids]
     lengths = token_ids(inputs, lengths_name)

@@ -1,4 +1,5 @@
-"""The `llm` model: text in, text out, decoupled.
+"""The relay models over `llm_engine`: `llm` (text in, text out, decoupled), and
+`tensorrt_llm_bls` / `tensorrt_llm` (TensorRT-LLM's contract; contracts.py).
 
 Tokenizes in-process, streams the request through `llm_engine` over BLS, and
 turns each engine response into a text delta. It is a python model rather than
@@ -30,13 +31,14 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from .arguments import tokenizer_from_args
+from ..errors import InvalidRequestError
+from .arguments import model_parameters, tokenizer_from_args
 from .cancellation import Watcher, asked_cancelled
+from .contracts import Contract, RelayPlan, TrtllmText, TrtllmTokens, VllmText
 from .finals import ERROR_OUTPUT, Failure, send_final
 from .python_model import log_info
-from .requests import BLS_CALLER, CORE_OUTPUTS, parse_prompt, requested_returns, select_outputs
-from .responses import ENGINE_OUTPUTS, TEXT_LEVEL_INPUTS, text_response
-from .tensors import Arrays, request_inputs, tensor_arrays, to_tensors
+from .requests import BLS_CALLER
+from .tensors import request_inputs, tensor_arrays, to_tensors
 
 logger = logging.getLogger("pagedserve")
 ENGINE_MODEL = "llm_engine"
@@ -51,17 +53,19 @@ class Relay:
 
     request_id: str
     response_sender: Any
-    inputs: Arrays
+    plan: RelayPlan
     parameters: str | None
-    engine_outputs: list[str]
-    """What to request from llm_engine: what the text needs, plus the client's return_* outputs."""
-    with_text: bool
+    client_id: str = ""
+    """The client's own request id (TensorRT-LLM's `stop` names it)."""
     open: bool = True
     """No final response sent to the client yet."""
 
 
 class TextModel:
     """`llm`: one relay thread per request, plus a watcher for client cancellation."""
+
+    contract: Contract = VllmText()
+    """Which client contract this model speaks (subclasses name others)."""
 
     def __init__(self, pb_utils: Any, tokenizer: Any, engine_model: str = ENGINE_MODEL):
         self.pb_utils = pb_utils
@@ -77,7 +81,9 @@ class TextModel:
     @classmethod
     def from_args(cls, pb_utils: Any, args: Mapping[str, str]) -> TextModel:
         faulthandler.enable()  # a fatal error in the stub prints every thread's Python stack to the server log
-        return cls(pb_utils, tokenizer_from_args(args))
+        model = cls(pb_utils, tokenizer_from_args(args))
+        model.contract = model.contract.configured(model_parameters(args))
+        return model
 
     def execute(self, requests: list[Any]) -> None:
         """Tokenize each request and start its relay; an unreadable prompt is answered INVALID_ARG at once."""
@@ -88,30 +94,40 @@ class TextModel:
             except Exception as error:
                 send_final(response_sender, Failure(str(error), "INVALID_ARG").response(self.pb_utils), self.final_flag)
                 continue
+            if relay is None:
+                continue
             with self.lock:
                 self.active[relay.request_id] = relay
             self.relays.submit(self._relay, relay)
         return None
 
-    def _prepare(self, request: Any, response_sender: Any) -> Relay:
-        """The relay of a request: its inputs for llm_engine (our own copies: the relay
-        runs after execute() returns) and the outputs the client asked for."""
+    def _prepare(self, request: Any, response_sender: Any) -> Relay | None:
+        """The relay of a request (None: a control request, answered here): its inputs
+        for llm_engine, our own copies since the relay runs after execute() returns."""
         inputs = request_inputs(request)
-        prompt_ids = parse_prompt(inputs, self.tokenizer)
-        client_outputs = set(request.requested_output_names())
-        extras = select_outputs(client_outputs, requested_returns(inputs), ())
-        forwarded = {name: array for name, array in inputs.items() if name not in TEXT_LEVEL_INPUTS}
-        forwarded["input_ids"] = np.asarray(prompt_ids, dtype=np.int32)
-        forwarded[BLS_CALLER] = np.array([True], dtype=np.bool_)
-        needed = {*CORE_OUTPUTS, ERROR_OUTPUT, *extras}
+        plan = self.contract.plan(inputs, set(request.requested_output_names()), self.tokenizer)
+        client_id = request.request_id() or ""
+        if plan.stops:
+            self._stop(client_id)
+            send_final(response_sender, None, self.final_flag)
+            return None
+        plan.engine_inputs[BLS_CALLER] = np.array([True], dtype=np.bool_)
         return Relay(
             request_id=uuid.uuid4().hex,
             response_sender=response_sender,
-            inputs=forwarded,
+            plan=plan,
             parameters=request.parameters(),
-            engine_outputs=[name for name in ENGINE_OUTPUTS if name in needed],
-            with_text="text_output" in client_outputs,
+            client_id=client_id,
         )
+
+    def _stop(self, client_id: str) -> None:
+        """TensorRT-LLM's `stop` request: end the request in flight with the same request id."""
+        with self.lock:
+            targets = [r.request_id for r in self.active.values() if client_id and r.client_id == client_id]
+        if not targets:
+            raise InvalidRequestError("stop", f"no request with id {client_id!r} is in flight; send the id of the request to stop")
+        for request_id in targets:
+            self._cancel_in_engine(request_id)
 
     def _relay(self, relay: Relay) -> None:
         """Stream llm_engine's responses back as text; the final flag rides on the last one."""
@@ -119,8 +135,8 @@ class TextModel:
         responses, engine_done = None, False
         try:
             engine_request = pb_utils.InferenceRequest(
-                model_name=self.engine_model, inputs=to_tensors(pb_utils, relay.inputs),
-                requested_output_names=relay.engine_outputs, request_id=relay.request_id,
+                model_name=self.engine_model, inputs=to_tensors(pb_utils, relay.plan.engine_inputs),
+                requested_output_names=relay.plan.engine_outputs, request_id=relay.request_id,
                 parameters=json.loads(relay.parameters or "{}"),
             )
             responses = engine_request.exec(decoupled=True)
@@ -128,10 +144,13 @@ class TextModel:
                 reply = self._reply(relay, response)
                 if reply is None:
                     continue
-                message, final = reply
+                messages, final = reply
                 engine_done = engine_done or final
-                if relay.open:
-                    self._deliver(relay, message, final)
+                for index, message in enumerate(messages):
+                    if relay.open:
+                        self._deliver(relay, message, final and index == len(messages) - 1)
+                if final and not messages:
+                    self._close(relay, None)
         except Exception as error:
             logger.exception("the relay of %s failed", relay.request_id)
             self._close(relay, Failure(f"{type(error).__name__}: {error}").response(pb_utils))
@@ -142,20 +161,20 @@ class TextModel:
                 self._drain(responses)
             self._close(relay, Failure("llm_engine ended the stream without a final response").response(pb_utils))
 
-    def _reply(self, relay: Relay, response: Any) -> tuple[Any, bool] | None:
-        """The client's response for an engine response, and whether it is the last;
+    def _reply(self, relay: Relay, response: Any) -> tuple[list[Any], bool] | None:
+        """The client's responses for an engine response, and whether it is the last;
         None for one without outputs (llm_engine's acknowledgement, a flag-only final)."""
         pb_utils = self.pb_utils
         if response.has_error():
-            return Failure(response.error().message()).response(pb_utils), True
+            return [Failure(response.error().message()).response(pb_utils)], True
         tensors = response.output_tensors()
         if not tensors:
             return None
         outputs = tensor_arrays(tensors)
         if ERROR_OUTPUT in outputs:
-            return Failure.from_outputs(outputs).response(pb_utils), True
-        text = text_response(outputs, self.tokenizer, relay.with_text)
-        return pb_utils.InferenceResponse(output_tensors=to_tensors(pb_utils, text)), bool(outputs["finished"][0])
+            return [Failure.from_outputs(outputs).response(pb_utils)], True
+        messages = [pb_utils.InferenceResponse(output_tensors=to_tensors(pb_utils, t)) for t in relay.plan.reply(outputs)]
+        return messages, bool(outputs["finished"][0])
 
     def _deliver(self, relay: Relay, response: Any, final: bool) -> None:
         """Send to the client; when a non-final send fails (the client is gone), end the
@@ -237,3 +256,16 @@ class TextModel:
         if self.drained:  # let go of them while the stub is whole: at its exit they crash it
             time.sleep(max(0.0, self.drained[-1][0] - time.monotonic()))
             self.drained.clear()
+
+
+class TrtllmBlsModel(TextModel):
+    """`tensorrt_llm_bls`: TensorRT-LLM's text-level contract over the same relay."""
+
+    contract: Contract = TrtllmText()
+
+
+class TrtllmEngineModel(TextModel):
+    """`tensorrt_llm`: TensorRT-LLM's token-level contract over the same relay (the
+    ensemble's middle step; our engine stays `llm_engine`, loaded once)."""
+
+    contract: Contract = TrtllmTokens()

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from pagedserve.backend.triton_adapter import text_model
+from pagedserve.backend.triton_adapter import contracts, text_model
 from pagedserve.backend.triton_adapter.engine_model import EngineModel
 from pagedserve.backend.triton_adapter.requests import CORE_OUTPUTS
 from pagedserve.backend.triton_adapter.text_model import TextModel
@@ -172,7 +172,7 @@ def test_an_exception_in_the_relay_ends_the_request_cancels_and_drains(engine, m
     def broken(*args, **kwargs):
         raise ValueError("cannot decode")
 
-    monkeypatch.setattr(text_model, "text_response", broken)
+    monkeypatch.setattr(contracts, "text_response", broken)
     request = Request({"text_input": "x", "stream": True})
     model.execute([request])
     request_id = engine.request_id()

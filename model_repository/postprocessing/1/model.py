@@ -1,4 +1,4 @@
-"""Triton model `postprocessing`: released ids (+ their context ids) -> exact text delta.
+"""Triton model `postprocessing`: TensorRT-LLM's last ensemble step (TOKENS_BATCH -> OUTPUT), exact text.
 
 The logic lives in pagedserve.backend.triton_adapter.stateless.
 """

@@ -1,4 +1,4 @@
-"""Triton model `preprocessing`: text (or chat messages) -> input_ids.
+"""Triton model `preprocessing`: TensorRT-LLM's first ensemble step (QUERY -> INPUT_ID ...).
 
 The logic lives in pagedserve.backend.triton_adapter.stateless.
 """

@@ -1,0 +1,153 @@
+"""The client contracts a relay over `llm_engine` speaks: what it sends the engine for
+a client's request, and which responses the client gets for each engine response.
+
+- VllmText (`llm`): Triton's vLLM backend's tensors, text in and out.
+- TrtllmText (`tensorrt_llm_bls`): TensorRT-LLM's text-level tensors.
+- TrtllmTokens (`tensorrt_llm`): TensorRT-LLM's token-level tensors, the middle step
+  of the `ensemble`; it also sends the context ids `postprocessing` needs for exact text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
+
+import numpy as np
+
+from ..errors import InvalidRequestError
+from ..tokenizer import encode_prompt
+from ..values import to_bool
+from .finals import ERROR_OUTPUT
+from .requests import CORE_OUTPUTS, parse_prompt, requested_returns, select_outputs
+from .responses import ENGINE_OUTPUTS, TEXT_LEVEL_INPUTS, postprocess_texts, split_samples, text_response
+from .tensors import Arrays, flag, scalar, token_ids
+from .trtllm import (
+    TEXT_NAMES,
+    TOKEN_NAMES,
+    engine_inputs,
+    keep,
+    parse_trtllm_request,
+    prompt_token_ids,
+    sample_outputs,
+    samples_to_send,
+    single_request,
+    stop_words_of,
+)
+
+Reply = Callable[[Arrays], list[dict[str, np.ndarray]]]
+
+
+@dataclass
+class RelayPlan:
+    """How one client request travels: llm_engine's inputs and outputs, and `reply`,
+    which turns an llm_engine response into the client's responses (maybe several, or none)."""
+
+    engine_inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    engine_outputs: list[str] = field(default_factory=list)
+    reply: Reply = lambda outputs: []
+    stops: bool = False
+    """A TensorRT-LLM `stop` request: end the client's request of the same id; nothing to relay."""
+
+
+class Contract(Protocol):
+    def plan(self, inputs: Arrays, requested: set[str], tokenizer: Any) -> RelayPlan: ...
+
+    def configured(self, parameters: Mapping[str, str]) -> Contract: ...
+
+
+@dataclass(frozen=True)
+class VllmText:
+    """`llm`: tokenizes (or renders the chat), forwards the rest to llm_engine unchanged."""
+
+    def configured(self, parameters: Mapping[str, str]) -> VllmText:
+        return self
+
+    def plan(self, inputs: Arrays, requested: set[str], tokenizer: Any) -> RelayPlan:
+        prompt_ids = parse_prompt(inputs, tokenizer)
+        extras = select_outputs(requested, requested_returns(inputs), ())
+        forwarded = {name: array for name, array in inputs.items() if name not in TEXT_LEVEL_INPUTS}
+        forwarded["input_ids"] = np.asarray(prompt_ids, dtype=np.int32)
+        needed = {*CORE_OUTPUTS, ERROR_OUTPUT, *extras}
+        with_text = "text_output" in requested
+        return RelayPlan(
+            engine_inputs=forwarded,
+            engine_outputs=[name for name in ENGINE_OUTPUTS if name in needed],
+            reply=lambda outputs: [text_response(outputs, tokenizer, with_text)],
+        )
+
+
+TRTLLM_ENGINE_OUTPUTS = [*CORE_OUTPUTS, "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens", ERROR_OUTPUT]
+
+
+@dataclass(frozen=True)
+class TrtllmText:
+    """`tensorrt_llm_bls`: TensorRT-LLM's text in and out, tokenized here (one hop to
+    the engine, and the client's cancellation reaches it)."""
+
+    exclude_input_default: bool = True
+
+    def configured(self, parameters: Mapping[str, str]) -> TrtllmText:
+        return dataclasses.replace(self, exclude_input_default=_exclude_default(parameters))
+
+    def plan(self, inputs: Arrays, requested: set[str], tokenizer: Any) -> RelayPlan:
+        single_request(inputs, "text_input")
+        text = scalar(inputs, "text_input")
+        if not text:
+            raise InvalidRequestError("text_input", "is required and must not be empty")
+        stop, bad = stop_words_of(inputs, tokenizer, token_level=False)
+        request = parse_trtllm_request(inputs, TEXT_NAMES, stop, bad, self.exclude_input_default)
+
+        def reply(outputs: Arrays) -> list[dict[str, np.ndarray]]:
+            ids = split_samples(outputs, "output_ids", "output_lengths")
+            texts = postprocess_texts(outputs, tokenizer)
+            responses = []
+            for i in samples_to_send(ids, request.stream, bool(outputs["finished"][0])):
+                tensors = {"text_output": np.array([[texts[i]]], dtype=np.object_), **sample_outputs(outputs, i, ids[i])}
+                responses.append(keep(tensors, requested))
+            return responses
+
+        return RelayPlan(engine_inputs(request, encode_prompt(tokenizer, text)), TRTLLM_ENGINE_OUTPUTS, reply)
+
+
+@dataclass(frozen=True)
+class TrtllmTokens:
+    """`tensorrt_llm`: TensorRT-LLM's token-level tensors (output_ids [batch, beam, len])."""
+
+    exclude_input_default: bool = True
+
+    def configured(self, parameters: Mapping[str, str]) -> TrtllmTokens:
+        return dataclasses.replace(self, exclude_input_default=_exclude_default(parameters))
+
+    def plan(self, inputs: Arrays, requested: set[str], tokenizer: Any) -> RelayPlan:
+        if flag(inputs, "stop"):
+            return RelayPlan(stops=True)
+        prompt = prompt_token_ids(inputs)
+        stop, bad = stop_words_of(inputs, tokenizer, token_level=True)
+        request = parse_trtllm_request(inputs, TOKEN_NAMES, stop, bad, self.exclude_input_default)
+
+        def reply(outputs: Arrays) -> list[dict[str, np.ndarray]]:
+            ids = split_samples(outputs, "output_ids", "output_lengths")
+            context = split_samples(outputs, "context_ids", "context_lengths")
+            trims = token_ids(outputs, "trim_chars")
+            skip = flag(outputs, "skip_special_tokens", default=True)
+            responses = []
+            for i in samples_to_send(ids, request.stream, bool(outputs["finished"][0])):
+                tensors = {
+                    "output_ids": np.asarray(ids[i], dtype=np.int32).reshape(1, 1, -1),
+                    "sequence_length": np.array([[len(ids[i])]], dtype=np.int32),
+                    **sample_outputs(outputs, i, ids[i]),
+                    "context_ids": np.asarray(context[i], dtype=np.int32).reshape(1, 1, -1),
+                    "context_length": np.array([[len(context[i])]], dtype=np.int32),
+                    "trim_chars": np.array([[trims[i]]], dtype=np.int32),
+                    "skip_special_tokens": np.array([[skip]], dtype=np.bool_),
+                }
+                responses.append(keep(tensors, requested))
+            return responses
+
+        return RelayPlan(engine_inputs(request, prompt), TRTLLM_ENGINE_OUTPUTS, reply)
+
+
+def _exclude_default(parameters: Mapping[str, str]) -> bool:
+    """The model parameter `exclude_input_in_output` (TensorRT-LLM's), default true."""
+    return to_bool(parameters.get("exclude_input_in_output", "true") or "true")
