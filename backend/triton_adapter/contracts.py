@@ -103,7 +103,8 @@ class TrtllmText:
             texts = postprocess_texts(outputs, tokenizer)
             responses = []
             for i in samples_to_send(ids, request.stream, bool(outputs["finished"][0])):
-                tensors = {"text_output": np.array([[texts[i]]], dtype=np.object_), **sample_outputs(outputs, i, ids[i])}
+                # 1-D, one entry per beam, as TensorRT-LLM sends it (its clients read text_output[0])
+                tensors = {"text_output": np.array([texts[i]], dtype=np.object_), **sample_outputs(outputs, i, ids[i])}
                 responses.append(keep(tensors, requested))
             return responses
 

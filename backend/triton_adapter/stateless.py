@@ -101,7 +101,7 @@ class PreprocessingModel(TokenizerModel):
 
 class PostprocessingModel(TokenizerModel):
     """TensorRT-LLM's `postprocessing`: TOKENS_BATCH [batch, beam, len] cut at
-    SEQUENCE_LENGTH -> OUTPUT text [batch, beam]. With our optional CONTEXT_IDS /
+    SEQUENCE_LENGTH -> OUTPUT text, one entry per batch x beam. With our optional CONTEXT_IDS /
     CONTEXT_LENGTH / TRIM_CHARS (sent by `tensorrt_llm`), a streamed delta's text is
     exact: it is decoded after the ids before it, minus what a stop string trimmed."""
 
@@ -132,7 +132,8 @@ class PostprocessingModel(TokenizerModel):
                 row["context_ids"] = np.concatenate([context[b, k, : context_lengths[b, k]] for k in range(context.shape[1])])
                 row["context_lengths"] = context_lengths[b]
             texts.append(postprocess_texts(row, self.tokenizer))
-        return {"OUTPUT": np.array(texts, dtype=np.object_)}
+        # 1-D, batch x beam entries, as TensorRT-LLM's (its clients read text_output[0])
+        return {"OUTPUT": np.array([text for row in texts for text in row], dtype=np.object_)}
 
 
 def _rows(array: np.ndarray) -> list[np.ndarray]:

@@ -150,8 +150,11 @@ class ResponseSender:
         return [f for _, f in self.sent]
 
 
-ALL_OUTPUTS = ("text_output", *ENGINE_OUTPUTS)
-"""Every output of `llm` and `llm_engine`: what Triton lists as requested when a client names none."""
+TRTLLM_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "BAD_WORDS_IDS", "STOP_WORDS_IDS", "REQUEST_OUTPUT_LEN", "OUT_END_ID",
+                  "OUT_PAD_ID", "OUTPUT", "output_ids", "sequence_length", "cum_log_probs", "output_log_probs",
+                  "batch_index", "sequence_index", "context_ids", "context_length", "trim_chars")
+ALL_OUTPUTS = ("text_output", *ENGINE_OUTPUTS, *TRTLLM_OUTPUTS)
+"""Every output of our models: what Triton lists as requested when a client names none."""
 
 
 class Request:
@@ -183,14 +186,16 @@ def as_array(value: Any) -> np.ndarray:
     """Client-side encoding: str/bytes -> BYTES, bool -> BOOL, int -> INT32, float -> FP32."""
     if isinstance(value, np.ndarray):
         return value
-    values = value if isinstance(value, list) else [value]
-    if values and isinstance(values[0], (str, bytes)):
-        return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
-    if values and isinstance(values[0], bool):
-        return np.array(values, dtype=np.bool_)
-    if values and isinstance(values[0], float):
-        return np.array(values, dtype=np.float32)
-    return np.array(values, dtype=np.int32)
+    array = np.array(value if isinstance(value, list) else [value], dtype=np.object_)  # nested lists: [batch, ...]
+    flat = array.reshape(-1)
+    first = flat[0] if flat.size else None
+    if isinstance(first, (str, bytes)):
+        return np.array([v.encode() if isinstance(v, str) else v for v in flat], dtype=np.object_).reshape(array.shape)
+    if isinstance(first, bool):
+        return array.astype(np.bool_)
+    if isinstance(first, float):
+        return array.astype(np.float32)
+    return array.astype(np.int32)
 
 
 class Logger:
@@ -278,6 +283,8 @@ class CharTokenizer:
     """One token per character (its code point): deltas are easy to read in asserts."""
 
     chat_template = None
+    eos_token_id = 3
+    pad_token_id = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]

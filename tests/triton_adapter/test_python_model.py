@@ -42,8 +42,8 @@ def test_each_model_gets_its_own_adapter_instance(monkeypatch):
     first.initialize({})
     second.initialize({})
     assert first.model is not second.model
-    (response,) = first.execute([Request({"text_input": "hi"})])
-    assert response.outputs()["input_ids"].tolist() == [104, 105]
+    (response,) = first.execute([Request({"QUERY": [["hi"]]})])
+    assert response.outputs()["INPUT_ID"].tolist() == [[104, 105]]
 
 
 def test_the_engines_log_lines_reach_the_servers_log():
