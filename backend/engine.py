@@ -29,7 +29,7 @@ from .model_loader import load_model
 from .model_runner import ModelRunner
 from .models.parallel import SINGLE_RANK
 from .output_renderer import OutputRenderer
-from .outputs import Completion, EngineStats, RequestOutput
+from .outputs import Completion, EngineStats, RequestOutput, StepCounts
 from .quantization import quantize_model
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -86,6 +86,7 @@ class LLMEngine:
         self.groups = SampleGroups()
         """Requests with n > 1."""
         self.num_recoveries = 0
+        self.last_step = StepCounts()
         self._ids = itertools.count()
         logger.info(
             "engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
@@ -215,6 +216,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        self.last_step = StepCounts.of(batch, self.last_step.iteration + 1)
         logits, sampling_seqs = self.runner.execute(batch)
         sampled = self.sampler(logits, sampling_seqs) if sampling_seqs else None
         advanced = self.scheduler.update_from_output(batch, sampling_seqs, sampled)
@@ -256,6 +258,8 @@ class LLMEngine:
             num_recoveries=self.num_recoveries,
             prefix_query_tokens=kv.prefix_query_tokens,
             prefix_hit_tokens=kv.prefix_hit_tokens,
+            block_size=kv.block_size,
+            last_step=self.last_step,
         )
 
     def prompt_logprobs(self, token_ids: Seq[int]) -> list[float]:

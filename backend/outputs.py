@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .sequence import TokenLogprob
 
@@ -77,6 +78,24 @@ class Completion:
 
 
 @dataclass
+class StepCounts:
+    """What the latest engine step ran (TensorRT-LLM's in-flight batcher metrics read it)."""
+
+    iteration: int = 0
+    context_requests: int = 0
+    """Requests computing prompt tokens (a prefill chunk)."""
+    context_tokens: int = 0
+    generation_requests: int = 0
+    """Requests decoding one token."""
+
+    @classmethod
+    def of(cls, batch: Any, iteration: int) -> StepCounts:
+        """The counts of a ScheduledBatch, taken before it runs."""
+        context = [n for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens < seq.num_prompt_tokens]
+        return cls(iteration, len(context), sum(context), len(batch.seqs) - len(context))
+
+
+@dataclass
 class EngineStats:
     """The engine's queues, KV cache and running totals at one moment (LLMEngine.stats())."""
 
@@ -96,3 +115,5 @@ class EngineStats:
     """Prompt tokens looked up in the prefix cache (forks of n > 1 included)."""
     prefix_hit_tokens: int = 0
     """Of those, tokens whose KV blocks were reused."""
+    block_size: int = 16
+    last_step: StepCounts = field(default_factory=StepCounts)

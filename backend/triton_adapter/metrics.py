@@ -1,16 +1,19 @@
 """`llm_engine`'s Prometheus metrics on Triton's metrics port.
 
-Two groups:
+Three groups:
 - vLLM's families (`vllm:` counters and histograms) with the names, buckets and
   per-request meaning of Triton's vLLM backend, so its dashboards work unchanged.
   Like there, they are off unless the model parameter `REPORT_CUSTOM_METRICS` is
   true.
 - pagedserve's gauges of the KV cache, the queues and engine recoveries, always
   on (an autoscaler and our own tests read them).
+- TensorRT-LLM backend's `nv_trt_llm_*` gauge families (request, KV cache block,
+  in-flight batcher, general) with its label sets, always on.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -61,6 +64,51 @@ class _Families:
             return family.Metric(labels=self.labels, buckets=buckets)
         return family.Metric(labels=self.labels)
 
+    def labelled(self, name: str, description: str, label: str, values: tuple[str, ...], labels: Mapping[str, str]) -> dict[str, Any]:
+        """One gauge family with a series per value of `label` (TensorRT-LLM's layout)."""
+        family = self.pb_utils.MetricFamily(name=name, description=description, kind=self.pb_utils.MetricFamily.GAUGE)
+        self.families.append(family)
+        return {value: family.Metric(labels={**labels, label: value}) for value in values}
+
+
+class TrtllmMetrics:
+    """TensorRT-LLM backend's gauge families and label sets, so its Grafana dashboards
+    work unchanged. Labelled model="tensorrt_llm" (the model name those dashboards
+    filter on, and our model of that name relays to this engine)."""
+
+    FAMILIES = {
+        "request": ("nv_trt_llm_request_metrics", "TRT LLM request metrics", "request_type",
+                    ("active", "max", "scheduled", "context", "waiting")),
+        "kv": ("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics", "kv_cache_block_type",
+               ("max", "free", "used", "tokens_per", "reused", "fraction")),
+        "batcher": ("nv_trt_llm_inflight_batcher_metrics", "TRT LLM inflight_batcher-specific metrics",
+                    "inflight_batcher_specific_metric", ("total_context_tokens", "generation_requests", "micro_batch_id",
+                                                         "paused_requests")),
+        "general": ("nv_trt_llm_general_metrics", "General TRT LLM metrics", "general_type", ("timestamp", "iteration_counter")),
+    }
+
+    def __init__(self, families: _Families, version: str, max_num_seqs: int):
+        labels = {"model": "tensorrt_llm", "version": version}
+        self.series = {key: families.labelled(*spec, labels=labels) for key, spec in self.FAMILIES.items()}
+        self.max_num_seqs = max_num_seqs
+
+    def refresh(self, stats: EngineStats, now_s: float) -> None:
+        step = stats.last_step
+        values = {
+            "request": {"active": stats.num_running + stats.num_waiting, "max": self.max_num_seqs,
+                        "scheduled": step.context_requests + step.generation_requests,
+                        "context": step.context_requests, "waiting": stats.num_waiting},
+            "kv": {"max": stats.kv_blocks_total, "free": stats.kv_blocks_free, "used": stats.kv_blocks_used,
+                   "tokens_per": stats.block_size, "reused": stats.prefix_hit_tokens // max(stats.block_size, 1),
+                   "fraction": stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0},
+            "batcher": {"total_context_tokens": step.context_tokens, "generation_requests": step.generation_requests,
+                        "micro_batch_id": 0, "paused_requests": 0},
+            "general": {"timestamp": int(now_s * 1e6), "iteration_counter": step.iteration},
+        }
+        for key, series in self.series.items():
+            for value, metric in series.items():
+                metric.set(values[key][value])
+
 
 class VllmMetrics:
     """Triton's vLLM backend's families: token counters, and per-request histograms
@@ -107,10 +155,13 @@ class VllmMetrics:
 class EngineMetrics:
     """pagedserve's gauges (always), vLLM's families (`vllm` set: REPORT_CUSTOM_METRICS)."""
 
-    def __init__(self, pb_utils: Any, labels: Mapping[str, str], vllm: bool = True, max_model_len: int = 2048):
+    def __init__(
+        self, pb_utils: Any, labels: Mapping[str, str], vllm: bool = True, max_model_len: int = 2048, max_num_seqs: int = 64
+    ):
         self._families = _Families(pb_utils, labels)
         metric = self._families.metric
         self.vllm = VllmMetrics(self._families, max_model_len) if vllm else None
+        self.trtllm = TrtllmMetrics(self._families, str(labels.get("version", "1")), max_num_seqs)
         self.running = metric("pagedserve:num_requests_running", "Requests running", "GAUGE")
         self.waiting = metric("pagedserve:num_requests_waiting", "Requests waiting", "GAUGE")
         self.usage = metric("pagedserve:kv_cache_usage_perc", "KV cache usage (0-1; CPU or GPU)", "GAUGE")
@@ -157,6 +208,7 @@ class EngineMetrics:
         self.blocks_total.set(stats.kv_blocks_total)
         self.hit_rate.set(stats.prefix_hit_rate)
         self.max_running.set(stats.peak_num_running)
+        self.trtllm.refresh(stats, time.time())
         for name, counter in self._counters.items():
             total = getattr(stats, name)
             if total > self._seen[name]:

@@ -229,21 +229,23 @@ def stop_words_of(inputs: Arrays, tokenizer: Any, token_level: bool) -> tuple[li
 
 def sample_outputs(engine_outputs: Arrays, index: int, new_ids: list[int]) -> dict[str, np.ndarray]:
     """TensorRT-LLM's per-sequence outputs of sample `index` of an llm_engine response,
-    each with its batch dimension (batch 1, beam 1)."""
+    each with its batch dimension (batch 1, beam 1). Log probs cover generated tokens
+    only (zeros when not asked for), also when the prompt rides along in `new_ids`."""
     cumulative = engine_outputs.get("cumulative_logprob")
     logprobs = engine_outputs.get("logprobs")
-    per_token = _sampled_logprobs(logprobs.reshape(-1)[index]) if logprobs is not None else []
-    if len(per_token) != len(new_ids):
-        per_token = [0.0] * len(new_ids)  # not asked for (or the prompt rides along): zeros, as there
     counts = engine_outputs.get("num_output_tokens")
+    generated = int(counts.reshape(-1)[index]) if counts is not None else len(new_ids)
+    per_token = _sampled_logprobs(logprobs.reshape(-1)[index]) if logprobs is not None else []
+    if len(per_token) != generated:
+        per_token = [0.0] * generated
+    prompt_tokens = int(engine_outputs["num_input_tokens"].reshape(-1)[0]) if "num_input_tokens" in engine_outputs else 0
     return {
         "cum_log_probs": np.array([[float(cumulative.reshape(-1)[index]) if cumulative is not None else 0.0]], dtype=np.float32),
-        "output_log_probs": np.array([[per_token]], dtype=np.float32).reshape(1, 1, -1),
+        "output_log_probs": np.array(per_token, dtype=np.float32).reshape(1, 1, -1),
         "batch_index": np.array([[0]], dtype=np.int32),
         "sequence_index": np.array([[index]], dtype=np.int32),
-        "num_input_tokens": np.array([[int(engine_outputs["num_input_tokens"].reshape(-1)[0])]], dtype=np.int32)
-        if "num_input_tokens" in engine_outputs else np.array([[0]], dtype=np.int32),
-        "num_output_tokens": np.array([[int(counts.reshape(-1)[index]) if counts is not None else len(new_ids)]], dtype=np.int32),
+        "num_input_tokens": np.array([[prompt_tokens]], dtype=np.int32),
+        "num_output_tokens": np.array([[generated]], dtype=np.int32),
     }
 
 

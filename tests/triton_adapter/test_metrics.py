@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from pagedserve.backend.outputs import EngineStats
+from pagedserve.backend.outputs import EngineStats, StepCounts
 from pagedserve.backend.outputs import RequestOutput
 from pagedserve.backend.triton_adapter.metrics import (
     E2E_BUCKETS,
@@ -39,7 +39,8 @@ def test_names_kinds_buckets_and_labels(metrics):
     assert {n for n, f in families.items() if f.kind == MetricFamily.GAUGE} == {
         "pagedserve:num_requests_running", "pagedserve:num_requests_waiting", "pagedserve:kv_cache_usage_perc",
         "pagedserve:kv_blocks_used", "pagedserve:kv_blocks_free", "pagedserve:kv_blocks_total",
-        "pagedserve:prefix_cache_hit_rate", "pagedserve:num_requests_running_max"}
+        "pagedserve:prefix_cache_hit_rate", "pagedserve:num_requests_running_max", "nv_trt_llm_request_metrics",
+        "nv_trt_llm_kv_cache_block_metrics", "nv_trt_llm_inflight_batcher_metrics", "nv_trt_llm_general_metrics"}
     vllm = metrics.vllm
     assert {n for n, f in families.items() if f.kind == MetricFamily.HISTOGRAM} == {
         "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
@@ -104,3 +105,18 @@ def test_refresh_sets_gauges_and_counts_new_preemptions_and_recoveries_once(metr
     assert (metrics.running.total, metrics.waiting.total, metrics.usage.total) == (2, 1, 0.25)
     assert (metrics.blocks_used.total, metrics.blocks_free.total, metrics.blocks_total.total) == (16, 48, 64)
     assert (metrics.hit_rate.total, metrics.max_running.total) == (0.5, 5)
+
+
+def test_tensorrt_llm_families_carry_its_labels_and_the_engines_state():
+    metrics = EngineMetrics(FakePbUtils(), LABELS, vllm=False, max_num_seqs=64)
+    stats = EngineStats(num_running=3, num_waiting=2, peak_num_running=3, kv_blocks_total=100, kv_blocks_used=25,
+                        kv_blocks_free=75, kv_usage=0.25, prefix_hit_rate=0.0, num_preemptions=0, prompt_tokens=0,
+                        generation_tokens=0, prefix_hit_tokens=64, block_size=16,
+                        last_step=StepCounts(iteration=9, context_requests=1, context_tokens=40, generation_requests=2))
+    metrics.refresh(stats)
+    series = metrics.trtllm.series
+    assert {k: m.total for k, m in series["request"].items()} == {"active": 5, "max": 64, "scheduled": 3, "context": 1, "waiting": 2}
+    assert {k: m.total for k, m in series["kv"].items()} == {
+        "max": 100, "free": 75, "used": 25, "tokens_per": 16, "reused": 4, "fraction": 0.25}
+    assert series["batcher"]["total_context_tokens"].total == 40 and series["general"]["iteration_counter"].total == 9
+    assert series["kv"]["used"].labels == {"model": "tensorrt_llm", "version": "1", "kv_cache_block_type": "used"}
