@@ -12,6 +12,7 @@ from pagedserve.client.client import LLMClient
 from pagedserve.client.repository import set_parameters, write_repository
 from pagedserve.client.triton_server import TritonServer
 
+from .test_trtllm_contract import trt_text
 from .conftest import failed_load_log, tensor
 
 PROMPTS = ["The quick brown fox jumps over", "Once upon a time there was"]
@@ -36,15 +37,17 @@ def test_served_text_uses_the_served_models_tokenizer(tmp_path, own_model, sente
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     offline = LLMEngine(model=own_model, dtype="float32").generate(PROMPTS, params, use_tqdm=False)
     repository = write_repository(tmp_path / "repo", model=own_model, engine={"dtype": "float32"})
-    for name in ("llm", "preprocessing", "postprocessing"):  # one place names the model
-        assert "string_value" not in (repository / name / "config.pbtxt").read_text()
+    for name in ("llm", "preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_bls"):  # one place names the model
+        assert 'key: "model"' not in (repository / name / "config.pbtxt").read_text()
     with TritonServer(repository, log_file=tmp_path / "server.log").start(timeout=300) as server:
         client = LLMClient(server.grpc_url)
         served = [client.generate(p, max_tokens=12, temperature=0, ignore_eos=True) for p in PROMPTS]
         assert served == [c.text for c in offline]
         with grpcclient.InferenceServerClient(server.grpc_url) as triton:
-            result = triton.infer("preprocessing", [tensor("text_input", PROMPTS[0])])
-        assert result.as_numpy("input_ids").tolist() == sentencepiece_tokenizer.encode(PROMPTS[0])
+            result = triton.infer("preprocessing", [tensor("QUERY", PROMPTS[0], shape=[1, 1])])
+        assert result.as_numpy("INPUT_ID").tolist() == [sentencepiece_tokenizer.encode(PROMPTS[0])]
+        ensemble = "".join(trt_text(server, "ensemble", PROMPTS[0], 12))  # the ensemble's steps use its tokenizer too
+        assert ensemble == offline[0].text or offline[0].text.startswith(ensemble)
 
 
 def test_a_tokenizer_model_naming_another_model_fails_its_load(tmp_path, own_model):
