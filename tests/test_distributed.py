@@ -172,11 +172,23 @@ def finals(outputs: queue.Queue, count: int, timeout: float = 60) -> dict[str, o
     return done
 
 
-def test_a_killed_worker_fails_its_requests_by_name_and_the_workers_restart(small_llama, small_prompts, new_workers):
-    engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
-    expected = [c.token_ids for c in engine.generate(small_prompts[:2], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)]
-    loop = EngineThread(engine)
-    outputs = submit_all(loop, small_prompts, max_tokens=300)
+@pytest.fixture
+def tp2_loop(small_llama, new_workers):
+    """A tensor_parallel_size 2 engine driven by an EngineThread; shut down after the test
+    (also when it failed), and then none of its workers may remain."""
+    loop = EngineThread(LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2))
+    yield loop
+    loop.shutdown()
+    assert not new_workers()
+
+
+def tokens(outputs) -> list[int]:
+    return [t for output in outputs for t in output.new_token_ids]
+
+
+def test_a_killed_worker_fails_its_requests_by_name_and_the_workers_restart(tp2_loop, engines, small_prompts, new_workers):
+    engine = tp2_loop.engine
+    outputs = submit_all(tp2_loop, small_prompts, max_tokens=300)
     first = outputs.get(timeout=30)
     assert not first.finished and first.error is None
     victim = engine.workers.processes[0]
@@ -189,71 +201,59 @@ def test_a_killed_worker_fails_its_requests_by_name_and_the_workers_restart(smal
         assert "retrying it may succeed" in output.error
 
     # served once the workers are restarted (the engine thread does that right after failing the requests)
-    served = [list(loop.stream(f"after{i}", p, SamplingParams(max_tokens=8, **GREEDY))) for i, p in enumerate(small_prompts[:2])]
-    assert [[t for o in outputs for t in o.new_token_ids] for outputs in served] == expected
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    served = [tokens(tp2_loop.stream(f"after{i}", p, params)) for i, p in enumerate(small_prompts[:2])]
+    assert served == [c.token_ids for c in engines(1).generate(small_prompts[:2], params, use_tqdm=False)]
     assert engine.num_recoveries == 1
     (worker,) = new_workers()
     assert worker.pid != victim.pid and engine.workers.processes[0].pid == worker.pid
-    loop.shutdown()
-    assert not new_workers()
 
 
-def test_when_the_restart_fails_too_new_requests_are_refused_clearly(small_llama, small_prompts, tmp_path, new_workers):
-    engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
-    engine.workers.spec.model_path = str(tmp_path / "gone")  # new workers will fail to load
-    loop = EngineThread(engine)
-    outputs = submit_all(loop, small_prompts[:2], max_tokens=300)
+def test_when_the_restart_fails_too_new_requests_are_refused_clearly(tp2_loop, small_prompts, tmp_path):
+    tp2_loop.engine.workers.spec.model_path = str(tmp_path / "gone")  # new workers will fail to load
+    outputs = submit_all(tp2_loop, small_prompts[:2], max_tokens=300)
     outputs.get(timeout=30)
-    os.kill(engine.workers.processes[0].pid, signal.SIGKILL)
+    os.kill(tp2_loop.engine.workers.processes[0].pid, signal.SIGKILL)
     failed = finals(outputs, 2)
     assert all("rank 1" in o.error and "SIGKILL" in o.error for o in failed.values())
     deadline = time.monotonic() + 30
-    while loop.error is None and time.monotonic() < deadline:
+    while tp2_loop.error is None and time.monotonic() < deadline:
         time.sleep(0.05)
     with pytest.raises(EngineDeadError, match=r"engine failed earlier .*tensor-parallel worker rank 1 .*died: exit code 1"):
-        loop.submit("late", small_prompts[0], SamplingParams(max_tokens=4), lambda output: None)
-    loop.shutdown()
-    assert not new_workers()
+        tp2_loop.submit("late", small_prompts[0], SamplingParams(max_tokens=4), lambda output: None)
 
 
-def test_a_hung_worker_times_out_instead_of_hanging_the_engine(small_llama, small_prompts, new_workers, monkeypatch):
-    engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
-    loop = EngineThread(engine)
-    outputs = submit_all(loop, small_prompts[:2], max_tokens=300)
+def test_a_hung_worker_times_out_instead_of_hanging_the_engine(tp2_loop, small_prompts, monkeypatch):
+    # rank 0's wait per collective, before any step (one already waiting keeps the timeout it began with)
+    monkeypatch.setattr(group, "STEP_TIMEOUT", datetime.timedelta(seconds=3))
+    outputs = submit_all(tp2_loop, small_prompts[:2], max_tokens=300)
     outputs.get(timeout=30)
-    monkeypatch.setattr(group, "STEP_TIMEOUT", datetime.timedelta(seconds=2))  # rank 0's wait per collective
-    hung = engine.workers.processes[0]
+    hung = tp2_loop.engine.workers.processes[0]
     os.kill(hung.pid, signal.SIGSTOP)
     failed = finals(outputs, 2, timeout=30)
     assert all("every worker is still running (one hung?)" in o.error and "Timed out" in o.error for o in failed.values())
-    served = list(loop.stream("after", small_prompts[0], SamplingParams(max_tokens=4, **GREEDY)))
+    served = list(tp2_loop.stream("after", small_prompts[0], SamplingParams(max_tokens=4, **GREEDY)))
     assert served[-1].error is None and hung.poll() == -signal.SIGKILL  # replaced: killed, not left stopped
-    loop.shutdown()
-    assert not new_workers()
 
 
-def test_shutdown_with_requests_in_flight_leaves_no_worker(small_llama, small_prompts, new_workers):
-    engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
+def test_shutdown_with_requests_in_flight_leaves_no_worker(tp2_loop, small_prompts, new_workers):
     assert len(new_workers()) == 1
-    loop = EngineThread(engine)
-    outputs = submit_all(loop, small_prompts, max_tokens=300)
+    outputs = submit_all(tp2_loop, small_prompts, max_tokens=300)
     outputs.get(timeout=30)
-    loop.shutdown()
+    tp2_loop.shutdown()
     assert len(finals(outputs, len(small_prompts), timeout=5)) == len(small_prompts)
     assert not new_workers()
 
 
-def test_cancelled_requests_then_shutdown_leave_no_worker(small_llama, small_prompts, new_workers):
-    engine = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2)
-    loop = EngineThread(engine)
-    outputs = submit_all(loop, small_prompts, max_tokens=300)
+def test_cancelled_requests_then_shutdown_leave_no_worker(tp2_loop, small_prompts, new_workers):
+    outputs = submit_all(tp2_loop, small_prompts, max_tokens=300)
     outputs.get(timeout=30)
     for i in range(len(small_prompts)):
-        loop.abort(f"r{i}")
+        tp2_loop.abort(f"r{i}")
     assert {o.finish_reason for o in finals(outputs, len(small_prompts)).values()} == {"abort"}
-    assert_engine_idle(engine)
+    assert_engine_idle(tp2_loop.engine)
     assert len(new_workers()) == 1  # cancelling ends requests, not workers
-    loop.shutdown()
+    tp2_loop.shutdown()
     assert not new_workers()
 
 
