@@ -1,6 +1,6 @@
 """The one attention interface of the models: write new K/V to the paged cache,
-then attend over it. The kernels (torch reference or Triton) are chosen once per
-engine by kernels/dispatch.py; the model's call site never changes."""
+then attend over it. The kernels (Triton, the CPU attention, or the torch reference)
+are chosen once per engine by kernels/dispatch.py; the model's call site never changes."""
 
 from __future__ import annotations
 
@@ -48,11 +48,13 @@ TORCH_KERNELS = AttentionKernels(*attention_kernels("torch", torch.device("cpu")
 
 
 def select_attention_kernels(name: str, device: torch.device) -> AttentionKernels:
-    """The kernels for the `attention_backend` setting; auto: Triton on CUDA, torch elsewhere."""
+    """The kernels for the `attention_backend` setting; auto: Triton on CUDA, the CPU attention on CPU."""
     try:
         return AttentionKernels(*attention_kernels(name, device))
     except ImportError as error:  # no triton, or one without what the kernels need
         raise ConfigError("attention_backend", f"the Triton attention kernel is not available ({error}); use 'torch'") from None
+    except ValueError as error:  # 'cpu' on a GPU
+        raise ConfigError("attention_backend", f"{error}; use 'auto', 'triton' or 'torch'") from None
 
 
 def attention(

@@ -19,7 +19,7 @@ DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("inflight", "static")
 QUANTIZATIONS = ("none", "fp8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 @dataclass
@@ -59,7 +59,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """KV cache storage: auto (the compute dtype) or fp8 (e4m3 with scales)."""
     attention_backend: str = "auto"
-    """auto (Triton kernel on CUDA, torch elsewhere), torch, or triton."""
+    """auto (Triton kernel on CUDA, the CPU attention on CPU), cpu (kernels/paged_attention_cpu.py; CPU only), torch (the reference, kernels/paged_attention.py: the oracle the others are tested against), or triton."""
     num_threads: int = 0
     """CPU threads for torch; 0 keeps torch's default (all cores)."""
     tensor_parallel_size: int = 1

@@ -1,7 +1,9 @@
 """The one place that chooses between the Triton kernels and their torch references.
 
 Callers get plain functions: the engine's attention layer asks `attention_kernels`
-once, the quantized linears call `int4_linear` / `fp8_linear` per step. Triton
+once, the quantized linears call `int4_linear` / `fp8_linear` per step. Attention has
+a third implementation beside the Triton kernel and the reference: the CPU attention
+(kernels/paged_attention_cpu.py), what `auto` runs on CPU. Triton
 modules are imported only inside the Triton branch, so the torch path never needs
 triton installed; a missing triton surfaces as ImportError from the Triton branch.
 PAGEDSERVE_FORCE_TRITON=1 sends CPU tensors of the linears to the Triton kernels
@@ -20,6 +22,7 @@ from .cache_write import write_kv_cache_ref
 from .fp8 import Fp8Weight, fp8_matmul_ref
 from .int4 import Int4Weight, w4a16_matmul_ref
 from .paged_attention import paged_attention_ref
+from .paged_attention_cpu import paged_attention_cpu
 
 FORCE_ENV = "PAGEDSERVE_FORCE_TRITON"
 
@@ -35,8 +38,13 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 def attention_kernels(name: str, device: torch.device) -> tuple[WriteCacheFn, AttendFn]:
     """(write_cache, attend) for an `attention_backend` setting: "torch" the references,
-    "auto" the Triton kernels on CUDA and the references elsewhere, anything else the
-    Triton kernels (ImportError when triton or what they need is missing)."""
+    "cpu" the CPU attention with the reference cache write (ValueError off CPU), "auto"
+    the Triton kernels on CUDA and the CPU attention on CPU, anything else the Triton
+    kernels (ImportError when triton or what they need is missing)."""
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        if device.type != "cpu":
+            raise ValueError(f"the CPU attention runs on CPU tensors only, not {device.type}")
+        return write_kv_cache_ref, paged_attention_cpu
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return write_kv_cache_ref, paged_attention_ref
     from .cache_write_triton import write_kv_cache_triton

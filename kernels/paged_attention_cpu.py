@@ -1,0 +1,286 @@
+"""Paged attention for CPU: the Triton kernel's work split, in torch ops that are fast on CPU.
+
+Same signature and layout as `paged_attention_ref` (kernels/paged_attention.py), which
+stays the test oracle and the `attention_backend: torch` choice; `auto` picks this one
+on CPU (kernels/dispatch.py).
+
+Where the reference loses time on CPU, and what this module does instead:
+- Prefill chunks: the reference hands SDPA 3-D tensors, which torch's CPU dispatcher
+  sends to the math kernel (scores materialised; 3-6x slower than the flash kernel it
+  picks for 4-D inputs). Here: one 4-D flash SDPA per sequence with enable_gqa;
+  `is_causal` when the chunk has no cached prefix, else an additive lower-right causal
+  mask built once per step.
+- Decodes (query_len 1): the reference pads every decode to the batch's longest context
+  and gathers K and V at that size. Here: split-KV (flash-decoding) over chunks of
+  CHUNK_KEYS keys when the contexts are ragged enough to make padding cost more than
+  the merge (`choose_chunk_keys`). Every chunk of every decode is one batch row of a
+  single flash call (GQA folded into query rows, as in the Triton kernel's tiles), its
+  K/V rows gathered by slot from the sequence's own blocks only (no padding past a chunk,
+  never a read of a slot beyond the sequence's end); the chunks' partial outputs are
+  merged with their log-sum-exp, the Triton kernel's split reduce.
+- Index tensors and masks depend only on the step's metadata, which every layer shares:
+  they are built once per step (`StepPlan`, cached on the identity and version of the
+  metadata tensors), not once per layer.
+
+K/V rows are still copied by `index_select` before the flash kernel reads them: torch has
+no CPU matmul that reads through a block table, and the variants that avoid the copy were
+slower or less accurate here (benchmarks/RESULTS.md, "CPU paged attention").
+
+The decode path calls `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`, the
+op behind CPU flash SDPA, for its log-sum-exp (the public SDPA does not return it).
+FP8 KV cache: the gathered rows are dequantized (stored * scale, in float32, then the
+query dtype), as the reference does.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .numerics import cdiv
+from .paged_attention import is_fp8, kv_scales
+
+CHUNK_KEYS = 128
+"""Keys per decode split: measured best of 64/128/256 on SmolLM2 shapes."""
+SPLIT_MIN_SAVING = 1.25
+"""Split only when padding every decode to the longest context would read this many times
+the keys of the split layout; below it the merge costs more than the padding saves."""
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@dataclass
+class DecodePlan:
+    """Split-KV layout of the step's decodes: each chunk reads chunk_keys consecutive keys of
+    one decode; slots are cache rows (block * block_size + offset)."""
+
+    chunk_keys: int
+    tokens: torch.Tensor  # [num_decodes] query rows of the decodes
+    chunk_tokens: torch.Tensor  # [num_chunks] query row of each chunk
+    slots: torch.Tensor  # [num_chunks * chunk_keys] cache rows; past a sequence's end: its slot 0
+    key_valid: torch.Tensor | None  # [num_chunks, chunk_keys]; None when every chunk is full
+    merge_index: torch.Tensor | None  # [num_chunks] cell in a [num_decodes * max_chunks] grid; None: one chunk each
+    max_chunks: int
+    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive key mask [num_chunks, 1, 1, chunk_keys] (flash wants the query dtype)."""
+        if self.key_valid is None:
+            return None
+        if dtype not in self.masks:
+            self.masks[dtype] = _additive(self.key_valid, dtype)[:, None, None, :]
+        return self.masks[dtype]
+
+
+@dataclass
+class PrefillPlan:
+    """One sequence with query_len > 1: query rows [start, end), keys at `slots`."""
+
+    start: int
+    end: int
+    slots: torch.Tensor  # [seq_len]
+    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def causal(self) -> bool:
+        """No cached prefix: plain causal attention over the chunk itself."""
+        return self.end - self.start == self.slots.numel()
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """Lower-right causal mask [q_len, seq_len]: query i sees keys 0 .. seq_len - q_len + i."""
+        if dtype not in self.masks:
+            q_len, seq_len = self.end - self.start, self.slots.numel()
+            rows = torch.arange(q_len)[:, None] + (seq_len - q_len)
+            self.masks[dtype] = _additive(torch.arange(seq_len)[None, :] <= rows, dtype)
+        return self.masks[dtype]
+
+
+@dataclass
+class StepPlan:
+    decode: DecodePlan | None
+    prefills: list[PrefillPlan]
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    chunk_keys: int | None = None,
+) -> torch.Tensor:
+    """CPU twin of `paged_attention_ref` (same arguments; max_seq_len is not needed).
+
+    chunk_keys (keyword-only, for tests/benchmarks) forces the decode split size (a
+    multiple of CHUNK_KEYS; one at least the longest context means no split)."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    if query.shape[1] % num_kv_heads or query.shape[2] != head_dim:
+        raise ValueError(f"query {tuple(query.shape)} does not match cache {tuple(key_cache.shape)}")
+    out = torch.empty_like(query)
+    if query.shape[0] == 0:
+        return out
+    plan = step_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1], chunk_keys)
+    ks, vs = kv_scales(key_cache, k_scale, v_scale)
+    keys, values = KVRows(key_cache, ks, query.dtype), KVRows(value_cache, vs, query.dtype)
+    if plan.decode is not None:
+        out.index_copy_(0, plan.decode.tokens, _decode(query, keys, values, plan.decode, scale))
+    for prefill in plan.prefills:
+        out[prefill.start : prefill.end] = _prefill(query, keys, values, prefill, scale)
+    return out
+
+
+class KVRows:
+    """One cache as rows of [kv_heads, head_dim] by slot, read in the query dtype."""
+
+    def __init__(self, cache: torch.Tensor, scale: float, dtype: torch.dtype):
+        self.fp8 = is_fp8(cache)
+        raw = cache.view(torch.uint8) if self.fp8 else cache  # index_select may lack fp8 kernels
+        self.rows = raw.view(-1, cache.shape[2] * cache.shape[3])
+        self.shape = cache.shape[2:]
+        self.scale, self.dtype, self.cache_dtype = scale, dtype, cache.dtype
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """[len(slots), kv_heads, head_dim] in the query dtype."""
+        rows = self.rows.index_select(0, slots).view(-1, *self.shape)
+        if self.fp8:
+            return (rows.view(self.cache_dtype).float() * self.scale).to(self.dtype)
+        return rows.to(self.dtype)
+
+
+def _decode(query: torch.Tensor, keys: KVRows, values: KVRows, plan: DecodePlan, scale: float) -> torch.Tensor:
+    """All decodes: one flash call over every chunk, then the log-sum-exp merge. [num_decodes, heads, dim]"""
+    num_chunks = plan.chunk_tokens.numel()
+    kv_heads, head_dim = keys.shape
+    q = query.index_select(0, plan.chunk_tokens).view(num_chunks, kv_heads, -1, head_dim)
+    k = keys.gather(plan.slots).view(num_chunks, plan.chunk_keys, kv_heads, head_dim).transpose(1, 2)
+    v = values.gather(plan.slots).view(num_chunks, plan.chunk_keys, kv_heads, head_dim).transpose(1, 2)
+    out, lse = _flash(q, k, v, attn_mask=plan.mask(query.dtype), scale=scale)[:2]
+    if plan.merge_index is not None:
+        out = _merge_chunks(out, lse, plan.merge_index, plan.tokens.numel(), plan.max_chunks)
+    return out.reshape(-1, query.shape[1], head_dim).to(query.dtype)
+
+
+def _merge_chunks(out: torch.Tensor, lse: torch.Tensor, index: torch.Tensor, num_decodes: int, max_chunks: int) -> torch.Tensor:
+    """sum_c exp(lse_c) out_c / sum_c exp(lse_c) per decode, in float32 (empty grid cells weigh 0)."""
+    grid_lse = lse.new_full((num_decodes * max_chunks, *lse.shape[1:]), float("-inf")).index_copy_(0, index, lse)
+    weights = torch.softmax(grid_lse.view(num_decodes, max_chunks, *lse.shape[1:]), dim=1)
+    grid_out = out.new_zeros((num_decodes * max_chunks, *out.shape[1:]), dtype=torch.float32)
+    grid_out.index_copy_(0, index, out.float())
+    return (grid_out.view(num_decodes, max_chunks, *out.shape[1:]) * weights[..., None]).sum(1)
+
+
+def _prefill(query: torch.Tensor, keys: KVRows, values: KVRows, plan: PrefillPlan, scale: float) -> torch.Tensor:
+    """One sequence's chunk through 4-D flash SDPA (3-D inputs would take the math kernel)."""
+    q = query[plan.start : plan.end].transpose(0, 1)[None]  # [1, heads, q_len, dim]
+    k = keys.gather(plan.slots).transpose(0, 1)[None]  # [1, kv_heads, seq_len, dim]
+    v = values.gather(plan.slots).transpose(0, 1)[None]
+    mask = None if plan.causal else plan.mask(query.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plan.causal, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+# ------------------------------------------------------------------------------------- step plan
+
+class _LastPlan(threading.local):
+    """The last plan built on this thread (one engine thread per model instance) and copies
+    of the metadata it was built from."""
+
+    settings: tuple = ()
+    metadata: tuple = ()
+    plan: StepPlan | None = None
+
+
+_last = _LastPlan()
+
+
+def step_plan(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
+    chunk_keys: int | None = None,
+) -> StepPlan:
+    """The plan for this metadata: the last one while the metadata is equal (every layer of
+    one step), else a new one. Compared by value, not identity: a caller may refill the
+    same tensors in place (through numpy, which torch's version counter does not see)."""
+    metadata = (block_tables, seq_lens, query_start_loc)
+    settings = (block_size, chunk_keys)
+    same = _last.plan is not None and settings == _last.settings and all(
+        a.shape == b.shape and torch.equal(a, b) for a, b in zip(metadata, _last.metadata)
+    )
+    if not same:
+        _last.plan = build_plan(*metadata, block_size, chunk_keys)
+        _last.settings, _last.metadata = settings, tuple(t.clone() for t in metadata)
+    return _last.plan
+
+
+def build_plan(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
+    chunk_keys: int | None = None,
+) -> StepPlan:
+    """Split the flat batch into decodes (one batched plan) and prefill chunks (one plan each)."""
+    block_tables = block_tables.long()
+    seq_lens = seq_lens.long()
+    starts = query_start_loc.long()
+    q_lens = starts[1:] - starts[:-1]
+    is_decode = q_lens == 1
+    decode = None
+    if bool(is_decode.any()):
+        seqs = is_decode.nonzero().squeeze(1)
+        lens = seq_lens[seqs]
+        decode = _decode_plan(block_tables.index_select(0, seqs), lens, starts[seqs], block_size,
+                              chunk_keys or choose_chunk_keys(lens))
+    prefills = [
+        PrefillPlan(int(starts[i]), int(starts[i + 1]), _slots(block_tables[i : i + 1], torch.arange(int(seq_lens[i]))[None], block_size)[0])
+        for i in (~is_decode).nonzero().squeeze(1).tolist()
+    ]
+    return StepPlan(decode, prefills)
+
+
+def choose_chunk_keys(lens: torch.Tensor) -> int:
+    """CHUNK_KEYS when splitting saves SPLIT_MIN_SAVING in keys read, else one chunk per decode
+    as long as the longest context (no merge: the reference's padded layout)."""
+    longest = cdiv(int(lens.max()), CHUNK_KEYS) * CHUNK_KEYS
+    split_keys = int(cdiv(lens, CHUNK_KEYS).sum()) * CHUNK_KEYS
+    return CHUNK_KEYS if lens.numel() * longest > SPLIT_MIN_SAVING * split_keys else longest
+
+
+def _decode_plan(tables: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor, block_size: int, chunk_keys: int) -> DecodePlan:
+    """Chunks of chunk_keys keys per decode, in decode order; positions past a sequence's end
+    read its slot 0 (finite, masked) so nothing outside its tokens is ever touched."""
+    num_chunks = cdiv(lens, chunk_keys)
+    first_chunk = torch.cumsum(num_chunks, 0) - num_chunks
+    owner = torch.repeat_interleave(torch.arange(lens.numel()), num_chunks)
+    chunk = torch.arange(owner.numel()) - first_chunk[owner]
+    positions = chunk[:, None] * chunk_keys + torch.arange(chunk_keys)
+    valid = positions < lens[owner][:, None]
+    slots = _slots(tables.index_select(0, owner), positions * valid, block_size)
+    max_chunks = int(num_chunks.max())
+    return DecodePlan(
+        chunk_keys=chunk_keys,
+        tokens=tokens,
+        chunk_tokens=tokens[owner],
+        slots=slots.reshape(-1),
+        key_valid=None if bool(valid.all()) else valid,
+        merge_index=owner * max_chunks + chunk if max_chunks > 1 else None,
+        max_chunks=max_chunks,
+    )
+
+
+def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache rows of token positions [n, k] through block-table rows [n, max_blocks]."""
+    return tables.gather(1, positions // block_size) * block_size + positions % block_size
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where allowed, -inf elsewhere, in `dtype` (SDPA's float-mask form)."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
+__all__ = ["CHUNK_KEYS", "StepPlan", "build_plan", "choose_chunk_keys", "paged_attention_cpu", "step_plan"]
