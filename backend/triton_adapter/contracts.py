@@ -85,7 +85,7 @@ class TrtllmText:
     """`tensorrt_llm_bls`: TensorRT-LLM's text in and out, tokenized here (one hop to
     the engine, and the client's cancellation reaches it)."""
 
-    exclude_input_default: bool = True
+    exclude_input_default: bool = False
 
     def configured(self, parameters: Mapping[str, str]) -> TrtllmText:
         return dataclasses.replace(self, exclude_input_default=_exclude_default(parameters))
@@ -115,7 +115,7 @@ class TrtllmText:
 class TrtllmTokens:
     """`tensorrt_llm`: TensorRT-LLM's token-level tensors (output_ids [batch, beam, len])."""
 
-    exclude_input_default: bool = True
+    exclude_input_default: bool = False
 
     def configured(self, parameters: Mapping[str, str]) -> TrtllmTokens:
         return dataclasses.replace(self, exclude_input_default=_exclude_default(parameters))
@@ -150,5 +150,5 @@ class TrtllmTokens:
 
 
 def _exclude_default(parameters: Mapping[str, str]) -> bool:
-    """The model parameter `exclude_input_in_output` (TensorRT-LLM's), default true."""
-    return to_bool(parameters.get("exclude_input_in_output", "true") or "true")
+    """The model parameter `exclude_input_in_output` (TensorRT-LLM's), default false as there."""
+    return to_bool(parameters.get("exclude_input_in_output") or "false")

@@ -81,6 +81,9 @@ class PreprocessingModel(TokenizerModel):
             "STOP_WORDS_IDS": self._word_lists(inputs, "STOP_WORDS_DICT", len(prompts)),
             "OUT_END_ID": np.array([[i] for i in end_id], dtype=np.int32),
             "OUT_PAD_ID": np.array([[i] for i in pad_id], dtype=np.int32),
+            # decoder-only models: the one-token placeholder TensorRT-LLM's preprocessing sends
+            "DECODER_INPUT_ID": np.array([[i] for i in pad_id], dtype=np.int32),
+            "REQUEST_DECODER_INPUT_LEN": np.ones((len(prompts), 1), dtype=np.int32),
         }
         if "REQUEST_OUTPUT_LEN" in inputs:
             outputs["REQUEST_OUTPUT_LEN"] = np.asarray(inputs["REQUEST_OUTPUT_LEN"], dtype=np.int32).reshape(len(prompts), -1)

@@ -65,6 +65,9 @@ REFUSED = {
 }
 """Declared inputs we cannot honour: refused with what to do instead. A BOOL among
 them is accepted when false, `beam_width` when 1."""
+PLACEHOLDERS = {"decoder_input_ids": 2**31 - 1, "decoder_input_lengths": 1}
+"""Decoder inputs accepted as the one-token placeholder TensorRT-LLM's preprocessing
+sends for decoder-only models (its end_to_end_test forwards them to tensorrt_llm)."""
 PREPROCESSING_REFUSED = {"EMBEDDING_BIAS_WORDS": "embedding_bias_words", "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights",
                          "DECODER_QUERY": "decoder_text_input", "PROMPT_TABLE_EXTRA_ID": "prompt_table_extra_id"}
 """`preprocessing` inputs the ensemble feeds from refused inputs (and the ensemble's names for them)."""
@@ -85,6 +88,8 @@ def refuse_unsupported(inputs: Arrays, names: Mapping[str, str] | None = None) -
         if value.size == 0 or (value.dtype == np.bool_ and not value.any()):
             continue
         if names.get(name, name) == "beam_width" and value.size == 1 and int(value[0]) == 1:
+            continue
+        if names.get(name, name) in PLACEHOLDERS and value.size == 1 and int(value[0]) <= PLACEHOLDERS[names.get(name, name)]:
             continue
         raise InvalidRequestError(names.get(name, name), refused)
 

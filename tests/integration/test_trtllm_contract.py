@@ -78,7 +78,7 @@ def test_inputs_change_the_output_as_in_tensorrt_llm(server, engine, model):
     # stop words end the text (and stay in it, as there); max_tokens bounds it
     stopped = "".join(trt_text(server, model, prompt, 12, stream=True, stop_words=[" Paris"]))
     assert stopped == offline.text[: offline.text.index(" Paris") + len(" Paris")]
-    assert len(engine.encode(trt_text(server, model, prompt, 3)[0])) <= 3
+    assert len(engine.encode(trt_text(server, model, prompt, 3, exclude_input_in_output=True)[0])) <= 3
     # bad words never appear
     banned = "".join(trt_text(server, model, prompt, 12, bad_words=[" Paris"]))
     assert "Paris" not in banned and banned
@@ -117,10 +117,11 @@ def test_the_steps_one_by_one_equal_the_ensemble(server, engine):
     assert error is None
     output_ids, lengths = generated.as_numpy("output_ids"), generated.as_numpy("sequence_length")
     [offline] = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)
-    assert output_ids.tolist() == [[offline.token_ids]] and lengths.tolist() == [[10]]
-    post_result = client.infer("postprocessing", [tensor("TOKENS_BATCH", offline.token_ids, shape=[1, 1, 10]),
-                                                  tensor("SEQUENCE_LENGTH", 10, shape=[1, 1])])
-    assert post_result.as_numpy("OUTPUT")[0].decode() == offline.text == trt_text(server, "ensemble", prompt, 10)[0]
+    everything = engine.encode(prompt) + offline.token_ids  # TensorRT-LLM's default: the prompt comes along
+    assert output_ids.tolist() == [[everything]] and lengths.tolist() == [[len(everything)]]
+    post_result = client.infer("postprocessing", [tensor("TOKENS_BATCH", everything, shape=[1, 1, len(everything)]),
+                                                  tensor("SEQUENCE_LENGTH", len(everything), shape=[1, 1])])
+    assert post_result.as_numpy("OUTPUT")[0].decode() == prompt + offline.text == trt_text(server, "ensemble", prompt, 10)[0]
     client.close()
 
 

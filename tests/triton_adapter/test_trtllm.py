@@ -107,6 +107,6 @@ def test_tensorrt_llm_bls_sends_text_1d_as_its_clients_read_it(engine):
     model.execute([request])
     engine.emit(["ok"])
     (response, flags), = request.sender.wait_final()
-    assert flags == FINAL and response.outputs()["text_output"].tolist() == [b"ok"]
+    assert flags == FINAL and response.outputs()["text_output"].tolist() == [b"Hiok"]  # the prompt comes along by default, as there
     assert response.outputs()["cum_log_probs"].shape == (1, 1)
     assert json.loads(engine.pb_utils.bls_requests[0].inputs["sampling_parameters"][0])["logprobs"] == 0
