@@ -76,22 +76,20 @@ CONTEXT_OUTPUTS = ("context_ids", "context_length", "trim_chars", "skip_special_
 """Ours, beside TensorRT-LLM's: what `postprocessing` needs for exact streamed text."""
 
 
-def refuse_unsupported(inputs: Arrays, names: Mapping[str, str] | None = None) -> None:
-    """An InvalidRequestError naming the first input of REFUSED set to something we
-    cannot honour (`names` maps an input to the name the client knows it by)."""
-    names = names or {}
+def refuse_unsupported(inputs: Arrays) -> None:
+    """An InvalidRequestError naming the first input of REFUSED set to something we cannot honour."""
     for name, array in inputs.items():
-        refused = REFUSED.get(names.get(name, name))
+        refused = REFUSED.get(name)
         if refused is None:
             continue
         value = np.asarray(array).reshape(-1)
         if value.size == 0 or (value.dtype == np.bool_ and not value.any()):
             continue
-        if names.get(name, name) == "beam_width" and value.size == 1 and int(value[0]) == 1:
+        if name == "beam_width" and value.size == 1 and int(value[0]) == 1:
             continue
-        if names.get(name, name) in PLACEHOLDERS and value.size == 1 and int(value[0]) <= PLACEHOLDERS[names.get(name, name)]:
+        if name in PLACEHOLDERS and value.size == 1 and int(value[0]) <= PLACEHOLDERS[name]:
             continue
-        raise InvalidRequestError(names.get(name, name), refused)
+        raise InvalidRequestError(name, refused)
 
 
 def single_request(inputs: Arrays, batched: str) -> None:
