@@ -235,7 +235,7 @@ def build_plan(
         seqs = is_decode.nonzero().squeeze(1)
         lens = seq_lens[seqs]
         decode = _decode_plan(block_tables.index_select(0, seqs), lens, starts[seqs], block_size,
-                              chunk_keys or choose_chunk_keys(lens))
+                              choose_chunk_keys(lens, chunk_keys))
     prefills = [
         PrefillPlan(int(starts[i]), int(starts[i + 1]), _slots(block_tables[i : i + 1], torch.arange(int(seq_lens[i]))[None], block_size)[0])
         for i in (~is_decode).nonzero().squeeze(1).tolist()
@@ -243,10 +243,13 @@ def build_plan(
     return StepPlan(decode, prefills)
 
 
-def choose_chunk_keys(lens: torch.Tensor) -> int:
-    """CHUNK_KEYS when splitting saves SPLIT_MIN_SAVING in keys read, else one chunk per decode
-    as long as the longest context (no merge: the reference's padded layout)."""
+def choose_chunk_keys(lens: torch.Tensor, requested: int | None = None) -> int:
+    """Keys per decode chunk: CHUNK_KEYS when splitting saves SPLIT_MIN_SAVING in keys read,
+    else one chunk per decode as long as the longest context (no merge: the reference's
+    padded layout). A requested size is capped at that longest chunk."""
     longest = cdiv(int(lens.max()), CHUNK_KEYS) * CHUNK_KEYS
+    if requested is not None:
+        return min(requested, longest)
     split_keys = int(cdiv(lens, CHUNK_KEYS).sum()) * CHUNK_KEYS
     return CHUNK_KEYS if lens.numel() * longest > SPLIT_MIN_SAVING * split_keys else longest
 

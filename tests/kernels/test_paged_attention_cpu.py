@@ -106,6 +106,7 @@ def test_chunk_choice():
     assert choose_chunk_keys(ragged_lens) == CHUNK_KEYS
     assert choose_chunk_keys(even_lens) == 4 * CHUNK_KEYS
     assert choose_chunk_keys(torch.tensor([1])) == CHUNK_KEYS
+    assert choose_chunk_keys(even_lens, requested=100 * CHUNK_KEYS) == 4 * CHUNK_KEYS  # never past the longest
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
