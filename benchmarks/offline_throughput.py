@@ -40,18 +40,20 @@ class Row:
         return self.output_tokens / self.seconds
 
 
-def run_pagedserve(work: list[WorkItem], dtype: str, policy: str, batch: int) -> Row:
+def run_pagedserve(work: list[WorkItem], dtype: str, policy: str, batch: int, progress: bool = True, **engine_args) -> Row:
+    """engine_args: further LLMEngine settings (benchmarks/cpu_attention.py passes attention_backend)."""
     engine = LLMEngine(
         dtype=dtype,
         scheduling_policy=policy,
         max_num_seqs=batch,
         kv_cache_bytes=3 * 1024**3,  # the whole workload fits: no preemption
         enable_prefix_caching=False,
+        **engine_args,
     )
     params = [SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True) for w in work]
     engine.generate([w.prompt_token_ids for w in work[:2]], params[:2], use_tqdm=False)  # warm-up
     start = time.perf_counter()
-    results = engine.generate([w.prompt_token_ids for w in work], params, use_tqdm=True)
+    results = engine.generate([w.prompt_token_ids for w in work], params, use_tqdm=progress)
     seconds = time.perf_counter() - start
     tokens = sum(len(r.token_ids) for r in results)
     assert tokens == sum(w.output_len for w in work)

@@ -6,8 +6,8 @@ on CPU (kernels/dispatch.py).
 
 Where the reference loses time on CPU, and what this module does instead:
 - Prefill chunks: the reference hands SDPA 3-D tensors, which torch's CPU dispatcher
-  sends to the math kernel (scores materialised; 3-6x slower than the flash kernel it
-  picks for 4-D inputs). Here: one 4-D flash SDPA per sequence with enable_gqa;
+  sends to the math kernel (scores materialised; 2x slower in float32 and 5-6x in
+  bfloat16 than the flash kernel it picks for 4-D inputs). Here: one 4-D flash SDPA per sequence with enable_gqa;
   `is_causal` when the chunk has no cached prefix, else an additive lower-right causal
   mask built once per step.
 - Decodes (query_len 1): the reference pads every decode to the batch's longest context
@@ -19,12 +19,15 @@ Where the reference loses time on CPU, and what this module does instead:
   never a read of a slot beyond the sequence's end); the chunks' partial outputs are
   merged with their log-sum-exp, the Triton kernel's split reduce.
 - Index tensors and masks depend only on the step's metadata, which every layer shares:
-  they are built once per step (`StepPlan`, cached on the identity and version of the
-  metadata tensors), not once per layer.
+  they are built once per step (`step_plan`: the last plan is reused while the metadata
+  is equal), not once per layer.
 
-K/V rows are still copied by `index_select` before the flash kernel reads them: torch has
-no CPU matmul that reads through a block table, and the variants that avoid the copy were
-slower or less accurate here (benchmarks/RESULTS.md, "CPU paged attention").
+K/V rows are still copied by `index_select` (only the rows a step reads) before the flash
+kernel reads them: torch has no CPU matmul that reads through a block table, and the
+variants that avoid the copy (V read in place by `embedding_bag`, K by compiled gathers)
+were slower or less accurate here (benchmarks/RESULTS.md, "CPU paged attention"). The
+decode gain is therefore small (padding and per-layer index work removed); prefill and
+mixed steps gain most.
 
 The decode path calls `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`, the
 op behind CPU flash SDPA, for its log-sum-exp (the public SDPA does not return it).
