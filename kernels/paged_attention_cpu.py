@@ -123,8 +123,8 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """CPU twin of `paged_attention_ref` (same arguments; max_seq_len is not needed).
 
-    chunk_keys (keyword-only, for tests/benchmarks) forces the decode split size (a
-    multiple of CHUNK_KEYS; one at least the longest context means no split)."""
+    chunk_keys (keyword-only, for tests/benchmarks) forces the decode split size; it is
+    capped at the longest context rounded up to CHUNK_KEYS, which means no split."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     if query.shape[1] % num_kv_heads or query.shape[2] != head_dim:
         raise ValueError(f"query {tuple(query.shape)} does not match cache {tuple(key_cache.shape)}")
