@@ -58,12 +58,22 @@ def engine():
     engine.model.finalize()
 
 
-def relay(engine, cls):
-    return cls(engine.pb_utils, TOKENIZER)
+@pytest.fixture
+def relay(engine):
+    """Makes relay models over the fake llm_engine; finalized before it, as Triton unloads them."""
+    made = []
+
+    def make(cls):
+        made.append(cls(engine.pb_utils, TOKENIZER))
+        return made[-1]
+
+    yield make
+    for model in made:
+        model.finalize()
 
 
-def test_tensorrt_llm_streams_output_ids_per_sequence_with_context_for_exact_text(engine):
-    model = relay(engine, TrtllmEngineModel)
+def test_tensorrt_llm_streams_output_ids_per_sequence_with_context_for_exact_text(engine, relay):
+    model = relay(TrtllmEngineModel)
     request = Request({"input_ids": [[72, 105]], "input_lengths": [2], "request_output_len": [3], "streaming": [True],
                        "stop_words_list": [[[33], [1]]], "num_return_sequences": [2], "runtime_top_k": [4]})
     model.execute([request])
@@ -86,8 +96,8 @@ def test_tensorrt_llm_streams_output_ids_per_sequence_with_context_for_exact_tex
     assert [f for _, f in sent] == [0, 0, FINAL] and outs[0]["sequence_length"].tolist() == [[1]]
 
 
-def test_a_stop_request_ends_the_request_of_the_same_id(engine):
-    model = relay(engine, TrtllmEngineModel)
+def test_a_stop_request_ends_the_request_of_the_same_id(engine, relay):
+    model = relay(TrtllmEngineModel)
     running = Request({"input_ids": [[72]], "request_output_len": [50], "streaming": [True]}, request_id="42")
     model.execute([running])
     request_id = engine.request_id()
@@ -101,8 +111,8 @@ def test_a_stop_request_ends_the_request_of_the_same_id(engine):
     assert response.error().code() == TritonError.INVALID_ARG and "'stop'" in response.error().message()
 
 
-def test_tensorrt_llm_bls_sends_text_1d_as_its_clients_read_it(engine):
-    model = relay(engine, TrtllmBlsModel)
+def test_tensorrt_llm_bls_sends_text_1d_as_its_clients_read_it(engine, relay):
+    model = relay(TrtllmBlsModel)
     request = Request({"text_input": [["Hi"]], "max_tokens": [[2]], "stream": [[False]], "return_log_probs": [[True]]})
     model.execute([request])
     engine.emit(["ok"])
