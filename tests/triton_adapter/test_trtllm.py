@@ -14,7 +14,7 @@ from pagedserve.backend.triton_adapter.text_model import TrtllmBlsModel, TrtllmE
 from pagedserve.backend.triton_adapter.trtllm import TEXT_NAMES, TOKEN_NAMES, from_word_list, parse_trtllm_request, to_word_list
 
 from .fakes import FINAL, Request, TritonError, wait_until
-from .test_text_model import TOKENIZER, EngineOverBLS, short_grace  # noqa: F401 (fixture)
+from .test_text_model import TOKENIZER, engine, short_grace  # noqa: F401 (fixtures)
 
 
 def test_word_lists_round_trip_in_tensorrt_llms_format():
@@ -49,13 +49,6 @@ def test_unsupported_inputs_are_refused_by_name_and_neutral_values_accepted():
             parse_trtllm_request(arrays(max_tokens=[[4]], **{name: value}), TEXT_NAMES, [], [], True)
     with pytest.raises(InvalidRequestError, match="'request_output_len': is required"):
         parse_trtllm_request(arrays(), TOKEN_NAMES, [], [], True)
-
-
-@pytest.fixture
-def engine():
-    engine = EngineOverBLS()
-    yield engine
-    engine.model.finalize()
 
 
 @pytest.fixture
