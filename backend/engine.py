@@ -29,7 +29,7 @@ from .model_loader import load_model
 from .model_runner import ModelRunner
 from .models.parallel import SINGLE_RANK
 from .output_renderer import OutputRenderer
-from .outputs import Completion, EngineStats, RequestOutput, StepCounts
+from .outputs import Completion, EngineStats, RequestOutput
 from .quantization import quantize_model
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -86,7 +86,6 @@ class LLMEngine:
         self.groups = SampleGroups()
         """Requests with n > 1."""
         self.num_recoveries = 0
-        self.last_step = StepCounts()
         self._ids = itertools.count()
         logger.info(
             "engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
@@ -216,7 +215,6 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        self.last_step = StepCounts.of(batch, self.last_step.iteration + 1)
         logits, sampling_seqs = self.runner.execute(batch)
         sampled = self.sampler(logits, sampling_seqs) if sampling_seqs else None
         advanced = self.scheduler.update_from_output(batch, sampling_seqs, sampled)
@@ -259,7 +257,7 @@ class LLMEngine:
             prefix_query_tokens=kv.prefix_query_tokens,
             prefix_hit_tokens=kv.prefix_hit_tokens,
             block_size=kv.block_size,
-            last_step=self.last_step,
+            last_step=scheduler.last_step,
         )
 
     def prompt_logprobs(self, token_ids: Seq[int]) -> list[float]:

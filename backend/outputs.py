@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .sequence import TokenLogprob
+
+if TYPE_CHECKING:
+    from .scheduler import ScheduledBatch
 
 
 @dataclass
@@ -89,8 +92,8 @@ class StepCounts:
     """Requests decoding one token."""
 
     @classmethod
-    def of(cls, batch: Any, iteration: int) -> StepCounts:
-        """The counts of a ScheduledBatch, taken before it runs."""
+    def of(cls, batch: ScheduledBatch, iteration: int) -> StepCounts:
+        """The counts of a batch, taken before it runs."""
         context = [n for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens < seq.num_prompt_tokens]
         return cls(iteration, len(context), sum(context), len(batch.seqs) - len(context))
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from .block_manager import BlockManager
 from .errors import InvalidRequestError, QueueFullError
+from .outputs import StepCounts
 from .sampling_params import SamplingParams
 from .sequence import FinishReason, Sequence, SequenceStatus
 
@@ -77,6 +78,8 @@ class Scheduler:
         self.prompt_tokens_total = 0
         """Prompt tokens of every request that started (a recomputed one counts once)."""
         self.generation_tokens_total = 0
+        self.last_step = StepCounts()
+        """What the latest non-empty step runs (TensorRT-LLM's in-flight batcher metrics read it)."""
         self._static_batch_open = True
 
     # -- requests --------------------------------------------------------------
@@ -162,6 +165,8 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
                 self.prompt_tokens_total += seq.num_prompt_tokens
+        if batch.seqs:
+            self.last_step = StepCounts.of(batch, self.last_step.iteration + 1)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:

@@ -63,6 +63,12 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
+def encode_words(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each non-empty word's token ids, alone and without special tokens (TensorRT-LLM's
+    stop/bad word lists, and the bad words of its text inputs)."""
+    return [list(tokenizer.encode(word, add_special_tokens=False)) for word in words if word]
+
+
 def apply_chat_template(tokenizer: Any, messages: Any, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a chat (list of {"role", "content"} messages) in the model's template."""
     if not isinstance(messages, list) or not messages:

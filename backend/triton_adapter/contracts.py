@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, ClassVar, Mapping, Protocol
 
 import numpy as np
 
@@ -81,74 +81,75 @@ TRTLLM_ENGINE_OUTPUTS = [*CORE_OUTPUTS, "cumulative_logprob", "logprobs", "num_i
 
 
 @dataclass(frozen=True)
-class TrtllmText:
+class _Trtllm:
+    """What TensorRT-LLM's two relay contracts share: its sampling inputs, and one response
+    per sequence (per sample with new ids when streaming) carrying its per-sequence outputs."""
+
+    exclude_input_default: bool = False
+    """The model parameter `exclude_input_in_output` (false, as there)."""
+    names: ClassVar[Mapping[str, str]] = TEXT_NAMES
+
+    def configured(self, parameters: Mapping[str, str]) -> _Trtllm:
+        return dataclasses.replace(self, exclude_input_default=to_bool(parameters.get("exclude_input_in_output") or "false"))
+
+    def plan(self, inputs: Arrays, requested: set[str], tokenizer: Any) -> RelayPlan:
+        prompt, stop, bad = self.read(inputs, tokenizer)
+        request = parse_trtllm_request(inputs, self.names, stop, bad, self.exclude_input_default)
+
+        def reply(outputs: Arrays) -> list[dict[str, np.ndarray]]:
+            ids = split_samples(outputs, "output_ids", "output_lengths")
+            own = self.sequence_outputs(outputs, ids, tokenizer)
+            return [keep({**own[i], **sample_outputs(outputs, i, ids[i])}, requested) for i in samples_to_send(ids, request.stream)]
+
+        return RelayPlan(engine_inputs(request, prompt), TRTLLM_ENGINE_OUTPUTS, reply)
+
+    def read(self, inputs: Arrays, tokenizer: Any) -> tuple[list[int], list[str], list[list[int]]]:
+        """The prompt's ids, stop words as strings, bad words as ids."""
+        raise NotImplementedError
+
+    def sequence_outputs(self, outputs: Arrays, ids: list[list[int]], tokenizer: Any) -> list[dict[str, np.ndarray]]:
+        """This contract's own outputs of each sequence of an llm_engine response."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TrtllmText(_Trtllm):
     """`tensorrt_llm_bls`: TensorRT-LLM's text in and out, tokenized here (one hop to
     the engine, and the client's cancellation reaches it)."""
 
-    exclude_input_default: bool = False
-
-    def configured(self, parameters: Mapping[str, str]) -> TrtllmText:
-        return dataclasses.replace(self, exclude_input_default=_exclude_default(parameters))
-
-    def plan(self, inputs: Arrays, requested: set[str], tokenizer: Any) -> RelayPlan:
+    def read(self, inputs: Arrays, tokenizer: Any) -> tuple[list[int], list[str], list[list[int]]]:
         single_request(inputs, "text_input")
         text = scalar(inputs, "text_input")
         if not text:
             raise InvalidRequestError("text_input", "is required and must not be empty")
-        stop, bad = stop_words_of(inputs, tokenizer, token_level=False)
-        request = parse_trtllm_request(inputs, TEXT_NAMES, stop, bad, self.exclude_input_default)
+        return (encode_prompt(tokenizer, text), *stop_words_of(inputs, tokenizer, token_level=False))
 
-        def reply(outputs: Arrays) -> list[dict[str, np.ndarray]]:
-            ids = split_samples(outputs, "output_ids", "output_lengths")
-            texts = postprocess_texts(outputs, tokenizer)
-            responses = []
-            for i in samples_to_send(ids, request.stream, bool(outputs["finished"][0])):
-                # 1-D, one entry per beam, as TensorRT-LLM sends it (its clients read text_output[0])
-                tensors = {"text_output": np.array([texts[i]], dtype=np.object_), **sample_outputs(outputs, i, ids[i])}
-                responses.append(keep(tensors, requested))
-            return responses
-
-        return RelayPlan(engine_inputs(request, encode_prompt(tokenizer, text)), TRTLLM_ENGINE_OUTPUTS, reply)
+    def sequence_outputs(self, outputs: Arrays, ids: list[list[int]], tokenizer: Any) -> list[dict[str, np.ndarray]]:
+        # 1-D, one entry per beam, as TensorRT-LLM sends it (its clients read text_output[0])
+        return [{"text_output": np.array([text], dtype=np.object_)} for text in postprocess_texts(outputs, tokenizer)]
 
 
 @dataclass(frozen=True)
-class TrtllmTokens:
+class TrtllmTokens(_Trtllm):
     """`tensorrt_llm`: TensorRT-LLM's token-level tensors (output_ids [batch, beam, len])."""
 
-    exclude_input_default: bool = False
-
-    def configured(self, parameters: Mapping[str, str]) -> TrtllmTokens:
-        return dataclasses.replace(self, exclude_input_default=_exclude_default(parameters))
+    names: ClassVar[Mapping[str, str]] = TOKEN_NAMES
 
     def plan(self, inputs: Arrays, requested: set[str], tokenizer: Any) -> RelayPlan:
-        if flag(inputs, "stop"):
-            return RelayPlan(stops=True)
-        prompt = prompt_token_ids(inputs)
-        stop, bad = stop_words_of(inputs, tokenizer, token_level=True)
-        request = parse_trtllm_request(inputs, TOKEN_NAMES, stop, bad, self.exclude_input_default)
+        return RelayPlan(stops=True) if flag(inputs, "stop") else super().plan(inputs, requested, tokenizer)
 
-        def reply(outputs: Arrays) -> list[dict[str, np.ndarray]]:
-            ids = split_samples(outputs, "output_ids", "output_lengths")
-            context = split_samples(outputs, "context_ids", "context_lengths")
-            trims = token_ids(outputs, "trim_chars")
-            skip = flag(outputs, "skip_special_tokens", default=True)
-            responses = []
-            for i in samples_to_send(ids, request.stream, bool(outputs["finished"][0])):
-                tensors = {
-                    "output_ids": np.asarray(ids[i], dtype=np.int32).reshape(1, 1, -1),
-                    "sequence_length": np.array([[len(ids[i])]], dtype=np.int32),
-                    **sample_outputs(outputs, i, ids[i]),
-                    "context_ids": np.asarray(context[i], dtype=np.int32).reshape(1, 1, -1),
-                    "context_length": np.array([[len(context[i])]], dtype=np.int32),
-                    "trim_chars": np.array([[trims[i]]], dtype=np.int32),
-                    "skip_special_tokens": np.array([[skip]], dtype=np.bool_),
-                }
-                responses.append(keep(tensors, requested))
-            return responses
+    def read(self, inputs: Arrays, tokenizer: Any) -> tuple[list[int], list[str], list[list[int]]]:
+        return (prompt_token_ids(inputs), *stop_words_of(inputs, tokenizer, token_level=True))
 
-        return RelayPlan(engine_inputs(request, prompt), TRTLLM_ENGINE_OUTPUTS, reply)
-
-
-def _exclude_default(parameters: Mapping[str, str]) -> bool:
-    """The model parameter `exclude_input_in_output` (TensorRT-LLM's), default false as there."""
-    return to_bool(parameters.get("exclude_input_in_output") or "false")
+    def sequence_outputs(self, outputs: Arrays, ids: list[list[int]], tokenizer: Any) -> list[dict[str, np.ndarray]]:
+        context = split_samples(outputs, "context_ids", "context_lengths")
+        trims = token_ids(outputs, "trim_chars")
+        skip = flag(outputs, "skip_special_tokens", default=True)
+        return [{
+            "output_ids": np.asarray(ids[i], dtype=np.int32).reshape(1, 1, -1),
+            "sequence_length": np.array([[len(ids[i])]], dtype=np.int32),
+            "context_ids": np.asarray(context[i], dtype=np.int32).reshape(1, 1, -1),
+            "context_length": np.array([[len(context[i])]], dtype=np.int32),
+            "trim_chars": np.array([[trims[i]]], dtype=np.int32),
+            "skip_special_tokens": np.array([[skip]], dtype=np.bool_),
+        } for i in range(len(ids))]

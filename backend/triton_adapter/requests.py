@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
-from ..tokenizer import apply_chat_template, encode_prompt
+from ..tokenizer import apply_chat_template, encode_prompt, encode_words
 from .tensors import Arrays, flag, scalar, strings, token_ids
 
 # TensorRT-LLM-style scalar inputs -> SamplingParams field
@@ -112,7 +112,7 @@ def parse_engine_request(
         values["stop"] = list(values.get("stop") or []) + stop_words
     bad_words = [w for w in strings(inputs, "bad_words") if w]
     if bad_words:
-        values["bad_words_ids"] = [list(tokenizer.encode(w, add_special_tokens=False)) for w in bad_words]
+        values["bad_words_ids"] = encode_words(tokenizer, bad_words)
     end_id = scalar(inputs, "end_id")
     if end_id is not None:
         values["stop_token_ids"] = list(values.get("stop_token_ids") or []) + [end_id]

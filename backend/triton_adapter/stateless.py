@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..errors import InvalidRequestError, PagedServeError
-from ..tokenizer import encode_prompt
+from ..tokenizer import encode_prompt, encode_words
 from ..values import to_bool
 from .arguments import model_parameters, tokenizer_from_args
 from .finals import Failure
@@ -92,8 +92,7 @@ class PreprocessingModel(TokenizerModel):
     def _word_lists(self, inputs: Arrays, name: str, batch: int) -> np.ndarray:
         """[batch, 2, N] word lists of each row's words (TensorRT-LLM's format)."""
         rows = _rows(inputs[name]) if name in inputs else [np.array([], dtype=np.object_)] * batch
-        lists = [to_word_list([list(self.tokenizer.encode(w, add_special_tokens=False))
-                               for w in strings({name: row}, name) if w]) for row in rows]
+        lists = [to_word_list(encode_words(self.tokenizer, strings({name: row}, name))) for row in rows]
         width = max(w.shape[1] for w in lists)
         padded = np.zeros((len(lists), 2, width), dtype=np.int32)
         padded[:, 1, :] = -1
@@ -121,7 +120,7 @@ class PostprocessingModel(TokenizerModel):
         lengths = _per_beam(inputs, "SEQUENCE_LENGTH", tokens)
         context = _beams(inputs, "CONTEXT_IDS") if "CONTEXT_IDS" in inputs else None
         context_lengths = _per_beam(inputs, "CONTEXT_LENGTH", context) if context is not None else None
-        trims = _per_beam(inputs, "TRIM_CHARS", tokens) if "TRIM_CHARS" in inputs else np.zeros(tokens.shape[:2], dtype=np.int32)
+        trims = _per_beam(inputs, "TRIM_CHARS", tokens, absent=0, within_ids=False)
         skip = flag(inputs, "SKIP_SPECIAL_TOKENS", default=self.skip_special_tokens)
         texts = []
         for b in range(tokens.shape[0]):
@@ -164,14 +163,15 @@ def _beams(inputs: Arrays, name: str) -> np.ndarray:
     return array
 
 
-def _per_beam(inputs: Arrays, name: str, like: np.ndarray) -> np.ndarray:
-    """A per-beam length tensor as [batch, beam], checked against the ids it cuts."""
+def _per_beam(inputs: Arrays, name: str, like: np.ndarray, absent: int | None = None, within_ids: bool = True) -> np.ndarray:
+    """A per-beam count as [batch, beam], never negative and, `within_ids`, at most the
+    ids it cuts (`absent`: its value when not sent; None: all the ids)."""
     if name not in inputs:
-        return np.full(like.shape[:2], like.shape[2], dtype=np.int64)
+        return np.full(like.shape[:2], like.shape[2] if absent is None else absent, dtype=np.int64)
     array = np.asarray(inputs[name]).astype(np.int64)
     if array.size != like.shape[0] * like.shape[1]:
         raise InvalidRequestError(name, f"must hold one value per beam: {list(like.shape[:2])}")
     array = array.reshape(like.shape[:2])
-    if (array < 0).any() or (name != "TRIM_CHARS" and (array > like.shape[2]).any()):
+    if (array < 0).any() or (within_ids and (array > like.shape[2]).any()):
         raise InvalidRequestError(name, f"{array.tolist()} is out of range for {like.shape[2]} ids")
     return array

