@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from pagedserve.kernels.dispatch import attention_kernels
 
@@ -66,9 +67,15 @@ def attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    """Rows past the step's tokens (the compiled step pads rows to a bucket) are neither
+    written to the cache nor attended; their output rows are zeros."""
+    tokens, rows = meta.slot_mapping.shape[0], query.shape[0]
+    if rows > tokens:
+        query, key, value = query[:tokens], key[:tokens], value[:tokens]
     scales = dict(k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)
     kernels.write_cache(key, value, kv_cache.key, kv_cache.value, meta.slot_mapping, **scales)
-    return kernels.attend(
+    out = kernels.attend(
         query, kv_cache.key, kv_cache.value, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
         max_seq_len=meta.max_seq_len, **scales,
     )
+    return F.pad(out, (0, 0, 0, 0, 0, rows - tokens)) if rows > tokens else out

@@ -20,6 +20,7 @@ POLICIES = ("inflight", "static")
 QUANTIZATIONS = ("none", "fp8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+COMPILE_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -62,6 +63,8 @@ class EngineConfig:
     """auto (Triton kernel on CUDA, the CPU attention on CPU), cpu (kernels/paged_attention_cpu.py; CPU only), torch (the reference, kernels/paged_attention.py: the oracle the others are tested against), or triton."""
     num_threads: int = 0
     """CPU threads for torch; 0 keeps torch's default (all cores)."""
+    compile: str = "auto"
+    """The compiled step (backend/compiled_forward.py): torch.compile of each layer's work between its attentions, warmed up at load; CUDA graphs on CUDA. auto: on for CUDA where it is implemented (unquantized weights, one rank); off on CPU, where the eager step with oneDNN-packed weights measured faster (benchmarks/RESULTS.md). on, off (eager)."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (Megatron-style tensor parallelism): one process per rank, each holding its share of the weights and of the KV cache; rank 0 runs the engine and spawns the others. Must divide the attention heads, the intermediate size and the vocabulary. On CUDA one GPU per rank (NCCL), on CPU gloo."""
 
@@ -102,6 +105,13 @@ class EngineConfig:
         _choice(self, "quantization", QUANTIZATIONS)
         _choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         _choice(self, "attention_backend", ATTENTION_BACKENDS)
+        _choice(self, "compile", COMPILE_MODES)
+        if self.compile == "on" and not self.compile_supported:
+            raise ConfigError(
+                "compile",
+                "the compiled step runs unquantized weights on one rank; set compile='auto' or 'off' "
+                f"(quantization={self.quantization!r}, tensor_parallel_size={self.tensor_parallel_size})",
+            )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         _at_least(self, "kv_cache_bytes", 1024**2)
@@ -125,6 +135,10 @@ class EngineConfig:
                 f"{self.model!r} does not exist; give a Hugging Face model directory "
                 "or a .gguf file, or leave it empty for the bundled default model",
             )
+
+    @property
+    def compile_supported(self) -> bool:
+        return self.quantization == "none" and self.tensor_parallel_size == 1
 
     def _validate_tensor_parallel(self) -> None:
         """Settings whose sharded form is not implemented (the model's shapes are checked at load)."""

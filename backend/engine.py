@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .block_manager import BlockManager
+from .compiled_forward import compile_wanted
 from .config import EngineConfig
 from .cpu_tuning import keep_freed_memory_in_heap
 from .device import max_model_len, num_kv_blocks, resolve_device, resolve_dtype
@@ -27,6 +28,7 @@ from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from .model_files import resolve_model_path
 from .model_loader import load_model
 from .model_runner import ModelRunner
+from .models.linear import pack_weights
 from .models.parallel import SINGLE_RANK
 from .output_renderer import OutputRenderer
 from .outputs import Completion, EngineStats, RequestOutput
@@ -62,6 +64,9 @@ class LLMEngine:
         loaded = load_model(self.model_path, self.dtype, self.device, self.workers.parallel if self.workers else SINGLE_RANK)
         if config.quantization != "none":
             quantize_model(loaded.model, config.quantization)
+        compiled = compile_wanted(config, self.device)
+        if config.quantization == "none" and not compiled:
+            pack_weights(loaded.model)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
 
@@ -78,7 +83,10 @@ class LLMEngine:
             eos_token_ids=self.model_config.eos_token_ids,
         )
         runner_args = (loaded.model, num_blocks, config.block_size, self.kv_dtype, self.device, config.attention_backend)
-        self.runner = TensorParallelRunner(self.workers, *runner_args) if self.workers else ModelRunner(*runner_args)
+        compile_max_tokens = config.max_num_batched_tokens if compiled else 0
+        self.runner = (
+            TensorParallelRunner(self.workers, *runner_args) if self.workers else ModelRunner(*runner_args, compile_max_tokens)
+        )
         if config.kv_cache_dtype == "fp8":
             calibrate_kv_scales(self.runner, self.encode(CALIBRATION_TEXT)[: self.max_model_len])
         self.sampler = Sampler(self.model_config.eos_token_ids, config.seed, self.device)

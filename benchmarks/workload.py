@@ -46,3 +46,10 @@ def machine() -> str:
     return (f"Machine: {model.group(1) if model else platform.processor()}, {os.cpu_count()} cores, native bf16: "
             f"{' '.join(native_bf16_flags(text)) or 'none'}; flags seen: {' '.join(sorted(flags)) or 'none'}; "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}.")
+
+
+
+def single_stream(vocab_size: int) -> WorkItem:
+    """The request timed alone (benchmarks/single_stream.py): a 128-token prompt, 65 tokens out."""
+    rng = random.Random(1)
+    return WorkItem([rng.randrange(100, vocab_size) for _ in range(128)], 65)

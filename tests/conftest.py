@@ -156,3 +156,20 @@ def assert_engine_idle(engine: LLMEngine) -> None:
     assert all(b.ref_count == 0 for b in kv.blocks)
     assert not engine.scheduler.waiting and not engine.scheduler.running
     assert not engine.scheduler.requests and not engine.renderers
+
+
+@pytest.fixture(scope="session")
+def small_llama(tmp_path_factory, sentencepiece_tokenizer) -> str:
+    """A random 2-layer Llama directory (tests/tensor_parallel_checks.py), for engine
+    variants compared token for token (tensor parallel, compiled)."""
+    from .tensor_parallel_checks import write_small_llama
+
+    return write_small_llama(tmp_path_factory.mktemp("small-llama"), sentencepiece_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def small_prompts(sentencepiece_tokenizer) -> list[list[int]]:
+    """Five prompts of 7 to 164 tokens."""
+    words = LONG_TEXT.split()
+    texts = ["The quick brown fox", " ".join(words[:20]), " ".join(words[40:130]), "Printers in Venice", " ".join(words[200:230])]
+    return [sentencepiece_tokenizer.encode(t) for t in texts]

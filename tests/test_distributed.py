@@ -23,25 +23,12 @@ from pagedserve.backend import ConfigError, EngineConfig, EngineDeadError, LLMEn
 from pagedserve.backend.distributed import group
 from pagedserve.backend.engine_thread import EngineThread
 
-from .conftest import LONG_TEXT, assert_engine_idle
+from .conftest import assert_engine_idle
 from .tensor_parallel_checks import greedy_margins, worker_processes, write_small_llama
 
 pytestmark = pytest.mark.slow
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def small_llama(tmp_path_factory, sentencepiece_tokenizer) -> str:
-    return write_small_llama(tmp_path_factory.mktemp("small-llama"), sentencepiece_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def small_prompts(sentencepiece_tokenizer) -> list[list[int]]:
-    """Five prompts of 7 to 164 tokens."""
-    words = LONG_TEXT.split()
-    texts = ["The quick brown fox", " ".join(words[:20]), " ".join(words[40:130]), "Printers in Venice", " ".join(words[200:230])]
-    return [sentencepiece_tokenizer.encode(t) for t in texts]
 
 
 @pytest.fixture(scope="module")

@@ -72,3 +72,35 @@ def test_the_bucketed_linear_gives_the_plain_linears_rows():
         out = layer(x)
         assert out.shape == (rows, 96)
         torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_packed_linear_computes_what_the_plain_one_does(dtype):
+    """oneDNN's packed weight (CPU half precision) only reorders the weight: the same product."""
+    import torch.nn.functional as F
+
+    from pagedserve.backend.models.linear import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True).to(dtype)
+    weight = layer.weight.detach().clone()
+    assert layer.pack()
+    for rows in (1, 5, 17, 100, 300):
+        x = torch.randn(rows, 64, dtype=dtype)
+        expected = F.linear(x.float(), weight.float(), layer.bias.float())
+        torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=2e-2)
+    assert not Linear(64, 96).pack()  # float32 (MKL) is not packed
+
+
+def test_packing_releases_the_plain_weights_but_keeps_a_tied_embedding():
+    from pagedserve.backend.model_config import ModelConfig
+    from pagedserve.backend.models.linear import pack_weights
+    from pagedserve.backend.models.llama import LlamaForCausalLM
+
+    config = ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=64, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config, max_positions=64).to(torch.bfloat16)
+    assert pack_weights(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the lm_head
+    assert model.layers[0].mlp.down_proj.weight.numel() == 0
+    assert model.lm_head.weight is model.embed_tokens.weight and model.embed_tokens.weight.numel() == 256 * 64

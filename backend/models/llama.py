@@ -10,7 +10,8 @@ from models/parallel.py; with one rank those are the plain layers.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -106,23 +107,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, parallel)
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rotary: RotaryEmbedding,
-        positions: torch.Tensor,
-        kv_cache: LayerKVCache,
-        meta: AttentionMetadata,
-        kernels: AttentionKernels,
-    ) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of every token, rotated: what the paged attention reads."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = attention(kernels, q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -146,6 +141,17 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, parallel)
+
+    def attention_inputs(
+        self, h: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to its attention: q, k, v of the residual stream h."""
+        return self.self_attn.project(self.input_layernorm(h), rotary, positions)
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer after its attention: output projection, MLP, both residuals."""
+        h = h + self.self_attn.o_proj(attn.reshape(h.shape[0], -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -179,13 +185,63 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
         kernels: AttentionKernels,
+        pieces: ForwardPieces | None = None,
     ) -> torch.Tensor:
-        """Hidden states of every input token, [num_tokens, hidden]."""
-        h = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = h + layer.self_attn(layer.input_layernorm(h), self.rotary, positions, kv_cache, meta, kernels)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+        """Hidden states of every input token, [num_tokens, hidden].
+
+        The layers run as pieces between their attentions (`ForwardPieces`), so that the
+        compiled step (backend/compiled_forward.py) can swap in compiled pieces while the
+        paged attention, whose layout changes every step, stays eager."""
+        pieces = pieces or EAGER_PIECES
+        h, q, k, v = pieces.first(self, input_ids, positions)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            attn = attention(kernels, q, k, v, kv_cache, meta, layer.self_attn.scale)
+            if i == last:
+                return pieces.last(self, layer, h, attn)
+            h, q, k, v = pieces.middle(self, layer, self.layers[i + 1], h, attn, positions)
+        raise ValueError("a model without layers")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""h (the residual stream) and the next layer's q, k, v."""
+
+
+def first_piece(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> Residual:
+    """Embedding, then the first layer up to its attention."""
+    h = model.embed_tokens(input_ids)
+    return (h, *model.layers[0].attention_inputs(h, model.rotary, positions))
+
+
+def middle_piece(
+    model: LlamaForCausalLM,
+    layer: LlamaDecoderLayer,
+    following: LlamaDecoderLayer,
+    h: torch.Tensor,
+    attn: torch.Tensor,
+    positions: torch.Tensor,
+) -> Residual:
+    """One layer after its attention, then the following layer up to its attention."""
+    h = layer.finish(h, attn)
+    return (h, *following.attention_inputs(h, model.rotary, positions))
+
+
+def last_piece(model: LlamaForCausalLM, layer: LlamaDecoderLayer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """The last layer after its attention, then the final norm."""
+    return model.norm(layer.finish(h, attn))
+
+
+@dataclass(frozen=True)
+class ForwardPieces:
+    """The model's work between attentions, as three functions: the same for every
+    layer, so a compiler builds each once (the layers are arguments, not constants)."""
+
+    first: Callable[..., Residual] = first_piece
+    middle: Callable[..., Residual] = middle_piece
+    last: Callable[..., torch.Tensor] = last_piece
+
+
+EAGER_PIECES = ForwardPieces()

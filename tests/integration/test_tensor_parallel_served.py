@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import psutil
-import pytest
 
 from pagedserve.backend import LLMEngine, SamplingParams
 from pagedserve.backend.distributed.workers import WORKER_MODULE
@@ -15,14 +14,9 @@ from pagedserve.client.client import LLMClient
 from pagedserve.client.repository import write_repository
 from pagedserve.client.triton_server import TritonServer
 
-from ..tensor_parallel_checks import worker_processes, write_small_llama
+from ..tensor_parallel_checks import worker_processes
 
 PROMPTS = ["The quick brown fox jumps over", "Once upon a time there was", "Printers in Venice, Paris and Antwerp"]
-
-
-@pytest.fixture(scope="module")
-def small_llama(tmp_path_factory, sentencepiece_tokenizer) -> str:
-    return write_small_llama(tmp_path_factory.mktemp("tp-llama"), sentencepiece_tokenizer)
 
 
 def workers_of(model_path: str) -> list[psutil.Process]:

@@ -1,0 +1,105 @@
+"""The compiled step: the model's work between attentions, compiled once with torch.compile.
+
+Why pieces: the paged attention's layout (which blocks, how many keys per sequence)
+changes every step, and its CPU and Triton kernels are already what a compiler would
+make of it; everything else in a layer (norms, rotary, projections, SiLU, residuals) is
+a chain of small ops whose per-op dispatch dominates a small model's step on CPU and
+batch-1 decode on GPU. So the three `ForwardPieces` (embedding -> first attention,
+attention -> next attention, last attention -> final norm) are compiled, and the
+attention runs eagerly between them, as vLLM's piecewise compilation does.
+
+Each piece takes its layers as arguments, so one compiled graph serves all of them.
+Token rows are symbolic (dynamic shapes): one graph covers every token count; torch
+specialises a count of 1, so warm-up at load runs 1 and 2 rows of every piece and no
+request pays compilation. Where a shape-keyed cache sits under the graph (oneDNN's bf16
+kernels on CPU; CUDA graphs), the runner pads the step's rows to `row_bucket` sizes first
+and the warm-up covers every bucket up to the step's token budget.
+
+On CUDA the pieces are compiled with inductor's CUDA graphs ("reduce-overhead"): each
+bucket's pieces are captured on first use (at warm-up) and replayed after, the eager
+attention launching between them. That branch has not run on a GPU here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+import torch
+
+from .config import EngineConfig
+from .models.linear import row_bucket
+from .models.llama import ForwardPieces, LlamaForCausalLM, first_piece, last_piece, middle_piece
+
+logger = logging.getLogger("pagedserve")
+
+RECOMPILE_LIMIT = 64
+
+
+def compile_cache_dir() -> str:
+    """Inductor's on-disk cache of compiled code, kept across server restarts."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pagedserve", "inductor")
+
+
+class CompiledForward:
+    """The three pieces compiled for one model; counts its compilations (a recompilation
+    after warm-up would mean a request paid for one)."""
+
+    def __init__(self, model: LlamaForCausalLM, device: torch.device, max_tokens: int):
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
+        # torch keeps compiled variants per function, shared by every engine of the process
+        # (tests, a server reloading a model): past the limit it would fall back to eager.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        self.model = model
+        self.device = device
+        self.max_tokens = max_tokens
+        half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+        self.pads_rows = device.type == "cuda" or half
+        """Rows padded to buckets: CUDA graphs and oneDNN's kernels are keyed by shape."""
+        self.options = {"triton.cudagraphs": device.type == "cuda", "emulate_precision_casts": True}
+        self.compilations = 0
+        self.pieces = ForwardPieces(self._compile(first_piece), self._compile(middle_piece), self._compile(last_piece))
+
+    def _compile(self, function: Callable) -> Callable:
+        return torch.compile(function, backend=self._inductor, dynamic=True, fullgraph=True)
+
+    def _inductor(self, graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.compilations += 1
+        return compile_fx(graph, example_inputs, config_patches=self.options)
+
+    def rows(self, num_tokens: int) -> int:
+        """The row count a step of num_tokens tokens runs at."""
+        return row_bucket(num_tokens) if self.pads_rows else num_tokens
+
+    def warm_up(self) -> float:
+        """Compile (and on CUDA capture) every shape a step can take; seconds spent."""
+        started = time.perf_counter()
+        sizes = sorted({self.rows(n) for n in range(1, self.max_tokens + 1)}) if self.pads_rows else [1, 2]
+        with torch.inference_mode():
+            for rows in sizes:
+                self._run_pieces(rows)
+        seconds = time.perf_counter() - started
+        logger.info("compiled step ready in %.1fs: %d graphs, %d row counts warmed", seconds, self.compilations, len(sizes))
+        return seconds
+
+    def _run_pieces(self, rows: int) -> None:
+        """Each piece once at `rows` rows, on placeholder inputs (the KV cache is not touched)."""
+        model, layers = self.model, self.model.layers
+        input_ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        positions = torch.arange(rows, dtype=torch.int64, device=self.device)
+        h, q, _, _ = self.pieces.first(model, input_ids, positions)
+        attn = torch.zeros_like(q)
+        if len(layers) > 1:
+            h, *_ = self.pieces.middle(model, layers[0], layers[1], h, attn, positions)
+        self.pieces.last(model, layers[-1], h, attn)
+
+
+def compile_wanted(config: EngineConfig, device: torch.device) -> bool:
+    """`compile: auto` compiles on CUDA only: on CPU the eager step with packed half-precision
+    weights is faster (inductor takes plain weights), and float32 gained 2% for 4 s of load."""
+    return config.compile == "on" or (config.compile == "auto" and config.compile_supported and device.type == "cuda")
