@@ -48,14 +48,13 @@ class CompiledForward:
     """The three pieces compiled for one model; counts its compilations (a recompilation
     after warm-up would mean a request paid for one)."""
 
-    def __init__(self, model: LlamaForCausalLM, device: torch.device, max_tokens: int):
+    def __init__(self, model: LlamaForCausalLM, device: torch.device):
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
         # torch keeps compiled variants per function, shared by every engine of the process
         # (tests, a server reloading a model): past the limit it would fall back to eager.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.model = model
         self.device = device
-        self.max_tokens = max_tokens
         half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
         self.pads_rows = device.type == "cuda" or half
         """Rows padded to buckets: CUDA graphs and oneDNN's kernels are keyed by shape."""
@@ -76,16 +75,15 @@ class CompiledForward:
         """The row count a step of num_tokens tokens runs at."""
         return row_bucket(num_tokens) if self.pads_rows else num_tokens
 
-    def warm_up(self) -> float:
-        """Compile (and on CUDA capture) every shape a step can take; seconds spent."""
+    def warm_up(self, max_tokens: int) -> None:
+        """Compile (and on CUDA capture) every shape a step of up to max_tokens tokens can take."""
         started = time.perf_counter()
-        sizes = sorted({self.rows(n) for n in range(1, self.max_tokens + 1)}) if self.pads_rows else [1, 2]
+        sizes = sorted({self.rows(n) for n in range(1, max_tokens + 1)}) if self.pads_rows else [1, 2]
         with torch.inference_mode():
             for rows in sizes:
                 self._run_pieces(rows)
-        seconds = time.perf_counter() - started
-        logger.info("compiled step ready in %.1fs: %d graphs, %d row counts warmed", seconds, self.compilations, len(sizes))
-        return seconds
+        logger.info("compiled step ready in %.1fs: %d graphs, %d row counts warmed",
+                    time.perf_counter() - started, self.compilations, len(sizes))
 
     def _run_pieces(self, rows: int) -> None:
         """Each piece once at `rows` rows, on placeholder inputs (the KV cache is not touched)."""

@@ -49,9 +49,9 @@ class ModelRunner:
         self.device = device
         self.attention_kernels = select_attention_kernels(attention_backend, device)
         self.kv_caches = self.allocate_kv(num_blocks, kv_dtype)
-        self.compiled = CompiledForward(model, device, compile_max_tokens) if compile_max_tokens else None
+        self.compiled = CompiledForward(model, device) if compile_max_tokens else None
         if self.compiled:
-            self.compiled.warm_up()
+            self.compiled.warm_up(compile_max_tokens)
 
     def allocate_kv(self, num_blocks: int, dtype: torch.dtype) -> list[LayerKVCache]:
         """Paged K and V per layer for this rank's KV heads (all of them with one rank)."""

@@ -84,7 +84,7 @@ def test_bfloat16_pads_rows_to_buckets_warms_every_one_and_stays_close(engines, 
         assert (got - expected).abs().max() < 0.05 * expected.abs().max()
 
 
-def test_the_bundled_model_compiled_matches_eager_and_transformers(prompts, engine):
+def test_the_bundled_model_compiled_matches_eager(prompts, engine):
     compiled = LLMEngine(dtype="float32", compile="on")
     params = [SamplingParams(max_tokens=16, **GREEDY) for _ in prompts]
     expected = [r.token_ids for r in engine.generate(prompts, params, use_tqdm=False)]
