@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .attention import AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
 from .compiled_forward import CompiledForward
+from .cpu_tuning import advise_huge_pages
 from .models.llama import LlamaForCausalLM
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
@@ -56,10 +57,13 @@ class ModelRunner:
     def allocate_kv(self, num_blocks: int, dtype: torch.dtype) -> list[LayerKVCache]:
         """Paged K and V per layer for this rank's KV heads (all of them with one rank)."""
         shape = (num_blocks, self.block_size, self.model.local_config.num_kv_heads, self.config.head_dim)
-        return [
-            LayerKVCache(torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(self.config.num_layers)
-        ]
+
+        def cache() -> torch.Tensor:
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            advise_huge_pages(tensor)  # CPU: blocks are read from anywhere in it
+            return tensor.zero_()
+
+        return [LayerKVCache(cache(), cache()) for _ in range(self.config.num_layers)]
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         seqs = batch.seqs

@@ -37,7 +37,7 @@ class Sampler:
         logits = self.apply_processors(logits, seqs)
         params = [seq.params for seq in seqs]
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
+            tokens = first_max_index(logits)
         else:
             tokens = self._sample(logits, seqs)
         token_list = tokens.tolist()
@@ -81,7 +81,7 @@ class Sampler:
     # -- sampling --------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
-        greedy = logits.argmax(dim=-1)
+        greedy = first_max_index(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         index = torch.tensor(rows, device=logits.device)
         temps = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=logits.dtype)
@@ -92,7 +92,7 @@ class Sampler:
         for j, i in enumerate(rows):
             generator = seqs[i].generator or self.generator
             noise[j].exponential_(generator=generator)
-        greedy[index] = (probs / noise).argmax(dim=-1)
+        greedy[index] = first_max_index(probs / noise)
         return greedy
 
     def _logprobs(
@@ -143,3 +143,10 @@ def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
         threshold = probs.max(dim=-1, keepdim=True).values * m[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
+
+
+def first_max_index(rows: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim (the first maximum, NaN counting as largest, as argmax).
+    `max(dim).indices` because torch's CPU argmax over a vocabulary is 2-5x slower (1.6 ms
+    of a 32-sequence decode step here); the tests pin equality with argmax, ties included."""
+    return rows.max(dim=-1).indices

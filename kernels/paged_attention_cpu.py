@@ -22,12 +22,13 @@ Where the reference loses time on CPU, and what this module does instead:
   they are built once per step (`step_plan`: the last plan is reused while the metadata
   is equal), not once per layer.
 
-K/V rows are still copied by `index_select` (only the rows a step reads) before the flash
-kernel reads them: torch has no CPU matmul that reads through a block table, and the
-variants that avoid the copy (V read in place by `embedding_bag`, K by compiled gathers)
-were slower or less accurate here (benchmarks/RESULTS.md, "CPU paged attention"). The
-decode gain is therefore small (padding and per-layer index work removed); prefill and
-mixed steps gain most.
+Decodes of float32 and bfloat16 caches go first to the C loop in
+kernels/paged_decode_cpu.py, which reads each key and value row once, in place, through
+the block table. The torch-op decode below is what runs where that loop is not built (no
+C compiler), for float16 and fp8 caches, and with native=False. It copies K/V rows by
+`index_select` (only the rows a step reads) before the flash kernel reads them: torch has
+no CPU matmul that reads through a block table (benchmarks/RESULTS.md, "CPU paged
+attention", for the torch-op variants measured).
 
 The decode path calls `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`, the
 op behind CPU flash SDPA, for its log-sum-exp (the public SDPA does not return it).
@@ -45,6 +46,7 @@ import torch.nn.functional as F
 
 from .numerics import cdiv
 from .paged_attention import is_fp8, kv_scales
+from .paged_decode_cpu import native_decode, paged_decode, supports
 
 CHUNK_KEYS = 128
 """Keys per decode split: measured best of 64/128/256 on SmolLM2 shapes."""
@@ -67,6 +69,8 @@ class DecodePlan:
     key_valid: torch.Tensor | None  # [num_chunks, chunk_keys]; None when every chunk is full
     merge_index: torch.Tensor | None  # [num_chunks] cell in a [num_decodes * max_chunks] grid; None: one chunk each
     max_chunks: int
+    tables: torch.Tensor  # int32 [num_decodes, max_blocks]: the decodes' block-table rows (the C decode's input)
+    lens: torch.Tensor  # int32 [num_decodes]
     masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -120,11 +124,13 @@ def paged_attention_cpu(
     v_scale: float | torch.Tensor | None = None,
     max_seq_len: int | None = None,
     chunk_keys: int | None = None,
+    native: bool = True,
 ) -> torch.Tensor:
     """CPU twin of `paged_attention_ref` (same arguments; max_seq_len is not needed).
 
-    chunk_keys (keyword-only, for tests/benchmarks) forces the decode split size; it is
-    capped at the longest context rounded up to CHUNK_KEYS, which means no split."""
+    Keyword-only, for tests and benchmarks: chunk_keys forces the torch-op decode's split
+    size (capped at the longest context rounded up to CHUNK_KEYS, which means no split);
+    native=False keeps decodes on the torch ops even where the C decode is built."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     if query.shape[1] % num_kv_heads or query.shape[2] != head_dim:
         raise ValueError(f"query {tuple(query.shape)} does not match cache {tuple(key_cache.shape)}")
@@ -134,7 +140,7 @@ def paged_attention_cpu(
     plan = step_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1], chunk_keys)
     ks, vs = kv_scales(key_cache, k_scale, v_scale)
     keys, values = KVRows(key_cache, ks, query.dtype), KVRows(value_cache, vs, query.dtype)
-    if plan.decode is not None:
+    if plan.decode is not None and not (native and _native_decode(query, key_cache, value_cache, out, plan.decode, scale)):
         out.index_copy_(0, plan.decode.tokens, _decode(query, keys, values, plan.decode, scale))
     for prefill in plan.prefills:
         out[prefill.start : prefill.end] = _prefill(query, keys, values, prefill, scale)
@@ -157,6 +163,15 @@ class KVRows:
         if self.fp8:
             return (rows.view(self.cache_dtype).float() * self.scale).to(self.dtype)
         return rows.to(self.dtype)
+
+
+def _native_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                   plan: DecodePlan, scale: float) -> bool:
+    """The decodes by the C loop that reads the cache in place (kernels/paged_decode_cpu.py),
+    when it is built and takes these dtypes; False: the caller runs the torch-op decode."""
+    function = native_decode() if supports(query, key_cache) else None
+    return function is not None and paged_decode(function, query, key_cache, value_cache, out, plan.tables, plan.lens,
+                                                 plan.tokens, scale)
 
 
 def _decode(query: torch.Tensor, keys: KVRows, values: KVRows, plan: DecodePlan, scale: float) -> torch.Tensor:
@@ -276,6 +291,8 @@ def _decode_plan(tables: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor,
         key_valid=None if bool(valid.all()) else valid,
         merge_index=owner * max_chunks + chunk if max_chunks > 1 else None,
         max_chunks=max_chunks,
+        tables=tables.to(torch.int32).contiguous(),
+        lens=lens.to(torch.int32).contiguous(),
     )
 
 

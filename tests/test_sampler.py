@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pagedserve.backend.sampler import Sampler
+from pagedserve.backend.sampler import Sampler, first_max_index
 from pagedserve.backend.sampling_params import SamplingParams
 from pagedserve.backend.sequence import Sequence
 
@@ -39,6 +39,18 @@ LOGITS = torch.tensor([[0.0, 3.0, 2.5, 2.0, 1.0, 0.5, -1.0, -2.0]])
 
 def test_greedy_is_the_argmax():
     assert sampler()(LOGITS.clone(), [seq(SamplingParams(temperature=0))]).token_ids == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax(dtype):
+    """Greedy output must not change with the reduction torch uses: ties (common in
+    bfloat16 logits) and NaN/inf rows pick what argmax picks."""
+    g = torch.Generator().manual_seed(0)
+    ties = torch.randint(0, 4, (64, 49152), generator=g).to(dtype)
+    assert torch.equal(first_max_index(ties), ties.argmax(dim=-1))
+    odd = torch.zeros(3, 100, dtype=dtype)
+    odd[0, 5], odd[0, 9], odd[1, 7], odd[1, 9] = float("nan"), 1.0, float("inf"), float("inf")
+    assert torch.equal(first_max_index(odd), odd.argmax(dim=-1))
 
 
 def test_top_k_keeps_only_the_k_most_likely():

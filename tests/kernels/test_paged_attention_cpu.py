@@ -73,9 +73,10 @@ def batch(kind: str, heads: str, head_dim: int, block_size: int, dtype: torch.dt
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("kind", ["decode", "prefill", "prefix", "mixed"])
-def test_matches_reference(kind, heads, head_dim, block_size, dtype):
+@pytest.mark.parametrize("native", [True, False], ids=["c-decode", "torch-op-decode"])
+def test_matches_reference(kind, heads, head_dim, block_size, dtype, native):
     b = batch(kind, heads, head_dim, block_size, dtype)
-    assert rel_err(b.run(paged_attention_cpu), b.reference()) < TOL[dtype]
+    assert rel_err(b.run(paged_attention_cpu, native=native), b.reference()) < TOL[dtype]
 
 
 def test_float16_and_head_dim_80():
@@ -88,7 +89,7 @@ def test_split_sizes_agree(chunk_keys):
     """Split-KV with one, two or many chunks per decode: same result (the merge is exact
     up to rounding); 8 * CHUNK_KEYS covers every context here, so nothing is merged."""
     b = batch("decode", "gqa3", 64, 16, torch.float32)
-    assert rel_err(b.run(paged_attention_cpu, chunk_keys=chunk_keys), b.reference()) < TOL[torch.float32]
+    assert rel_err(b.run(paged_attention_cpu, chunk_keys=chunk_keys, native=False), b.reference()) < TOL[torch.float32]
 
 
 def test_full_chunks_need_no_mask():
@@ -96,7 +97,7 @@ def test_full_chunks_need_no_mask():
     b = Batch([1, 1], [CHUNK_KEYS, 2 * CHUNK_KEYS], 9, 3, 64, seed=3, device=CPU)
     plan = build_plan(b.block_tables, b.seq_lens, b.query_start_loc, 16, CHUNK_KEYS)
     assert plan.decode.key_valid is None and plan.decode.max_chunks == 2
-    assert rel_err(b.run(paged_attention_cpu, chunk_keys=CHUNK_KEYS), b.reference()) < TOL[torch.float32]
+    assert rel_err(b.run(paged_attention_cpu, chunk_keys=CHUNK_KEYS, native=False), b.reference()) < TOL[torch.float32]
 
 
 def test_chunk_choice():

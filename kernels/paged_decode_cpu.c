@@ -1,0 +1,343 @@
+/* Paged decode attention for CPU: every decode's keys and values read once, in place,
+ * through its block table (no gathered copy), fp32 math.
+ *
+ * Built at first use by kernels/paged_decode_cpu.py with the machine's C compiler
+ * (-O3 -march=native -fopenmp) and called through ctypes; threads come from the OpenMP
+ * runtime torch already loaded. One work item is one (decode, KV head) pair: the
+ * query heads of that group share each key and value row as it streams past.
+ * Two passes per item: scores of every key (K read once), softmax, then the weighted
+ * sum of values (V read once). The torch reference (kernels/paged_attention.py) is the
+ * test oracle.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+#define MAX_GROUP 16
+#define MAX_DIM 256
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* A row of `dim` cache values as fp32 into `dst` (the compiler vectorises both loops). */
+static inline void load_row(const void* base, int64_t index, int dim, int dtype, float* restrict dst) {
+    if (dtype == DTYPE_BF16) {
+        const uint16_t* src = (const uint16_t*)base + index;
+        for (int d = 0; d < dim; ++d) dst[d] = bf16_to_f32(src[d]);
+    } else {
+        const float* src = (const float*)base + index;
+        for (int d = 0; d < dim; ++d) dst[d] = src[d];
+    }
+}
+
+static inline float dot(const float* restrict a, const float* restrict b, int dim) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int d = 0; d < dim; ++d) s += a[d] * b[d];
+    return s;
+}
+
+/* One (decode, KV head): `group` query heads against `len` keys. `dim` is passed as a
+ * constant by the callers below so the loops unroll for the common head sizes. */
+static inline void attend_item(
+    const void* query, const void* key_cache, const void* value_cache, void* out,
+    const int32_t* table, int len, int64_t q_row, int kv_head, int heads, int kv_heads, int dim,
+    int block_size, int group, float scale, int dtype, float* restrict scores) {
+    float q[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], row[MAX_DIM];
+    for (int g = 0; g < group; ++g) {
+        load_row(query, (q_row * heads + (int64_t)kv_head * group + g) * dim, dim, dtype, q[g]);
+        for (int d = 0; d < dim; ++d) q[g][d] *= scale;
+    }
+    const int64_t token_stride = (int64_t)kv_heads * dim;
+    for (int t = 0; t < len; ++t) {
+        int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        load_row(key_cache, slot * token_stride + (int64_t)kv_head * dim, dim, dtype, row);
+        for (int g = 0; g < group; ++g) scores[g * len + t] = dot(q[g], row, dim);
+    }
+    float total[MAX_GROUP];
+    for (int g = 0; g < group; ++g) {
+        float* s = scores + g * len;
+        float top = -INFINITY;
+        for (int t = 0; t < len; ++t) top = s[t] > top ? s[t] : top;
+        float sum = 0.f;
+        for (int t = 0; t < len; ++t) {
+            s[t] = expf(s[t] - top);
+            sum += s[t];
+        }
+        total[g] = sum;
+        memset(acc[g], 0, sizeof(float) * dim);
+    }
+    for (int t = 0; t < len; ++t) {
+        int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        load_row(value_cache, slot * token_stride + (int64_t)kv_head * dim, dim, dtype, row);
+        for (int g = 0; g < group; ++g) {
+            float p = scores[g * len + t];
+#pragma omp simd
+            for (int d = 0; d < dim; ++d) acc[g][d] += p * row[d];
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        int64_t at = (q_row * heads + (int64_t)kv_head * group + g) * dim;
+        float inv = 1.f / total[g];
+        if (dtype == DTYPE_BF16) {
+            uint16_t* o = (uint16_t*)out + at;
+            for (int d = 0; d < dim; ++d) o[d] = f32_to_bf16(acc[g][d] * inv);
+        } else {
+            float* o = (float*)out + at;
+            for (int d = 0; d < dim; ++d) o[d] = acc[g][d] * inv;
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The same item with AVX-512: a key row is read as dim/16 fp32 vectors (bf16 widened, or
+ * with AVX512_BF16 multiplied as bf16 pairs by vdpbf16ps, products and sums in fp32),
+ * each query head's 16-lane partial dot products are kept for 16 keys and summed across
+ * lanes together (a transpose-add: ~3 instructions per score, not ~8), and the value pass
+ * keeps the group's accumulators in registers. group and dim are constants at each call. */
+
+static inline __m512 widen_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+static inline __m512 load16(const void* base, int64_t index, int dtype) {
+    return dtype == DTYPE_BF16 ? widen_bf16((const uint16_t*)base + index) : _mm512_loadu_ps((const float*)base + index);
+}
+
+#define MAX_FAST_GROUP 8
+#define MAX_FAST_DIM 128
+
+/* exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) split into an integer power
+ * (scalef) and 2^f, f in [-0.5, 0.5], by a degree-6 polynomial; relative error ~2e-7. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 tail_mask(int remaining) {
+    return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1u);
+}
+
+/* s[0..len) <- exp(s - max s); returns their sum. */
+static inline float softmax_in_place(float* s, int len) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < len; t += 16)
+        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(len - t), s + t));
+    __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top)), sum = _mm512_setzero_ps();
+    for (int t = 0; t < len; t += 16) {
+        __mmask16 k = tail_mask(len - t);
+        __m512 e = _mm512_maskz_mov_ps(k, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m)));
+        _mm512_mask_storeu_ps(s + t, k, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+#define PREFETCH_AHEAD 8
+
+/* Ask for `bytes` of the key row `ahead` keys on, from element `from` of the token's row:
+ * blocks lie anywhere, so the hardware prefetcher cannot guess the next one. */
+static inline void prefetch_row(const void* cache, const int32_t* table, int t, int len, int block_size,
+                                int64_t token_stride, int64_t from, int bytes, int dtype) {
+    if (t >= len) return;
+    int64_t at = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride + from;
+    const char* p = (const char*)cache + at * (dtype == DTYPE_BF16 ? 2 : 4);
+    for (int b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+/* r[i] = sum of the 16 lanes of v[i], for 16 vectors. */
+static inline __m512 lane_sums(__m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; ++i)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; ++i)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+static inline __attribute__((always_inline)) void attend_item_avx512(
+    const void* query, const void* key_cache, const void* value_cache, void* out,
+    const int32_t* table, int len, int64_t q_row, int kv_head, int heads, int kv_heads, const int dim,
+    int block_size, const int group, float scale, const int dtype, float* restrict scores, int whole_rows) {
+    const int n = dim / 16;
+    const int64_t token_stride = (int64_t)kv_heads * dim, head_at = (int64_t)kv_head * dim;
+    const int64_t q_at = (q_row * heads + (int64_t)kv_head * group) * dim;
+    /* An item of all KV heads (whole_rows) reads each token's row whole: its first head
+     * prefetches all of it (consecutive rows, consecutive blocks: what DRAM streams
+     * fastest), the others find it in L2. Else each head prefetches its own part. */
+    const int64_t prefetch_from = whole_rows ? 0 : head_at;
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int prefetch_bytes = whole_rows ? (kv_head == 0 ? (int)token_stride * elem : 0) : dim * elem;
+#if defined(__AVX512BF16__)
+    const int pairs = dtype == DTYPE_BF16;
+#else
+    const int pairs = 0;
+#endif
+    __m512 q[MAX_FAST_GROUP][MAX_FAST_DIM / 16];
+    for (int g = 0; g < group; ++g)
+        for (int j = 0; j < n; ++j) q[g][j] = load16(query, q_at + (int64_t)g * dim + 16 * j, dtype);
+    __m512 partial[MAX_FAST_GROUP][16];
+    for (int t0 = 0; t0 < len; t0 += 16) {
+        for (int i = 0; i < 16; ++i) {
+            int t = t0 + i;
+            if (t >= len) {
+                for (int g = 0; g < group; ++g) partial[g][i] = _mm512_setzero_ps();
+                continue;
+            }
+            int64_t at = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride + head_at;
+            prefetch_row(key_cache, table, t + PREFETCH_AHEAD, len, block_size, token_stride, prefetch_from, prefetch_bytes, dtype);
+#if defined(__AVX512BF16__)
+            if (pairs) {
+                const uint16_t* k = (const uint16_t*)key_cache + at;
+                for (int g = 0; g < group; ++g) {
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int j = 0; j < n / 2; ++j) {
+                        __m512bh kk = (__m512bh)_mm512_loadu_si512(k + 32 * j);
+                        __m512bh qq = (__m512bh)_mm512_loadu_si512((const uint16_t*)query + q_at + (int64_t)g * dim + 32 * j);
+                        acc = _mm512_dpbf16_ps(acc, qq, kk);
+                    }
+                    partial[g][i] = acc;
+                }
+                continue;
+            }
+#endif
+            __m512 k[MAX_FAST_DIM / 16];
+            for (int j = 0; j < n; ++j) k[j] = load16(key_cache, at + 16 * j, dtype);
+            for (int g = 0; g < group; ++g) {
+                __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
+                for (int j = 1; j < n; ++j) acc = _mm512_fmadd_ps(q[g][j], k[j], acc);
+                partial[g][i] = acc;
+            }
+        }
+        for (int g = 0; g < group; ++g) {
+            __m512 s = _mm512_mul_ps(lane_sums(partial[g]), _mm512_set1_ps(scale));
+            int valid = len - t0 < 16 ? len - t0 : 16;
+            _mm512_mask_storeu_ps(scores + g * len + t0, (__mmask16)((1u << valid) - 1u), s);
+        }
+    }
+    (void)pairs;
+    float total[MAX_FAST_GROUP];
+    for (int g = 0; g < group; ++g) total[g] = softmax_in_place(scores + g * len, len);
+    __m512 acc[MAX_FAST_GROUP][MAX_FAST_DIM / 16];
+    for (int g = 0; g < group; ++g)
+        for (int j = 0; j < n; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (int t = 0; t < len; ++t) {
+        int64_t at = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride + head_at;
+        prefetch_row(value_cache, table, t + PREFETCH_AHEAD, len, block_size, token_stride, prefetch_from, prefetch_bytes, dtype);
+        __m512 v[MAX_FAST_DIM / 16];
+        for (int j = 0; j < n; ++j) v[j] = load16(value_cache, at + 16 * j, dtype);
+        for (int g = 0; g < group; ++g) {
+            __m512 p = _mm512_set1_ps(scores[g * len + t]);
+            for (int j = 0; j < n; ++j) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        float o[MAX_FAST_DIM];
+        __m512 inv = _mm512_set1_ps(1.f / total[g]);
+        for (int j = 0; j < n; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[g][j], inv));
+        int64_t at = q_at + (int64_t)g * dim;
+        if (dtype == DTYPE_BF16)
+            for (int d = 0; d < dim; ++d) ((uint16_t*)out)[at + d] = f32_to_bf16(o[d]);
+        else
+            memcpy((float*)out + at, o, sizeof(float) * dim);
+    }
+}
+
+#define AVX512_CASE(DIM, GROUP, DTYPE)                                                                    \
+    if (dim == DIM && group == GROUP && dtype == DTYPE) {                                                 \
+        attend_item_avx512(query, key_cache, value_cache, out, table, len, q_row, kv_head, heads, kv_heads, \
+                           DIM, block_size, GROUP, scale, DTYPE, scores, whole_rows);                     \
+        return 1;                                                                                         \
+    }
+#define AVX512_GROUPS(DIM, DTYPE) \
+    AVX512_CASE(DIM, 1, DTYPE) AVX512_CASE(DIM, 2, DTYPE) AVX512_CASE(DIM, 3, DTYPE) AVX512_CASE(DIM, 4, DTYPE) \
+    AVX512_CASE(DIM, 5, DTYPE) AVX512_CASE(DIM, 6, DTYPE) AVX512_CASE(DIM, 7, DTYPE) AVX512_CASE(DIM, 8, DTYPE)
+
+/* The specialised item for (dim, group, dtype) if there is one; 0: use the portable loop. */
+static int attend_item_fast(
+    const void* query, const void* key_cache, const void* value_cache, void* out,
+    const int32_t* table, int len, int64_t q_row, int kv_head, int heads, int kv_heads, int dim,
+    int block_size, int group, float scale, int dtype, float* restrict scores, int whole_rows) {
+    AVX512_GROUPS(64, DTYPE_BF16) AVX512_GROUPS(64, DTYPE_F32)
+    AVX512_GROUPS(128, DTYPE_BF16) AVX512_GROUPS(128, DTYPE_F32)
+    return 0;
+}
+#else
+static int attend_item_fast(
+    const void* query, const void* key_cache, const void* value_cache, void* out,
+    const int32_t* table, int len, int64_t q_row, int kv_head, int heads, int kv_heads, int dim,
+    int block_size, int group, float scale, int dtype, float* restrict scores, int whole_rows) {
+    return 0;
+}
+#endif
+
+/* query/out: [tokens, heads, dim]; caches: [blocks, block_size, kv_heads, dim];
+ * tables: [num_decodes, table_width] (this step's decodes only); lens, rows: per decode.
+ * Returns 0, or -1 when a shape is beyond the fixed buffers (the caller falls back). */
+int paged_decode(
+    const void* query, const void* key_cache, const void* value_cache, void* out,
+    const int32_t* tables, int64_t table_width, const int32_t* lens, const int64_t* rows,
+    int num_decodes, int heads, int kv_heads, int dim, int block_size, float scale, int dtype,
+    int num_threads) {
+    int group = heads / kv_heads;
+    if (group > MAX_GROUP || dim > MAX_DIM || heads % kv_heads) return -1;
+    /* Work items: whole decodes (all KV heads, rows read whole) when there are enough of
+     * them to share out, else (decode, KV head) pairs so a few long decodes still use
+     * every thread. */
+    int whole_rows = num_decodes >= 2 * num_threads;
+    int per_item = whole_rows ? kv_heads : 1;
+    int items = num_decodes * (kv_heads / per_item);
+#pragma omp parallel num_threads(num_threads)
+    {
+        float* scores = NULL;
+        int capacity = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < items; ++item) {
+            int i = item * per_item / kv_heads, len = lens[i];
+            if (len * group > capacity) {
+                free(scores);
+                capacity = len * group;
+                scores = (float*)malloc(sizeof(float) * capacity);
+            }
+            const int32_t* table = tables + (int64_t)i * table_width;
+            for (int h = item * per_item % kv_heads, last = h + per_item; h < last; ++h) {
+                if (attend_item_fast(query, key_cache, value_cache, out, table, len, rows[i], h, heads, kv_heads, dim,
+                                     block_size, group, scale, dtype, scores, whole_rows))
+                    continue;
+                attend_item(query, key_cache, value_cache, out, table, len, rows[i], h, heads, kv_heads, dim,
+                            block_size, group, scale, dtype, scores);
+            }
+        }
+        free(scores);
+    }
+    return 0;
+}
