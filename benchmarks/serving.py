@@ -1,8 +1,16 @@
 """Serving benchmark, side by side in one run: pagedserve in-flight batching vs
 pagedserve static batching (batches of 8) vs a naive transformers server (one request
-at a time), all started by this script on the same model, dtype and seeded workload,
-all measured by the same load generator (client/loadgen/; the definitions of TTFT, ITL,
-TPOT and throughput are in the docstring of client/loadgen/stats.py).
+at a time) vs vLLM's CPU build serving its own OpenAI-compatible server, all started by
+this script on the same model, dtype and seeded workload, all measured by the same load
+generator (client/loadgen/; the definitions of TTFT, ITL, TPOT and throughput are in the
+docstring of client/loadgen/stats.py).
+
+Reference, not a server: "offline" runs each closed-loop point's exact requests (same
+token ids, output lengths, greedy, ignore_eos) through pagedserve's engine in-process
+(LLMEngine.generate, every request queued at once) with max_num_seqs = the point's
+concurrency, the batch limit the served run had. Served in-flight throughput over it is
+what serving costs (the goal: >= 0.85); the report gives that ratio per concurrency, and
+pagedserve / vLLM throughput and TTFT p99 wherever both ran.
 
 Sweeps: closed loop at each concurrency (throughput under load), then open loop with
 Poisson arrivals at each request rate (latency under a given load). Request i is the
@@ -18,9 +26,13 @@ Writes its section of RESULTS.md (tables, plots, conditions) and the PNGs under 
     python benchmarks/serving.py            # full sweep, ~30-45 min on 2 CPU cores
     python benchmarks/serving.py --quick    # a few minutes, results under a temp dir
     python benchmarks/serving.py --systems inflight,naive --concurrency 1,8 --rates 1
+    python benchmarks/serving.py --systems inflight,static,naive,vllm,offline   # every system
 
 pagedserve is driven over gRPC streaming (--pagedserve-protocol http for Triton's
-generate_stream); the naive server only speaks HTTP/SSE (benchmarks/naive_server.py).
+generate_stream); the naive server only speaks HTTP/SSE (benchmarks/naive_server.py);
+vLLM is driven over /v1/completions (SSE). vLLM runs from its own venv: set it up once
+with `python benchmarks/peers/vllm_cpu.py --setup`; without it that system fails with
+that command and the others run.
 """
 
 from __future__ import annotations
@@ -39,7 +51,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from pagedserve.client.loadgen import BenchConfig, Summary, Workload, load_workload, run_benchmark_async
+from peers import vllm_cpu
+
+from pagedserve.client.loadgen import (BenchConfig, BenchResult, RequestRecord, Summary, Workload, load_workload,
+                                       measured_requests, run_benchmark_async, summarize)
 from pagedserve.client.repository import write_repository
 from pagedserve.client.process import ServerProcess, free_port, http_status
 from pagedserve.client.triton_server import TritonServer
@@ -50,8 +65,12 @@ SYSTEM_NAMES = {
     "inflight": "pagedserve in-flight batching",
     "static": "pagedserve static batching (8)",
     "naive": "naive transformers server",
+    "vllm": f"vLLM-CPU {vllm_cpu.VERSION} (its OpenAI server)",
+    "offline": "pagedserve offline (in-process, same requests)",
 }
-COLORS = {"inflight": "tab:blue", "static": "tab:orange", "naive": "tab:red"}
+COLORS = {"inflight": "tab:blue", "static": "tab:orange", "naive": "tab:red", "vllm": "tab:green", "offline": "tab:gray"}
+PROTOCOLS = {"naive": "http", "vllm": "openai"}
+"""How the load generator talks to each server other than pagedserve's (--pagedserve-protocol)."""
 
 
 @dataclass
@@ -79,31 +98,38 @@ class SystemRun:
 # --------------------------------------------------------------------------- systems
 
 
-class NaiveProcess:
-    """benchmarks/naive_server.py as a subprocess; ready when /v2/health/ready answers."""
+class LocalServer:
+    """A server subprocess on 127.0.0.1:`port`, ready when GET `ready_path` answers 200:
+    the naive server and vLLM's, which (unlike tritonserver) have no wrapper of their own."""
 
-    def __init__(self, dtype: str, log_file: Path):
-        self.port = free_port()
-        self.process = ServerProcess(
-            [sys.executable, str(HERE / "naive_server.py"), "--port", str(self.port), "--dtype", dtype],
-            log_file, name="naive server",
-        )
+    def __init__(self, process: ServerProcess, port: int, ready_path: str):
+        self.process, self.port, self.ready_path = process, port, ready_path
 
     @property
     def url(self) -> str:
-        return f"localhost:{self.port}"
+        return f"127.0.0.1:{self.port}"
 
     @property
     def log_file(self) -> str | os.PathLike[str] | None:
         return self.process.log_file
 
     def start(self, timeout: float = 600) -> None:
-        ready_url = f"http://{self.url}/v2/health/ready"
+        ready_url = f"http://{self.url}{self.ready_path}"
         self.process.start()
         self.process.wait_ready(lambda: http_status(ready_url) == 200, time.monotonic() + timeout, poll_s=0.5)
 
     def stop(self) -> None:
+        """SIGTERM, then the whole process group (vLLM's engine core is a child)."""
         self.process.stop(timeout=20)
+
+
+def local_server(system: str, dtype: str, logs: Path) -> LocalServer:
+    """The naive server (benchmarks/naive_server.py) or vLLM's (benchmarks/peers/vllm_cpu.py), not started."""
+    port = free_port()
+    if system == "vllm":
+        return LocalServer(vllm_cpu.server_process(dtype, port, logs / "vllm_server.log"), port, vllm_cpu.READY_PATH)
+    command = [sys.executable, str(HERE / "naive_server.py"), "--port", str(port), "--dtype", dtype]
+    return LocalServer(ServerProcess(command, logs / "naive_server.log", name="naive server"), port, "/v2/health/ready")
 
 
 def engine_settings(system: str, dtype: str) -> dict[str, str]:
@@ -122,8 +148,8 @@ class Target:
 
     def __init__(self, system: str, args: argparse.Namespace, workdir: Path):
         self.system, self.args, self.workdir = system, args, workdir
-        self.protocol = "http" if system == "naive" else args.pagedserve_protocol
-        self.server: TritonServer | NaiveProcess | None = None
+        self.protocol = PROTOCOLS.get(system, args.pagedserve_protocol)
+        self.server: TritonServer | LocalServer | None = None
         self.starts = 0
 
     def start(self) -> str:
@@ -131,9 +157,8 @@ class Target:
         self.starts += 1
         logs = self.workdir / f"{self.system}-{self.starts}"
         logs.mkdir(parents=True, exist_ok=True)
-        if self.system == "naive":
-            server = NaiveProcess(self.args.dtype, logs / "naive_server.log")
-            self.server = server
+        if self.system in PROTOCOLS:
+            server = self.server = local_server(self.system, self.args.dtype, logs)
             server.start(timeout=600)
             return server.url
         repository = write_repository(logs / "model_repository", engine=engine_settings(self.system, self.args.dtype))
@@ -181,6 +206,7 @@ def run_system(system: str, args: argparse.Namespace, workload: Workload, workdi
         run.failure = f"did not start: {exc}"
         report(f"[{system}] {run.failure}")
         target.stop()
+        run.loadavg_after = os.getloadavg()
         return run
     run.startup_s = time.perf_counter() - started
     report(f"[{system}] ready in {run.startup_s:.0f} s at {url} ({target.protocol})")
@@ -189,14 +215,7 @@ def run_system(system: str, args: argparse.Namespace, workload: Workload, workdi
         plan = [("closed", float(c)) for c in args.concurrency] + [("open", r) for r in args.rates]
         for mode, load in plan:
             for attempt in (1, 2):
-                config = BenchConfig(
-                    url=url, protocol=target.protocol, model_name="llm", num_requests=requests_for(mode, load, args),
-                    concurrency=int(load) if mode == "closed" else 1,
-                    request_rate=load if mode == "open" else None,
-                    prompt_len_mean=args.prompt_len_mean, prompt_len_range=args.prompt_len_range,
-                    output_len=args.output_len, output_len_range=args.output_len_range,
-                    seed=args.seed, warmup=0 if warm else args.warmup, request_timeout=args.request_timeout,
-                )
+                config = point_config(mode, load, args, url, target.protocol, warmup=0 if warm else args.warmup)
                 warm = True
                 t = time.perf_counter()
                 result = asyncio.run(run_benchmark_async(config, workload, progress=args.progress))
@@ -222,6 +241,59 @@ def run_system(system: str, args: argparse.Namespace, workload: Workload, workdi
         report(f"[{system}] {run.failure}")
     finally:
         target.stop()
+        run.loadavg_after = os.getloadavg()
+    return run
+
+
+def point_config(mode: str, load: float, args: argparse.Namespace, url: str = "", protocol: str = "grpc",
+                 warmup: int = 0) -> BenchConfig:
+    """The load generator's settings at one sweep point; the offline reference takes its
+    requests from the same settings, so it runs exactly what the servers were sent."""
+    return BenchConfig(
+        url=url, protocol=protocol, model_name="llm", num_requests=requests_for(mode, load, args),
+        concurrency=int(load) if mode == "closed" else 1, request_rate=load if mode == "open" else None,
+        prompt_len_mean=args.prompt_len_mean, prompt_len_range=args.prompt_len_range,
+        output_len=args.output_len, output_len_range=args.output_len_range,
+        seed=args.seed, warmup=warmup, request_timeout=args.request_timeout,
+    )
+
+
+def run_offline_reference(args: argparse.Namespace, workload: Workload, report: Callable[[str], None],
+                          raw: list[dict[str, Any]] | None = None) -> SystemRun:
+    """Each closed-loop point's requests through pagedserve's engine in-process
+    (offline_throughput.run_pagedserve: warm-up, then one LLMEngine.generate of them all,
+    prefix caching off) with max_num_seqs = the concurrency: the throughput the served
+    engine would have without Triton, the transport and the client. No per-request
+    timings (every request is queued at once), so its latency columns stay empty."""
+    from offline_throughput import run_pagedserve
+    from workload import WorkItem
+
+    from pagedserve.backend.model_files import default_model_path
+    from pagedserve.backend.tokenizer import encode_prompt, load_tokenizer
+
+    run = SystemRun("offline", loadavg_before=os.getloadavg())
+    report(f"[offline] {SYSTEM_NAMES['offline']}: closed-loop points only")
+    tokenizer = load_tokenizer(default_model_path())  # the one the served model encodes prompts with
+    try:
+        for concurrency in args.concurrency:
+            config = point_config("closed", concurrency, args)
+            specs = measured_requests(config, workload)
+            work = [WorkItem(encode_prompt(tokenizer, spec.prompt), spec.max_tokens) for spec in specs]
+            t = time.perf_counter()
+            row = run_pagedserve(work, args.dtype, "inflight", batch=concurrency, progress=args.progress)
+            records = [RequestRecord(spec.index, 0.0, 0.0, end=row.seconds, prompt_tokens=len(item.prompt_token_ids),
+                                     output_tokens=item.output_len, requested_output_tokens=item.output_len)
+                       for spec, item in zip(specs, work)]
+            point = Point("offline", "closed", float(concurrency), summarize(records), time.perf_counter() - t)
+            run.points.append(point)
+            report(f"[offline] {describe(point)}")
+            if raw is not None:
+                raw.append({"system": "offline", "mode": "closed", "load": point.load}
+                           | BenchResult(config, point.summary, records).to_json())
+    except Exception as exc:  # noqa: BLE001 (keep what was measured; the servers still run)
+        run.failure = f"stopped early: {type(exc).__name__}: {exc}"
+        report(f"[offline] {run.failure}")
+    finally:
         run.loadavg_after = os.getloadavg()
     return run
 
@@ -297,7 +369,7 @@ def plot(runs: list[SystemRun], plots_dir: Path) -> dict[str, Path]:
         for run in runs:
             pts = [p for p in closed(run) if value(p.summary) is not None]
             if pts:
-                ax.plot([p.load for p in pts], [value(p.summary) for p in pts], "o-",
+                ax.plot([p.load for p in pts], [value(p.summary) for p in pts], "o--" if run.system == "offline" else "o-",
                         color=COLORS[run.system], label=SYSTEM_NAMES[run.system])
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({p.load for r in runs for p in closed(r)}) or [1])
@@ -306,7 +378,8 @@ def plot(runs: list[SystemRun], plots_dir: Path) -> dict[str, Path]:
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
         fig.tight_layout()
         paths[name] = plots_dir / f"serving_{name}_vs_concurrency.png"
         fig.savefig(paths[name], dpi=120)
@@ -332,7 +405,8 @@ def plot(runs: list[SystemRun], plots_dir: Path) -> dict[str, Path]:
     ax.set_ylabel("time to first token (s, log scale)")
     ax.set_title("TTFT vs request rate")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no open-loop points (--rates "")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     paths["ttft"] = plots_dir / "serving_ttft_vs_rate.png"
     fig.savefig(paths["ttft"], dpi=120)
@@ -360,7 +434,19 @@ def conditions(args: argparse.Namespace, runs: list[SystemRun], started: datetim
         f"pagedserve: default engine settings except dtype and enable_prefix_caching=false; static: scheduling_policy=static, "
         f"max_num_seqs=8; driven over {args.pagedserve_protocol}. Naive: benchmarks/naive_server.py (transformers "
         f"generate, one request at a time, SSE over HTTP).",
-    ]
+    ] + [line for system, line in REFERENCE_CONDITIONS.items() if system in args.systems]
+
+
+REFERENCE_CONDITIONS = {
+    "vllm": f"vLLM-CPU {vllm_cpu.VERSION}: its OpenAI-compatible server from its own venv (benchmarks/peers/vllm_cpu.py), "
+            "the bundled model as a Hugging Face directory, --max-model-len 1024 --no-enable-prefix-caching, other "
+            "settings its defaults, its CPU environment (KV space, cores bound, tcmalloc + Intel OpenMP); driven over "
+            "/v1/completions (SSE) with ignore_eos and temperature 0.",
+    "offline": "Offline: each closed-loop point's requests as token ids through LLMEngine.generate in the benchmark's "
+               "process (all queued at once, max_num_seqs = the concurrency, prefix caching off, KV for the whole "
+               "workload: no preemption); throughput only.",
+}
+"""Conditions lines of the references (vLLM, the offline engine), when they ran."""
 
 
 def write_report(path: Path, runs: list[SystemRun], plots: dict[str, Path], lines: list[str]) -> None:
@@ -381,9 +467,10 @@ def write_report(path: Path, runs: list[SystemRun], plots: dict[str, Path], line
         out.append("")
     out += ["### Closed loop: throughput and latency vs concurrency", ""] + table(runs, "closed") + [""]
     out += [f"![throughput vs concurrency]({rel['throughput']})", "", f"![TPOT vs concurrency]({rel['tpot']})", ""]
-    out += ["### Open loop: Poisson arrivals", ""] + table(runs, "open") + [""]
-    out += [f"![TTFT vs request rate]({rel['ttft']})", ""]
-    out += headline(runs)
+    if any(p.mode == "open" for run in runs for p in run.points):
+        out += ["### Open loop: Poisson arrivals", ""] + table(runs, "open") + [""]
+        out += [f"![TTFT vs request rate]({rel['ttft']})", ""]
+    out += headline(runs) + references(runs)
     replace_section(path, "\n".join(out).rstrip())
 
 
@@ -403,9 +490,16 @@ def replace_section(path: Path, text: str) -> None:
     path.write_text(new)
 
 
+def closed_points(runs: list[SystemRun]) -> dict[str, dict[float, Summary]]:
+    """Each system's closed-loop summaries by concurrency."""
+    return {r.system: {p.load: p.summary for p in r.points if p.mode == "closed"} for r in runs if r.points}
+
+
 def headline(runs: list[SystemRun]) -> list[str]:
-    """Throughput ratios at the highest concurrency every system reached."""
-    by = {r.system: {p.load: p for p in r.points if p.mode == "closed"} for r in runs if r.points}
+    """Throughput ratios at the highest concurrency every server reached (the offline
+    reference has its own lines: references())."""
+    by = closed_points(runs)
+    by.pop("offline", None)
     if "inflight" not in by:
         return []
     common = set(by["inflight"])
@@ -414,12 +508,35 @@ def headline(runs: list[SystemRun]) -> list[str]:
     if not common:
         return []
     top = max(common)
-    best = by["inflight"][top].summary.output_tokens_per_s
-    parts = [f"{SYSTEM_NAMES[s]} {best / points[top].summary.output_tokens_per_s:.1f}x"
-             for s, points in by.items() if s != "inflight" and points[top].summary.output_tokens_per_s > 0]
+    best = by["inflight"][top].output_tokens_per_s
+    parts = [f"{SYSTEM_NAMES[s]} {best / points[top].output_tokens_per_s:.1f}x"
+             for s, points in by.items() if s != "inflight" and points[top].output_tokens_per_s > 0]
     if not parts:
         return []
     return [f"At concurrency {top:g}, in-flight batching delivers {best:.0f} output tok/s: vs " + ", vs ".join(parts) + ".", ""]
+
+
+def references(runs: list[SystemRun]) -> list[str]:
+    """A line per concurrency: served in-flight over offline throughput (the goal is
+    >= 0.85), and pagedserve in-flight over vLLM in throughput and TTFT p99."""
+    by = closed_points(runs)
+    served, offline, vllm = (by.get(s, {}) for s in ("inflight", "offline", "vllm"))
+    lines = []
+    for load in sorted(served):
+        s, parts = served[load], []
+        if load in offline and offline[load].output_tokens_per_s > 0:
+            o = offline[load].output_tokens_per_s
+            parts.append(f"served / offline {s.output_tokens_per_s / o:.2f} ({s.output_tokens_per_s:.0f} vs {o:.0f} tok/s)")
+        if load in vllm and vllm[load].output_tokens_per_s > 0:
+            v = vllm[load]
+            ttft = f", TTFT p99 {s.ttft.p99 / v.ttft.p99:.2f}x" if s.ttft.p99 and v.ttft.p99 else ""
+            parts.append(f"pagedserve / vLLM throughput {s.output_tokens_per_s / v.output_tokens_per_s:.2f}x{ttft}")
+        if parts:
+            lines.append(f"- concurrency {load:g}: " + "; ".join(parts) + ".")
+    if not lines:
+        return []
+    return ["In-flight batching served, per concurrency: over the offline engine on the same requests (goal >= 0.85) "
+            "and over vLLM-CPU (throughput above 1x: pagedserve faster; TTFT above 1x: pagedserve slower).", ""] + lines + [""]
 
 
 # --------------------------------------------------------------------------- main
@@ -428,7 +545,8 @@ def headline(runs: list[SystemRun]) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few minutes: fewer points, fewer and shorter requests")
-    parser.add_argument("--systems", default="inflight,static,naive", help="comma list of inflight, static, naive")
+    parser.add_argument("--systems", default="inflight,static,naive",
+                        help="comma list of inflight, static, naive, vllm, offline (closed loop only)")
     parser.add_argument("--concurrency", default=None, help="closed-loop levels (default 1,2,4,8,16,32)")
     parser.add_argument("--rates", default=None, help="open-loop request rates in req/s (default 0.25,0.5,1,2)")
     parser.add_argument("--min-requests", type=int, default=None, help="closed loop: at least this many requests (default 16)")
@@ -486,7 +604,10 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[SystemRun] = []
     with tempfile.TemporaryDirectory(prefix="pagedserve-serving-") as tmp:
         for system in args.systems:
-            runs.append(run_system(system, args, workload, Path(tmp), report, raw))
+            if system == "offline":
+                runs.append(run_offline_reference(args, workload, report, raw))
+            else:
+                runs.append(run_system(system, args, workload, Path(tmp), report, raw))
     minutes = (time.perf_counter() - t0) / 60
     plots = plot(runs, out_dir / "plots")
     results = out_dir / "RESULTS.md"

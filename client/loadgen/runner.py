@@ -39,6 +39,15 @@ class BenchResult:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
 
+def measured_requests(config: BenchConfig, workload: Workload) -> list[RequestSpec]:
+    """The requests a run of `config.num_requests` sends and measures (warm-up aside),
+    by index: the same whichever system serves them, so an in-process reference (the
+    offline engine in benchmarks/serving.py) can run exactly these."""
+    if config.duration is not None or config.num_requests is None:
+        raise ValueError("a run for a duration sends as many requests as fit in it: there is no fixed list")
+    return [workload.request(index) for index in range(config.num_requests)]
+
+
 async def send_one(transport: Transport, spec: RequestSpec, sampling: dict[str, Any], t0: float,
                    scheduled: float | None = None) -> RequestRecord:
     """Send one request and time every token-bearing response (never raises)."""
