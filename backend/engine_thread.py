@@ -1,4 +1,11 @@
-"""EngineThread: an LLMEngine driven by a background thread.
+"""EngineThread: an LLMEngine built and driven by a background thread.
+
+Built there, not handed over, because of torch's OpenMP runtime on Linux (libgomp): each
+OS thread that runs a parallel op owns a team of workers, and once the process has more
+of those than CPUs, libgomp cuts its workers' spin-wait to almost nothing, so every op
+after has to wake sleeping workers. A model loaded on Triton's thread and stepped on
+this one made two teams: decode steps ran 1.75x slower served than offline (42.6 vs
+24.2 ms per step, one sequence, bf16, 2 cores). One thread for load and steps: one team.
 
 Any thread may submit or abort; requests enter the engine at the start of the
 next step (so an abort frees its blocks within one step). Outputs reach each
@@ -26,8 +33,11 @@ OutputCallback = Callable[[RequestOutput], None]
 
 
 class EngineThread:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[], None] | None = None):
-        self.engine = engine
+    engine: LLMEngine
+
+    def __init__(self, make_engine: Callable[[], LLMEngine], on_step: Callable[[], None] | None = None):
+        """Start the thread, build the engine on it (`make_engine()`), and return once it is
+        ready; an error while building is raised here."""
         self.on_step = on_step
         self.error: BaseException | None = None
         self._lock = threading.Lock()
@@ -36,8 +46,13 @@ class EngineThread:
         self._aborts: deque[str] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._build_and_run, args=(make_engine,), name="pagedserve-engine", daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
 
     @property
     def is_alive(self) -> bool:
@@ -82,6 +97,16 @@ class EngineThread:
         self.engine.close()
 
     # -- engine thread ---------------------------------------------------------
+    def _build_and_run(self, make_engine: Callable[[], LLMEngine]) -> None:
+        try:
+            self.engine = make_engine()
+        except BaseException as error:
+            self._build_error = error
+            return
+        finally:
+            self._built.set()
+        self._run()
+
     def _run(self) -> None:
         while True:
             if not self.engine.has_unfinished_requests() and not self._adds and not self._stopping:

@@ -163,7 +163,7 @@ def finals(outputs: queue.Queue, count: int, timeout: float = 60) -> dict[str, o
 def tp2_loop(small_llama, new_workers):
     """A tensor_parallel_size 2 engine driven by an EngineThread; shut down after the test
     (also when it failed), and then none of its workers may remain."""
-    loop = EngineThread(LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2))
+    loop = EngineThread(lambda: LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2))
     yield loop
     loop.shutdown()
     assert not new_workers()

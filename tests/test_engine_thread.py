@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def loop(engine):
-    thread = EngineThread(engine)
+    thread = EngineThread(lambda: engine)
     yield thread
     thread.shutdown()
     assert_engine_idle(engine)
@@ -53,7 +53,7 @@ def test_abort_ends_the_stream_and_frees_blocks_within_a_step(engine, loop):
 
 
 def test_shutdown_finishes_every_request(engine):
-    loop = EngineThread(engine)
+    loop = EngineThread(lambda: engine)
     outputs: queue.Queue = queue.Queue()
     loop.submit("a", engine.encode("Hello"), SamplingParams(max_tokens=400, ignore_eos=True), outputs.put)
     loop.shutdown()
@@ -67,7 +67,7 @@ def test_shutdown_finishes_every_request(engine):
 
 
 def test_a_failing_step_errors_the_requests_in_it_then_the_engine_serves_the_next(engine, monkeypatch):
-    loop = EngineThread(engine)
+    loop = EngineThread(lambda: engine)
     execute = engine.runner.execute
     calls = {"n": 0}
 
@@ -95,7 +95,7 @@ def test_a_failing_step_errors_the_requests_in_it_then_the_engine_serves_the_nex
 
 
 def test_a_failing_recovery_errors_every_request_and_refuses_new_ones(engine, monkeypatch):
-    loop = EngineThread(engine)
+    loop = EngineThread(lambda: engine)
 
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
@@ -114,3 +114,28 @@ def test_a_failing_recovery_errors_every_request_and_refuses_new_ones(engine, mo
     for request_id in list(engine.scheduler.requests):  # the dead loop left its request behind
         engine.abort(request_id)
     assert_engine_idle(engine)
+
+
+def test_engine_is_built_on_its_own_thread_and_build_errors_reach_the_caller(small_llama):
+    """Load and steps share one OS thread (one OpenMP team: engine_thread.py says why it
+    matters for speed); a failing build raises in the caller, not in a dead thread."""
+    from pagedserve.backend import LLMEngine
+
+    built_on: list[str] = []
+
+    def make() -> LLMEngine:
+        built_on.append(threading.current_thread().name)
+        return LLMEngine(model=small_llama, dtype="float32")
+
+    loop = EngineThread(make)
+    try:
+        assert built_on == ["pagedserve-engine"]
+        assert list(loop.stream("r", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0)))[-1].finished
+    finally:
+        loop.shutdown()
+
+    def broken() -> LLMEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        EngineThread(broken)

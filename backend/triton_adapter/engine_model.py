@@ -101,7 +101,9 @@ class EngineModel:
         enable_metrics = to_bool(params.pop("enable_metrics", "true"))
         # vLLM-named metrics: off unless asked for, as in Triton's vLLM backend
         report_vllm_metrics = to_bool(params.pop("REPORT_CUSTOM_METRICS", "false"))
-        engine = LLMEngine(EngineConfig.from_strings(params))
+        config = EngineConfig.from_strings(params)
+        engine_thread = EngineThread(lambda: LLMEngine(config))  # built on its own thread (engine_thread.py says why)
+        engine = engine_thread.engine
         metrics = None
         if enable_metrics:
             labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -111,7 +113,7 @@ class EngineModel:
                 if "metrics not supported" not in str(error):
                     raise
                 log_info(pb_utils, "metrics are off in this server (--allow-metrics=false); serving without them")
-        return cls(pb_utils, EngineThread(engine), engine.tokenizer, engine.stats, metrics)
+        return cls(pb_utils, engine_thread, engine.tokenizer, engine.stats, metrics)
 
     # -- requests in -------------------------------------------------------------
     def execute(self, requests: list[Any]) -> None:
