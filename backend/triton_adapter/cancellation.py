@@ -18,6 +18,12 @@ from typing import Any, Callable
 
 logger = logging.getLogger("pagedserve")
 
+WATCH_INTERVAL_S = 0.1
+"""How often both decoupled models ask Triton whether their requests were cancelled. Each
+ask is a round trip to the server per request in flight: every 20 ms at 32 requests that
+was ~6% of a core in each model on a 2-core machine. A cancelled request now stops within
+~0.1 s plus one engine step."""
+
 
 class Throttle:
     """True at most once every `every_s` seconds: for logging a failure that may repeat every tick."""

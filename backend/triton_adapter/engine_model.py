@@ -35,7 +35,7 @@ from ..errors import InvalidRequestError
 from ..outputs import EngineStats, RequestOutput
 from ..values import to_bool
 from .arguments import model_parameters
-from .cancellation import RecentIds, Watcher, asked_cancelled
+from .cancellation import WATCH_INTERVAL_S, RecentIds, Watcher, asked_cancelled
 from .finals import CANCELLED, Failure, send_final
 from .metrics import EngineMetrics, RequestTiming
 from .python_model import log_info
@@ -44,7 +44,6 @@ from .responses import engine_response, merge_outputs
 from .tensors import flag, request_inputs, scalar, to_tensors
 
 logger = logging.getLogger("pagedserve")
-WATCH_INTERVAL_S = 0.02
 GAUGE_INTERVAL_S = 0.25
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import InvalidRequestError
 from .arguments import model_parameters, tokenizer_from_args
-from .cancellation import Watcher, asked_cancelled
+from .cancellation import WATCH_INTERVAL_S, Watcher, asked_cancelled
 from .contracts import Contract, RelayPlan, TrtllmText, TrtllmTokens, VllmText
 from .finals import ERROR_OUTPUT, Failure, send_final
 from .python_model import log_info
@@ -42,7 +42,6 @@ from .tensors import request_inputs, tensor_arrays, to_tensors
 
 logger = logging.getLogger("pagedserve")
 ENGINE_MODEL = "llm_engine"
-WATCH_INTERVAL_S = 0.02
 MAX_RELAYS = 1024
 ITERATOR_GRACE_S = 2.0
 
