@@ -134,7 +134,7 @@ def paged_attention_cpu(
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     if query.shape[1] % num_kv_heads or query.shape[2] != head_dim:
         raise ValueError(f"query {tuple(query.shape)} does not match cache {tuple(key_cache.shape)}")
-    out = torch.empty_like(query)
+    out = query.new_empty(query.shape)  # contiguous even when the query is a view
     if query.shape[0] == 0:
         return out
     plan = step_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1], chunk_keys)

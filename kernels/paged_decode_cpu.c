@@ -55,11 +55,11 @@ static inline float dot(const float* restrict a, const float* restrict b, int di
  * constant by the callers below so the loops unroll for the common head sizes. */
 static inline void attend_item(
     const void* query, const void* key_cache, const void* value_cache, void* out,
-    const int32_t* table, int len, int64_t q_row, int kv_head, int heads, int kv_heads, int dim,
+    const int32_t* table, int len, int64_t q_row, int64_t q_stride, int kv_head, int heads, int kv_heads, int dim,
     int block_size, int group, float scale, int dtype, float* restrict scores) {
     float q[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], row[MAX_DIM];
     for (int g = 0; g < group; ++g) {
-        load_row(query, (q_row * heads + (int64_t)kv_head * group + g) * dim, dim, dtype, q[g]);
+        load_row(query, q_row * q_stride + ((int64_t)kv_head * group + g) * dim, dim, dtype, q[g]);
         for (int d = 0; d < dim; ++d) q[g][d] *= scale;
     }
     const int64_t token_stride = (int64_t)kv_heads * dim;
@@ -186,11 +186,12 @@ static inline __m512 lane_sums(__m512 v[16]) {
 
 static inline __attribute__((always_inline)) void attend_item_avx512(
     const void* query, const void* key_cache, const void* value_cache, void* out,
-    const int32_t* table, int len, int64_t q_row, int kv_head, int heads, int kv_heads, const int dim,
+    const int32_t* table, int len, int64_t q_row, int64_t q_stride, int kv_head, int heads, int kv_heads, const int dim,
     int block_size, const int group, float scale, const int dtype, float* restrict scores, int whole_rows) {
     const int n = dim / 16;
     const int64_t token_stride = (int64_t)kv_heads * dim, head_at = (int64_t)kv_head * dim;
-    const int64_t q_at = (q_row * heads + (int64_t)kv_head * group) * dim;
+    const int64_t q_at = q_row * q_stride + (int64_t)kv_head * group * dim;  /* the query may be a view: rows q_stride apart */
+    const int64_t out_at = (q_row * heads + (int64_t)kv_head * group) * dim;
     /* An item of all KV heads (whole_rows) reads each token's row whole: its first head
      * prefetches all of it (consecutive rows, consecutive blocks: what DRAM streams
      * fastest), the others find it in L2. Else each head prefetches its own part. */
@@ -264,7 +265,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
         float o[MAX_FAST_DIM];
         __m512 inv = _mm512_set1_ps(1.f / total[g]);
         for (int j = 0; j < n; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[g][j], inv));
-        int64_t at = q_at + (int64_t)g * dim;
+        int64_t at = out_at + (int64_t)g * dim;
         if (dtype == DTYPE_BF16)
             for (int d = 0; d < dim; ++d) ((uint16_t*)out)[at + d] = f32_to_bf16(o[d]);
         else
@@ -274,7 +275,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
 
 #define AVX512_CASE(DIM, GROUP, DTYPE)                                                                    \
     if (dim == DIM && group == GROUP && dtype == DTYPE) {                                                 \
-        attend_item_avx512(query, key_cache, value_cache, out, table, len, q_row, kv_head, heads, kv_heads, \
+        attend_item_avx512(query, key_cache, value_cache, out, table, len, q_row, q_stride, kv_head, heads, kv_heads, \
                            DIM, block_size, GROUP, scale, DTYPE, scores, whole_rows);                     \
         return 1;                                                                                         \
     }
@@ -285,7 +286,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
 /* The specialised item for (dim, group, dtype) if there is one; 0: use the portable loop. */
 static int attend_item_fast(
     const void* query, const void* key_cache, const void* value_cache, void* out,
-    const int32_t* table, int len, int64_t q_row, int kv_head, int heads, int kv_heads, int dim,
+    const int32_t* table, int len, int64_t q_row, int64_t q_stride, int kv_head, int heads, int kv_heads, int dim,
     int block_size, int group, float scale, int dtype, float* restrict scores, int whole_rows) {
     AVX512_GROUPS(64, DTYPE_BF16) AVX512_GROUPS(64, DTYPE_F32)
     AVX512_GROUPS(128, DTYPE_BF16) AVX512_GROUPS(128, DTYPE_F32)
@@ -294,17 +295,18 @@ static int attend_item_fast(
 #else
 static int attend_item_fast(
     const void* query, const void* key_cache, const void* value_cache, void* out,
-    const int32_t* table, int len, int64_t q_row, int kv_head, int heads, int kv_heads, int dim,
+    const int32_t* table, int len, int64_t q_row, int64_t q_stride, int kv_head, int heads, int kv_heads, int dim,
     int block_size, int group, float scale, int dtype, float* restrict scores, int whole_rows) {
     return 0;
 }
 #endif
 
-/* query/out: [tokens, heads, dim]; caches: [blocks, block_size, kv_heads, dim];
+/* query: [tokens, heads, dim] with rows q_stride elements apart (a view of the fused
+ * projection's output), out: [tokens, heads, dim] contiguous; caches: [blocks, block_size, kv_heads, dim];
  * tables: [num_decodes, table_width] (this step's decodes only); lens, rows: per decode.
  * Returns 0, or -1 when a shape is beyond the fixed buffers (the caller falls back). */
 int paged_decode(
-    const void* query, const void* key_cache, const void* value_cache, void* out,
+    const void* query, int64_t q_stride, const void* key_cache, const void* value_cache, void* out,
     const int32_t* tables, int64_t table_width, const int32_t* lens, const int64_t* rows,
     int num_decodes, int heads, int kv_heads, int dim, int block_size, float scale, int dtype,
     int num_threads) {
@@ -330,10 +332,10 @@ int paged_decode(
             }
             const int32_t* table = tables + (int64_t)i * table_width;
             for (int h = item * per_item % kv_heads, last = h + per_item; h < last; ++h) {
-                if (attend_item_fast(query, key_cache, value_cache, out, table, len, rows[i], h, heads, kv_heads, dim,
+                if (attend_item_fast(query, key_cache, value_cache, out, table, len, rows[i], q_stride, h, heads, kv_heads, dim,
                                      block_size, group, scale, dtype, scores, whole_rows))
                     continue;
-                attend_item(query, key_cache, value_cache, out, table, len, rows[i], h, heads, kv_heads, dim,
+                attend_item(query, key_cache, value_cache, out, table, len, rows[i], q_stride, h, heads, kv_heads, dim,
                             block_size, group, scale, dtype, scores);
             }
         }

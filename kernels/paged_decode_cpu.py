@@ -107,27 +107,29 @@ def _load() -> NativeDecode | None:
         return None
     function = library.paged_decode
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    function.argtypes = [p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+    function.argtypes = [p, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
     function.restype = i32
     return function
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether the C loop takes these tensors (same float dtype for query and cache, contiguous)."""
-    return (query.dtype in DTYPES and key_cache.dtype == query.dtype
-            and query.is_contiguous() and key_cache.is_contiguous())
+    """Whether the C loop takes these tensors: the same float dtype for query and cache, a
+    contiguous cache, query heads contiguous within a token (its rows may be a view's)."""
+    head_dim = query.shape[-1]
+    return (query.dtype in DTYPES and key_cache.dtype == query.dtype and key_cache.is_contiguous()
+            and query.stride(-1) == 1 and query.stride(-2) == head_dim)
 
 
 def paged_decode(
     function: NativeDecode, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
     tables: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor, scale: float,
 ) -> bool:
-    """Write the decodes' attention into out[rows]. tables: int32 [num_decodes, width] (this
+    """Write the decodes' attention into out[rows] (out contiguous). tables: int32 [num_decodes, width] (this
     step's decodes only), lens: int32 [num_decodes], rows: int64 query rows. False when the
     shapes are beyond the C loop's fixed buffers (the caller falls back)."""
     _, block_size, kv_heads, head_dim = key_cache.shape
     status = function(
-        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows.data_ptr(),
         rows.numel(), query.shape[1], kv_heads, head_dim, block_size, scale, DTYPES[query.dtype],
         torch.get_num_threads(),

@@ -53,11 +53,27 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, head_dim] rotated by each token's position (q and k of a layer
+        go through together: they sit side by side in the fused projection's output)."""
+        cos, sin = self.tables(positions, x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows [tokens, 1, head_dim] in `dtype`. Every layer of a step asks for
+        the same positions tensor, so the last pair is kept (eager only: the compiled step
+        takes no Python state into its graph)."""
+        if torch.compiler.is_compiling():
+            return self._lookup(positions, dtype)
+        last = self._last
+        if last is None or last[0] is not positions or last[1] != dtype:
+            last = self._last = (positions, dtype, *self._lookup(positions, dtype))
+        return last[2], last[3]
+
+    def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -112,12 +128,10 @@ class LlamaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of every token, rotated: what the paged attention reads."""
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        return q, k, v
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
 
 class LlamaMLP(nn.Module):

@@ -118,3 +118,16 @@ def test_no_compiler_or_a_failed_build_falls_back_with_a_warning(tmp_path, monke
     assert "no C compiler" in caplog.text
     monkeypatch.setenv(paged_decode_cpu.DISABLE_ENV, "0")
     assert paged_decode_cpu._load() is None
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_query_may_be_a_view_of_the_fused_projection(dtype):
+    """The model hands attention q as a view (rows (heads + kv_heads) * head_dim apart,
+    rotated together with k): read in place, same result as a contiguous copy."""
+    b = decode_batch(12, 9, 3, 64, dtype, seed=11)
+    fused = torch.randn(b.query.shape[0], 12, 64).to(dtype)
+    fused[:, :9] = b.query
+    b.query = fused[:, :9]
+    assert not b.query.is_contiguous() and paged_decode_cpu.supports(b.query, b.key_cache)
+    assert rel_err(run_native(b), b.reference()) < TOL[dtype]
