@@ -14,24 +14,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+#include "cpu_dtypes.h"
+
 #define MAX_GROUP 16
 #define MAX_DIM 256
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* A row of `dim` cache values as fp32 into `dst` (the compiler vectorises both loops). */
 static inline void load_row(const void* base, int64_t index, int dim, int dtype, float* restrict dst) {

@@ -4,112 +4,40 @@ Why C: torch has no CPU op that reads through a block table, so the torch-op pat
 every decode's keys and values out of the cache (index_select) before a flash kernel reads
 them again; that copy and the flash kernel's tiling for one query row were ~20 ms of a
 ~60 ms decode step (32 sequences, SmolLM2, bf16). The C loop reads each key and value row
-once, where it lies.
-
-Built at first use with the machine's C compiler (the one inductor uses for the compiled
-step: $CC, else cc), `-O3 -march=native -fopenmp`, into ~/.cache/pagedserve/kernels
-(keyed by source, flags and CPU), and loaded with ctypes: the library links libgomp, which
-resolves to the OpenMP runtime torch has already loaded, so its threads are torch's. No
-compiler, or a failed build: `native_decode()` returns None once, with a warning naming
-the cause, and the torch-op decode runs instead.
+once, where it lies. Built at first use (kernels/native_build.py); where it cannot be,
+`native_decode()` returns None and the torch-op decode runs instead.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-logger = logging.getLogger("pagedserve")
+from .native_build import NativeLibrary
 
-SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """Cache (and query) dtypes the C loop reads; others (fp16, fp8 caches) take the torch-op path."""
-DISABLE_ENV = "PAGEDSERVE_NATIVE_DECODE"
-"""Set to 0 to keep the torch-op decode (benchmarks compare the two)."""
 
-NativeDecode = Callable[..., None]
+NativeDecode = Callable[..., int]
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedserve" / "kernels"
+def _declare(library: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.paged_decode.argtypes = [p, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+    library.paged_decode.restype = i32
 
 
-def compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_signature() -> str:
-    """-march=native code runs only where it was built: the CPU model and flags key the build."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "\n" + "\n".join(lines)
-
-
-def build(cc: str) -> Path:
-    """The shared library for this source, flags and CPU, compiled unless already cached.
-    Written under a temporary name and renamed, so concurrent loads never see half a file."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_decode_cpu-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        partial = Path(tmp) / target.name
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[-600:]}")
-        os.replace(partial, target)
-    return target
-
-
-_lock = threading.Lock()
-_loaded: list[NativeDecode | None] = []
+LIBRARY = NativeLibrary(Path(__file__).with_name("paged_decode_cpu.c"), "CPU decode attention",
+                        "the slower torch-op decode", _declare)
 
 
 def native_decode() -> NativeDecode | None:
     """The C decode as a callable (see `paged_decode`), or None where it cannot be built."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(_load())
-        return _loaded[0]
-
-
-def _load() -> NativeDecode | None:
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
-    cc = compiler()
-    if cc is None:
-        logger.warning("CPU decode attention: no C compiler (set CC or install gcc); using the slower torch-op decode")
-        return None
-    try:
-        library = ctypes.CDLL(str(build(cc)))
-    except (OSError, RuntimeError) as exc:
-        logger.warning("CPU decode attention: build failed, using the slower torch-op decode: %s", exc)
-        return None
-    function = library.paged_decode
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    function.argtypes = [p, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
-    function.restype = i32
-    return function
+    library = LIBRARY.get()
+    return None if library is None else library.paged_decode
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -137,4 +65,4 @@ def paged_decode(
     return status == 0
 
 
-__all__ = ["DISABLE_ENV", "build", "native_decode", "paged_decode", "supports"]
+__all__ = ["LIBRARY", "native_decode", "paged_decode", "supports"]

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.rms_norm_cpu import rms_norm as rms_norm_cpu
+
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache, attention
 from ..model_config import ModelConfig
 from .parallel import (
@@ -36,6 +38,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' RMSNorm; on CPU one C pass (kernels/rms_norm_cpu.py) where it is built."""
+        fused = rms_norm_cpu(x, self.weight, self.eps)
+        if fused is not None:
+            return fused
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

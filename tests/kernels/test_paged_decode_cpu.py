@@ -11,7 +11,6 @@ one per decode), contexts of 1 key to past 2,000 and block sizes 8-32.
 
 from __future__ import annotations
 
-import logging
 import random
 
 import pytest
@@ -96,28 +95,6 @@ def test_other_dtypes_take_the_torch_ops():
     b = decode_batch(4, 8, 2, 64, torch.float16)
     assert not paged_decode_cpu.supports(b.query, b.key_cache)
     assert rel_err(b.run(paged_attention_cpu), b.reference()) < TOL[torch.float16]
-
-
-@needs_build
-def test_build_is_cached_on_disk(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    first = paged_decode_cpu.build(paged_decode_cpu.compiler())
-    assert first.parent == tmp_path / "pagedserve" / "kernels" and first.exists()
-    stamp = first.stat().st_mtime_ns
-    assert paged_decode_cpu.build(paged_decode_cpu.compiler()) == first and first.stat().st_mtime_ns == stamp
-
-
-def test_no_compiler_or_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    caplog.set_level(logging.WARNING, logger="pagedserve")
-    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    assert paged_decode_cpu._load() is None
-    assert "build failed" in caplog.text and "torch-op decode" in caplog.text
-    monkeypatch.setattr(paged_decode_cpu, "compiler", lambda: None)
-    assert paged_decode_cpu._load() is None
-    assert "no C compiler" in caplog.text
-    monkeypatch.setenv(paged_decode_cpu.DISABLE_ENV, "0")
-    assert paged_decode_cpu._load() is None
 
 
 @needs_build

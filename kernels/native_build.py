@@ -1,0 +1,105 @@
+"""Building the CPU kernels written in C (paged_decode_cpu.c, rms_norm_cpu.c) at first use.
+
+Why at run time: `-march=native` code is the point (AVX-512, AVX512-BF16 where the CPU has
+them) and it only runs where it was built, so each machine builds its own, with the C
+compiler inductor also uses ($CC, else cc): ~4 s once, then cached under
+~/.cache/pagedserve/kernels, keyed by source, flags and CPU. The libraries link libgomp,
+which resolves to the OpenMP runtime torch has already loaded: their threads are torch's.
+No compiler, a failed build, or PAGEDSERVE_NATIVE_CPU=0: `NativeLibrary.get()` returns
+None (with one warning naming the cause) and callers run their torch ops instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger("pagedserve")
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+DISABLE_ENV = "PAGEDSERVE_NATIVE_CPU"
+"""Set to 0 to keep every CPU kernel on torch ops (benchmarks compare the two)."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedserve" / "kernels"
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """-march=native code runs only where it was built: the CPU model and flags key the build."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "\n" + "\n".join(lines)
+
+
+def build(source: Path, cc: str) -> Path:
+    """The shared library of `source` for these flags and this CPU, compiled unless cached.
+    Written under a temporary name and renamed, so concurrent loads never see half a file."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may #include
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *FLAGS]).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        done = subprocess.run([cc, *FLAGS, str(source), "-o", str(partial), "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[-600:]}")
+        os.replace(partial, target)
+    return target
+
+
+class NativeLibrary:
+    """One C source, built and loaded once per process on first `get()`; `declare` sets its
+    functions' ctypes signatures once, after loading."""
+
+    def __init__(self, source: Path, what: str, fallback: str, declare: Callable[[ctypes.CDLL], None]):
+        self.source, self.what, self.fallback, self.declare = source, what, fallback, declare
+        self._lock = threading.Lock()
+        self._loaded: list[ctypes.CDLL | None] = []
+
+    def get(self) -> ctypes.CDLL | None:
+        with self._lock:
+            if not self._loaded:
+                self._loaded.append(self.load())
+            return self._loaded[0]
+
+    def load(self) -> ctypes.CDLL | None:
+        """Build and load now (no memo; tests call it with a changed environment)."""
+        if os.environ.get(DISABLE_ENV, "1") == "0":
+            return None
+        cc = compiler()
+        if cc is None:
+            logger.warning("%s: no C compiler (set CC or install gcc); using %s", self.what, self.fallback)
+            return None
+        try:
+            library = ctypes.CDLL(str(build(self.source, cc)))
+        except (OSError, RuntimeError) as exc:
+            logger.warning("%s: build failed, using %s: %s", self.what, self.fallback, exc)
+            return None
+        self.declare(library)
+        return library
+
+
+__all__ = ["DISABLE_ENV", "NativeLibrary", "build", "compiler"]

@@ -1,0 +1,36 @@
+"""Building the C kernels at first use (kernels/native_build.py): cached on disk, and
+every way it can fail leaves torch ops in charge with one warning naming the cause."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pagedserve.kernels import native_build
+from pagedserve.kernels.paged_decode_cpu import LIBRARY as DECODE
+from pagedserve.kernels.rms_norm_cpu import LIBRARY as RMS_NORM
+
+
+@pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler here")
+@pytest.mark.parametrize("library", [DECODE, RMS_NORM], ids=["paged_decode_cpu", "rms_norm_cpu"])
+def test_build_is_cached_on_disk(library, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = native_build.build(library.source, native_build.compiler())
+    assert first.parent == tmp_path / "pagedserve" / "kernels" and first.name.startswith(library.source.stem)
+    stamp = first.stat().st_mtime_ns
+    assert native_build.build(library.source, native_build.compiler()) == first and first.stat().st_mtime_ns == stamp
+    assert library.load() is not None
+
+
+def test_no_compiler_a_failed_build_or_switched_off_means_torch_ops(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    caplog.set_level(logging.WARNING, logger="pagedserve")
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert DECODE.load() is None
+    assert "CPU decode attention: build failed, using the slower torch-op decode" in caplog.text
+    monkeypatch.setattr(native_build, "compiler", lambda: None)
+    assert RMS_NORM.load() is None
+    assert "CPU RMSNorm: no C compiler (set CC or install gcc); using torch ops" in caplog.text
+    monkeypatch.setenv(native_build.DISABLE_ENV, "0")
+    assert DECODE.load() is None and RMS_NORM.load() is None
