@@ -23,6 +23,8 @@ from .fp8 import Fp8Weight, fp8_matmul_ref
 from .int4 import Int4Weight, w4a16_matmul_ref
 from .paged_attention import paged_attention_ref
 from .paged_attention_cpu import paged_attention_cpu
+from .paged_decode_cpu import native_decode
+from .rms_norm_cpu import LIBRARY as rms_norm_library
 
 FORCE_ENV = "PAGEDSERVE_FORCE_TRITON"
 
@@ -44,6 +46,9 @@ def attention_kernels(name: str, device: torch.device) -> tuple[WriteCacheFn, At
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         if device.type != "cpu":
             raise ValueError(f"the CPU attention runs on CPU tensors only, not {device.type}")
+        # the CPU kernels in C are built now, while the model loads, not on a request
+        native_decode()
+        rms_norm_library.get()
         return write_kv_cache_ref, paged_attention_cpu
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return write_kv_cache_ref, paged_attention_ref

@@ -1,11 +1,12 @@
 /* Paged decode attention for CPU: every decode's keys and values read once, in place,
  * through its block table (no gathered copy), fp32 math.
  *
- * Built at first use by kernels/paged_decode_cpu.py with the machine's C compiler
- * (-O3 -march=native -fopenmp) and called through ctypes; threads come from the OpenMP
- * runtime torch already loaded. One work item is one (decode, KV head) pair: the
- * query heads of that group share each key and value row as it streams past.
- * Two passes per item: scores of every key (K read once), softmax, then the weighted
+ * Built at first use by kernels/native_build.py with the machine's C compiler
+ * (-O3 -march=native -fopenmp) and called through ctypes from kernels/paged_decode_cpu.py;
+ * threads come from the OpenMP runtime torch already loaded. Per KV head, the query heads
+ * of its group share each key and value row as it streams past; a work item is a whole
+ * decode (all KV heads) or, with few decodes, one (decode, KV head) pair (see paged_decode).
+ * Two passes per KV head: scores of every key (K read once), softmax, then the weighted
  * sum of values (V read once). The torch reference (kernels/paged_attention.py) is the
  * test oracle.
  */
