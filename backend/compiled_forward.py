@@ -29,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from pagedserve.kernels.native_build import cache_root
+
 from .config import EngineConfig
 from .models.linear import row_bucket
 from .models.llama import ForwardPieces, LlamaForCausalLM, first_piece, last_piece, middle_piece
@@ -38,18 +40,13 @@ logger = logging.getLogger("pagedserve")
 RECOMPILE_LIMIT = 64
 
 
-def compile_cache_dir() -> str:
-    """Inductor's on-disk cache of compiled code, kept across server restarts."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pagedserve", "inductor")
-
-
 class CompiledForward:
     """The three pieces compiled for one model; counts its compilations (a recompilation
     after warm-up would mean a request paid for one)."""
 
     def __init__(self, model: LlamaForCausalLM, device: torch.device):
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
+        # inductor's compiled code, kept across server restarts
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
         # torch keeps compiled variants per function, shared by every engine of the process
         # (tests, a server reloading a model): past the limit it would fall back to eager.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 import torch
@@ -23,16 +24,15 @@ _done = False
 def keep_freed_memory_in_heap() -> bool:
     """Call once per process; True when glibc accepted the settings."""
     global _done
-    if _done or not sys.platform.startswith("linux"):
+    if _done:
         return _done
-    name = ctypes.util.find_library("c")
-    if not name:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(name)
         ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1 and ok
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    except AttributeError:  # not glibc (musl has no mallopt)
         return False
     _done = ok
     return ok
@@ -46,16 +46,26 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     filling it). The paged KV cache is read a block at a time from anywhere in it: with
     4 KiB pages nearly every block costs a TLB miss. Applies to the tensor's 2 MiB-aligned
     interior; False where the kernel or libc says no (THP off: nothing changes)."""
-    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
+    libc = _libc() if tensor.device.type == "cpu" else None
+    if libc is None:
         return False
     huge = 2 * 1024 * 1024
     start = -(-tensor.data_ptr() // huge) * huge
     end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // huge * huge
     if end <= start:
         return False
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name, use_errno=True)
         return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError, TypeError):
+    except AttributeError:
         return False
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library on Linux (both tunings are Linux calls), else None; looked up once
+    (find_library runs ldconfig, and the KV cache asks for every layer's tensors)."""
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None

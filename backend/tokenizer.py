@@ -8,6 +8,8 @@ import hashlib
 import os
 from typing import Any, Sequence
 
+from pagedserve.kernels.native_build import cache_root
+
 from .errors import ConfigError, InvalidRequestError
 from .model_files import is_gguf, resolve_model_path
 
@@ -55,8 +57,7 @@ def _tokenizer_cache_dir(path: str) -> str:
 
     stat = os.stat(path)
     key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve")
-    return os.path.join(root, "tokenizers", hashlib.sha1(key.encode()).hexdigest()[:16])
+    return str(cache_root() / "tokenizers" / hashlib.sha1(key.encode()).hexdigest()[:16])
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:

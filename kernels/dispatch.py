@@ -23,7 +23,7 @@ from .fp8 import Fp8Weight, fp8_matmul_ref
 from .int4 import Int4Weight, w4a16_matmul_ref
 from .paged_attention import paged_attention_ref
 from .paged_attention_cpu import paged_attention_cpu
-from .paged_decode_cpu import native_decode
+from .paged_decode_cpu import LIBRARY as paged_decode_library
 from .rms_norm_cpu import LIBRARY as rms_norm_library
 
 FORCE_ENV = "PAGEDSERVE_FORCE_TRITON"
@@ -46,9 +46,6 @@ def attention_kernels(name: str, device: torch.device) -> tuple[WriteCacheFn, At
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         if device.type != "cpu":
             raise ValueError(f"the CPU attention runs on CPU tensors only, not {device.type}")
-        # the CPU kernels in C are built now, while the model loads, not on a request
-        native_decode()
-        rms_norm_library.get()
         return write_kv_cache_ref, paged_attention_cpu
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return write_kv_cache_ref, paged_attention_ref
@@ -56,6 +53,13 @@ def attention_kernels(name: str, device: torch.device) -> tuple[WriteCacheFn, At
     from .paged_attention_triton import paged_attention_triton
 
     return write_kv_cache_triton, paged_attention_triton
+
+
+def build_cpu_kernels() -> None:
+    """Build (or load from the disk cache) the CPU kernels in C now, while a model loads,
+    so no request pays the first build (kernels/native_build.py)."""
+    paged_decode_library.get()
+    rms_norm_library.get()
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -80,4 +84,4 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
     return fp8_matmul_ref(x, w, bias)
 
 
-__all__ = ["FORCE_ENV", "attention_kernels", "fp8_linear", "int4_linear", "use_triton"]
+__all__ = ["FORCE_ENV", "attention_kernels", "build_cpu_kernels", "fp8_linear", "int4_linear", "use_triton"]

@@ -2,9 +2,10 @@
 
 Why at run time: `-march=native` code is the point (AVX-512, AVX512-BF16 where the CPU has
 them) and it only runs where it was built, so each machine builds its own, with the C
-compiler inductor also uses ($CC, else cc): ~4 s once, then cached under
-~/.cache/pagedserve/kernels, keyed by source, flags and CPU. The libraries link libgomp,
-which resolves to the OpenMP runtime torch has already loaded: their threads are torch's.
+compiler inductor also uses ($CC, else cc): ~4 s once, then cached in kernels/ of the
+project's cache directory (`cache_root()`), keyed by source, flags and CPU. The libraries
+link libgomp, which resolves to the OpenMP runtime torch has already loaded: their
+threads are torch's.
 No compiler, a failed build, or PAGEDSERVE_NATIVE_CPU=0: `NativeLibrary.get()` returns
 None (with one warning naming the cause) and callers run their torch ops instead.
 """
@@ -23,6 +24,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 logger = logging.getLogger("pagedserve")
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -30,9 +33,14 @@ DISABLE_ENV = "PAGEDSERVE_NATIVE_CPU"
 """Set to 0 to keep every CPU kernel on torch ops (benchmarks compare the two)."""
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedserve" / "kernels"
+C_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""The dtype codes the C kernels take (cpu_dtypes.h)."""
+
+
+def cache_root() -> Path:
+    """The project's cache directory: $PAGEDSERVE_CACHE_DIR, default ~/.cache/pagedserve
+    (converted tokenizers, compiled C kernels, inductor's code)."""
+    return Path(os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve")
 
 
 def compiler() -> str | None:
@@ -57,7 +65,7 @@ def build(source: Path, cc: str) -> Path:
     Written under a temporary name and renamed, so concurrent loads never see half a file."""
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may #include
     key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *FLAGS]).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
+    target = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -102,4 +110,4 @@ class NativeLibrary:
         return library
 
 
-__all__ = ["DISABLE_ENV", "NativeLibrary", "build", "compiler"]
+__all__ = ["C_DTYPES", "DISABLE_ENV", "NativeLibrary", "build", "cache_root", "compiler"]

@@ -16,10 +16,7 @@ from typing import Callable
 
 import torch
 
-from .native_build import NativeLibrary
-
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-"""Cache (and query) dtypes the C loop reads; others (fp16, fp8 caches) take the torch-op path."""
+from .native_build import C_DTYPES, NativeLibrary
 
 NativeDecode = Callable[..., int]
 
@@ -41,10 +38,11 @@ def native_decode() -> NativeDecode | None:
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether the C loop takes these tensors: the same float dtype for query and cache, a
+    """Whether the C loop takes these tensors (fp16 and fp8 caches take the torch-op decode):
+    the same float32/bfloat16 dtype for query and cache, a
     contiguous cache, query heads contiguous within a token (its rows may be a view's)."""
     head_dim = query.shape[-1]
-    return (query.dtype in DTYPES and key_cache.dtype == query.dtype and key_cache.is_contiguous()
+    return (query.dtype in C_DTYPES and key_cache.dtype == query.dtype and key_cache.is_contiguous()
             and query.stride(-1) == 1 and query.stride(-2) == head_dim)
 
 
@@ -59,7 +57,7 @@ def paged_decode(
     status = function(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows.data_ptr(),
-        rows.numel(), query.shape[1], kv_heads, head_dim, block_size, scale, DTYPES[query.dtype],
+        rows.numel(), query.shape[1], kv_heads, head_dim, block_size, scale, C_DTYPES[query.dtype],
         torch.get_num_threads(),
     )
     return status == 0

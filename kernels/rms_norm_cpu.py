@@ -13,9 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .native_build import NativeLibrary
-
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+from .native_build import C_DTYPES, NativeLibrary
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -31,14 +29,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """weight * (x * rsqrt(mean(x^2) + eps)) over the last dim, in transformers' rounding order;
     None unless x is a contiguous 2-D CPU float32/bfloat16 tensor with a weight of its dtype
     and the library is built."""
-    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype not in DTYPES or weight.dtype != x.dtype
+    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype not in C_DTYPES or weight.dtype != x.dtype
             or not x.is_contiguous() or not weight.is_contiguous() or torch.compiler.is_compiling()):
         return None
     library = LIBRARY.get()
     if library is None:
         return None
     out = torch.empty_like(x)
-    library.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, DTYPES[x.dtype],
+    library.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, C_DTYPES[x.dtype],
                      torch.get_num_threads())
     return out
 

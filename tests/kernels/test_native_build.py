@@ -15,16 +15,16 @@ from pagedserve.kernels.rms_norm_cpu import LIBRARY as RMS_NORM
 @pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler here")
 @pytest.mark.parametrize("library", [DECODE, RMS_NORM], ids=["paged_decode_cpu", "rms_norm_cpu"])
 def test_build_is_cached_on_disk(library, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     first = native_build.build(library.source, native_build.compiler())
-    assert first.parent == tmp_path / "pagedserve" / "kernels" and first.name.startswith(library.source.stem)
+    assert first.parent == tmp_path / "kernels" and first.name.startswith(library.source.stem)
     stamp = first.stat().st_mtime_ns
     assert native_build.build(library.source, native_build.compiler()) == first and first.stat().st_mtime_ns == stamp
     assert library.load() is not None
 
 
 def test_no_compiler_a_failed_build_or_switched_off_means_torch_ops(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     caplog.set_level(logging.WARNING, logger="pagedserve")
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     assert DECODE.load() is None
