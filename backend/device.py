@@ -28,26 +28,35 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA and on CPUs with native bf16 math, float32 elsewhere; the
-    log says which and why.
+    """auto: bfloat16 on CUDA and on CPUs with native bf16 matrix math, float32 elsewhere;
+    the log says which and why.
 
     oneDNN reports bf16 as supported on any AVX-512 CPU, emulating it there at about
-    half of float32's speed, so native support is read from the CPU flags instead."""
+    half of float32's speed, so native support is read from the CPU flags instead. With
+    AVX512-BF16 but no AMX, oneDNN's bf16 matmul is bound by arithmetic from a few rows on
+    and slower than float32's (MKL) past ~24 rows: offline throughput there measured 232
+    tok/s in bf16 against 280 in float32 (benchmarks/RESULTS.md), so auto takes float32."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         logger.info("dtype auto: bfloat16 (CUDA)")
         return torch.bfloat16
     flags = native_bf16_flags(cpuinfo())
-    if flags:
-        logger.info("dtype auto: bfloat16 (this CPU has native bf16 math: %s)", " ".join(flags))
+    if set(flags) & set(BF16_MATRIX_FLAGS):
+        logger.info("dtype auto: bfloat16 (this CPU has native bf16 matrix math: %s)", " ".join(flags))
         return torch.bfloat16
+    if flags:
+        logger.info("dtype auto: float32 (this CPU has %s but no AMX: its bf16 matmuls are slower than float32's "
+                    "at batch sizes; set dtype: bfloat16 for the lower single-stream latency)", " ".join(flags))
+        return torch.float32
     logger.info("dtype auto: float32 (no native bf16 math on this CPU: no avx512_bf16, amx_bf16 or Arm bf16 flag; "
                 "bf16 would be emulated, slower than float32)")
     return torch.float32
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX-512 BF16 and AMX; Arm's FEAT_BF16 ("bf16")
+BF16_MATRIX_FLAGS = ("amx_bf16", "bf16")
+"""Of those, the ones under which bf16 matmuls beat float32's at batch sizes (auto picks bf16)."""
 
 
 def native_bf16_flags(cpuinfo: str) -> list[str]:

@@ -19,12 +19,15 @@ from typing import Callable, Optional
 import torch
 
 from .cache_write import write_kv_cache_ref
+from .cache_write_cpu import LIBRARY as cache_write_library
+from .cache_write_cpu import write_kv_cache_cpu
 from .fp8 import Fp8Weight, fp8_matmul_ref
 from .int4 import Int4Weight, w4a16_matmul_ref
 from .paged_attention import paged_attention_ref
 from .paged_attention_cpu import paged_attention_cpu
 from .paged_decode_cpu import LIBRARY as paged_decode_library
 from .rms_norm_cpu import LIBRARY as rms_norm_library
+from .rotary_cpu import LIBRARY as rotary_library
 
 FORCE_ENV = "PAGEDSERVE_FORCE_TRITON"
 
@@ -46,7 +49,7 @@ def attention_kernels(name: str, device: torch.device) -> tuple[WriteCacheFn, At
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         if device.type != "cpu":
             raise ValueError(f"the CPU attention runs on CPU tensors only, not {device.type}")
-        return write_kv_cache_ref, paged_attention_cpu
+        return write_kv_cache_cpu, paged_attention_cpu
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return write_kv_cache_ref, paged_attention_ref
     from .cache_write_triton import write_kv_cache_triton
@@ -58,8 +61,8 @@ def attention_kernels(name: str, device: torch.device) -> tuple[WriteCacheFn, At
 def build_cpu_kernels() -> None:
     """Build (or load from the disk cache) the CPU kernels in C now, while a model loads,
     so no request pays the first build (kernels/native_build.py)."""
-    paged_decode_library.get()
-    rms_norm_library.get()
+    for library in (paged_decode_library, rms_norm_library, rotary_library, cache_write_library):
+        library.get()
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -51,12 +51,14 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
 
 
 def test_row_buckets_are_few_and_never_smaller():
-    from pagedserve.backend.models.linear import row_bucket
+    from pagedserve.backend.models.linear import EXACT_ROWS, row_bucket
 
-    buckets = {row_bucket(rows) for rows in range(1, 2049)}
-    assert all(row_bucket(rows) >= rows for rows in range(1, 4096))
-    assert all(row_bucket(rows) - rows < (16 if rows <= 256 else 64 if rows <= 1024 else 256) for rows in range(1, 4096))
-    assert len(buckets) <= 16 + 15 + 12 + 4  # a few dozen oneDNN kernels per layer, not one per token count
+    for exact in (16, EXACT_ROWS):  # the compiled step's graphs; the eager step's oneDNN kernels
+        buckets = {row_bucket(rows, exact) for rows in range(1, 2049)}
+        assert all(row_bucket(rows, exact) == rows for rows in range(1, exact + 1))  # a decode batch is never padded
+        assert all(row_bucket(rows, exact) >= rows for rows in range(1, 4096))
+        assert all(row_bucket(rows, exact) - rows < (16 if rows <= 256 else 64 if rows <= 1024 else 256) for rows in range(1, 4096))
+        assert len(buckets) <= exact + (256 - exact) // 16 + 12 + 4  # under a hundred shapes per layer, not one per token count
 
 
 def test_the_bucketed_linear_gives_the_plain_linears_rows():

@@ -1,13 +1,16 @@
 """The model's dense linear layer: nn.Linear whose CPU half-precision calls see a few row counts.
 
 On CPU, torch runs bf16/fp16 matmuls through oneDNN, which builds a kernel for every
-input shape (3-4 ms each on a 2-core machine) and keeps up to 1,024 of them (a few
+input shape (1-4 ms each on a 2-core machine) and keeps up to 1,024 of them (a few
 hundred KB each). The row count is the step's token count, which changes nearly every
 step: without buckets each new count pays the build and the cache grows to hundreds of
-MB over a long run. Rows padded to a bucket (a multiple of 16 up to 256, of 64 up to
-1,024, then of 256) leave a few dozen shapes per layer. Rows are independent in a
-matmul, so the padding rows (zeros) change nothing in the real ones. float32 (MKL)
-and CUDA need no buckets and take the plain path.
+MB over a long run. Rows padded to a bucket (exact up to EXACT_ROWS, then a multiple of
+16 up to 256, of 64 up to 1,024, then of 256) leave under a hundred shapes per layer.
+Exact up to 64 rows because a decode step's rows are its sequences, and where oneDNN's
+bf16 kernel is bound by arithmetic (AVX512-BF16 without AMX) every padding row costs as
+much as a real one: 17 sequences padded to 32 took 1.8x the time of 17. Rows are
+independent in a matmul, so the padding rows (zeros) change nothing in the real ones.
+float32 (MKL) and CUDA need no buckets and take the plain path.
 
 The same half-precision weights are also packed once, at load, into oneDNN's blocked
 layout (`pack_weights`): an unpacked weight is re-laid-out by oneDNN on every call,
@@ -24,10 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def row_bucket(rows: int) -> int:
-    """The padded row count for `rows`: itself up to 16, else the next multiple of 16
-    (<= 256 rows), 64 (<= 1,024) or 256."""
-    if rows <= 16:
+EXACT_ROWS = 64
+"""Row counts the eager CPU linear runs unpadded (one oneDNN kernel each, built on first use)."""
+
+
+def row_bucket(rows: int, exact: int = 16) -> int:
+    """The padded row count for `rows`: itself up to `exact`, else the next multiple of 16
+    (<= 256 rows), 64 (<= 1,024) or 256. The compiled step keeps exact at 16: each of its
+    row counts is a compiled graph (a CUDA graph on CUDA) made at load."""
+    if rows <= exact:
         return rows
     step = 16 if rows <= 256 else 64 if rows <= 1024 else 256
     return -(-rows // step) * step
@@ -49,7 +57,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        bucket = row_bucket(rows) if needs_buckets(x) else rows
+        bucket = row_bucket(rows, EXACT_ROWS) if needs_buckets(x) else rows
         if bucket != rows:
             padded = x.new_zeros((bucket, x.shape[1]))
             padded[:rows] = x

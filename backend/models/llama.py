@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.rms_norm_cpu import add_rms_norm as add_rms_norm_cpu
 from pagedserve.kernels.rms_norm_cpu import rms_norm as rms_norm_cpu
+from pagedserve.kernels.rotary_cpu import rotary as rotary_cpu
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache, attention
 from ..model_config import ModelConfig
@@ -47,6 +49,14 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after adding delta, and its norm (on CPU one C pass)."""
+        fused = add_rms_norm_cpu(h, delta, self.weight, self.eps)
+        if fused is not None:
+            return fused
+        h = h + delta
+        return h, self(h)
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, computed once in float32 as HF does."""
@@ -65,6 +75,9 @@ class RotaryEmbedding(nn.Module):
         """x [tokens, heads, head_dim] rotated by each token's position (q and k of a layer
         go through together: they sit side by side in the fused projection's output)."""
         cos, sin = self.tables(positions, x.dtype)
+        fused = rotary_cpu(x, cos, sin)
+        if fused is not None:
+            return fused
         return x * cos + _rotate_half(x) * sin
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,16 +175,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, parallel)
 
-    def attention_inputs(
-        self, h: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer up to its attention: q, k, v of the residual stream h."""
-        return self.self_attn.project(self.input_layernorm(h), rotary, positions)
-
-    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The layer after its attention: output projection, MLP, both residuals."""
-        h = h + self.self_attn.o_proj(attn.reshape(h.shape[0], -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention: output projection and its residual, then the MLP.
+        Returns the residual stream and the MLP's output, which the next norm adds to it
+        (`RMSNorm.add_and_norm`: the add and the norm in one pass)."""
+        h, x = self.post_attention_layernorm.add_and_norm(h, self.self_attn.o_proj(attn.reshape(h.shape[0], -1)))
+        return h, self.mlp(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -233,7 +242,7 @@ Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 def first_piece(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> Residual:
     """Embedding, then the first layer up to its attention."""
     h = model.embed_tokens(input_ids)
-    return (h, *model.layers[0].attention_inputs(h, model.rotary, positions))
+    return (h, *model.layers[0].self_attn.project(model.layers[0].input_layernorm(h), model.rotary, positions))
 
 
 def middle_piece(
@@ -245,13 +254,13 @@ def middle_piece(
     positions: torch.Tensor,
 ) -> Residual:
     """One layer after its attention, then the following layer up to its attention."""
-    h = layer.finish(h, attn)
-    return (h, *following.attention_inputs(h, model.rotary, positions))
+    h, x = following.input_layernorm.add_and_norm(*layer.finish(h, attn))
+    return (h, *following.self_attn.project(x, model.rotary, positions))
 
 
 def last_piece(model: LlamaForCausalLM, layer: LlamaDecoderLayer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """The last layer after its attention, then the final norm."""
-    return model.norm(layer.finish(h, attn))
+    return model.norm.add_and_norm(*layer.finish(h, attn))[1]
 
 
 @dataclass(frozen=True)

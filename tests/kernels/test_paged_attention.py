@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from pagedserve.kernels.cache_write import write_kv_cache_ref
+from pagedserve.kernels.cache_write_cpu import write_kv_cache_cpu
 from pagedserve.kernels.numerics import cdiv
 from pagedserve.kernels.paged_attention import paged_attention_ref
 from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu
@@ -235,7 +236,7 @@ def test_dispatch(monkeypatch):
 
     assert dispatch.attention_kernels("triton", DEVICE) == (write_kv_cache_triton, paged_attention_triton)
     assert dispatch.attention_kernels("torch", DEVICE) == (write_kv_cache_ref, paged_attention_ref)
-    auto = (write_kv_cache_triton, paged_attention_triton) if CUDA else (write_kv_cache_ref, paged_attention_cpu)
+    auto = (write_kv_cache_triton, paged_attention_triton) if CUDA else (write_kv_cache_cpu, paged_attention_cpu)
     assert dispatch.attention_kernels("auto", DEVICE) == auto
     kernels = select_attention_kernels("triton", DEVICE)
     assert isinstance(kernels, AttentionKernels)

@@ -29,6 +29,7 @@ from pagedserve.backend.attention import (
 from pagedserve.backend.errors import ConfigError
 from pagedserve.kernels import dispatch
 from pagedserve.kernels.cache_write import write_kv_cache_ref
+from pagedserve.kernels.cache_write_cpu import write_kv_cache_cpu
 from pagedserve.kernels.paged_attention import paged_attention_ref
 from pagedserve.kernels.paged_attention_cpu import (
     CHUNK_KEYS,
@@ -148,8 +149,8 @@ def test_plan_is_built_once_per_step():
 
 
 def test_dispatch():
-    assert dispatch.attention_kernels("auto", CPU) == (write_kv_cache_ref, paged_attention_cpu)
-    assert dispatch.attention_kernels("cpu", CPU) == (write_kv_cache_ref, paged_attention_cpu)
+    assert dispatch.attention_kernels("auto", CPU) == (write_kv_cache_cpu, paged_attention_cpu)
+    assert dispatch.attention_kernels("cpu", CPU) == (write_kv_cache_cpu, paged_attention_cpu)
     assert dispatch.attention_kernels("torch", CPU) == (write_kv_cache_ref, paged_attention_ref)
     with pytest.raises(ValueError):
         dispatch.attention_kernels("cpu", torch.device("cuda"))

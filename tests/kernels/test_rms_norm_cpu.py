@@ -46,11 +46,33 @@ def test_float32_matches_torch(rows):
     torch.testing.assert_close(rms_norm_cpu.rms_norm(x, weight, 1e-6), torch_norm(x, weight, 1e-6), rtol=4e-7, atol=1e-7)
 
 
+@built
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_residual_add_then_norm_matches_torch(dtype, rows):
+    """The sum is exactly torch's (h + delta in the dtype); its norm within the bounds above."""
+    g = torch.Generator().manual_seed(rows + 7)
+    h, delta = (torch.randn(rows, 576, generator=g) * 3).to(dtype), torch.randn(rows, 576, generator=g).to(dtype)
+    weight = torch.randn(576, generator=g).to(dtype)
+    total, out = rms_norm_cpu.add_rms_norm(h, delta, weight, 1e-5)
+    assert torch.equal(total, h + delta)
+    ref = torch_norm(h + delta, weight, 1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=4e-7, atol=1e-7)
+    else:
+        assert (out != ref).float().mean() <= 1e-4
+    torch.testing.assert_close(RMSNorm(576, 1e-5).to(dtype).add_and_norm(h, delta)[0], h + delta, rtol=0, atol=0)
+
+
 def test_what_it_does_not_take_is_left_to_torch():
     x = torch.randn(4, 64)
     assert rms_norm_cpu.rms_norm(x.half(), torch.ones(64).half(), 1e-5) is None  # float16
     assert rms_norm_cpu.rms_norm(x.t(), torch.ones(4), 1e-5) is None  # not contiguous
     assert rms_norm_cpu.rms_norm(x[None], torch.ones(64), 1e-5) is None  # 3-D
     assert rms_norm_cpu.rms_norm(x, torch.ones(64).bfloat16(), 1e-5) is None  # weight of another dtype
+    assert rms_norm_cpu.add_rms_norm(x, x.bfloat16(), torch.ones(64), 1e-5) is None  # residual of another dtype
+    assert rms_norm_cpu.add_rms_norm(x, x[:2], torch.ones(64), 1e-5) is None  # of another shape
     norm = RMSNorm(64, 1e-5)
     torch.testing.assert_close(norm(x[None])[0], norm(x))  # the model's norm answers either way
+    h, normed = norm.add_and_norm(x[None].half(), x[None].half())
+    torch.testing.assert_close(h[0], 2 * x.half())
