@@ -76,9 +76,10 @@ def test_the_bucketed_linear_gives_the_plain_linears_rows():
         torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_a_packed_linear_computes_what_the_plain_one_does(dtype):
-    """oneDNN's packed weight (CPU half precision) only reorders the weight: the same product."""
+    """oneDNN's packed weight (CPU half precision) and the transposed float32 weight (MKL)
+    only reorder the weight: the same product."""
     import torch.nn.functional as F
 
     from pagedserve.backend.models.linear import Linear
@@ -87,14 +88,16 @@ def test_a_packed_linear_computes_what_the_plain_one_does(dtype):
     layer = Linear(64, 96, bias=True).to(dtype)
     weight = layer.weight.detach().clone()
     assert layer.pack()
+    assert (layer.transposed is not None) == (dtype == torch.float32) and (layer.packed is not None) != (dtype == torch.float32)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
     for rows in (1, 5, 17, 100, 300):
         x = torch.randn(rows, 64, dtype=dtype)
         expected = F.linear(x.float(), weight.float(), layer.bias.float())
-        torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=2e-2)
-    assert not Linear(64, 96).pack()  # float32 (MKL) is not packed
+        torch.testing.assert_close(layer(x).float(), expected, **tolerance)
 
 
-def test_packing_releases_the_plain_weights_but_keeps_a_tied_embedding():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packing_releases_the_plain_weights_but_keeps_a_tied_embedding(dtype):
     from pagedserve.backend.model_config import ModelConfig
     from pagedserve.backend.models.linear import pack_weights
     from pagedserve.backend.models.llama import LlamaForCausalLM
@@ -102,7 +105,7 @@ def test_packing_releases_the_plain_weights_but_keeps_a_tied_embedding():
     config = ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
                          max_position_embeddings=64, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config, max_positions=64).to(torch.bfloat16)
+    model = LlamaForCausalLM(config, max_positions=64).to(dtype)
     assert pack_weights(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the lm_head
     assert model.layers[0].mlp.down_proj.weight.numel() == 0
     assert model.lm_head.weight is model.embed_tokens.weight and model.embed_tokens.weight.numel() == 256 * 64

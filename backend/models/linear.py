@@ -15,7 +15,11 @@ float32 (MKL) and CUDA need no buckets and take the plain path.
 The same half-precision weights are also packed once, at load, into oneDNN's blocked
 layout (`pack_weights`): an unpacked weight is re-laid-out by oneDNN on every call,
 which made the matmuls of a decode step 1.4-1.6x slower (AMX Xeon, 2 cores; measured
-in benchmarks/RESULTS.md). The product is the same: packing only reorders the weight.
+in benchmarks/RESULTS.md). float32 weights are instead stored transposed, [in, out]:
+MKL multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than x @ (that copy) (a decode
+step of 8 sequences 61.7 -> 53.5 ms, Xeon with AVX-512, 2 cores), and no slower
+elsewhere; a oneDNN-packed float32 weight was faster still from 8 rows on but 1.2x
+slower at one. The product is the same: both only reorder the weight.
 The compiled step keeps the plain weights (inductor cannot take a packed one as input),
 so an engine packs only when it runs eagerly.
 """
@@ -54,6 +58,8 @@ PACK_ROWS_HINT = 64
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     """The weight in oneDNN's blocked layout (CPU, half precision), after `pack_weights`."""
+    transposed: torch.Tensor | None = None
+    """The weight as [in, out] (CPU, float32), after `pack_weights`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -67,12 +73,21 @@ class Linear(nn.Linear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.transposed is not None:
+            out = torch.matmul(x, self.transposed)
+            return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
 
     def pack(self) -> bool:
-        """Pack a CPU half-precision weight for oneDNN; False where packing does not apply."""
+        """Lay a CPU weight out as its matmul reads it fastest: half precision packed for
+        oneDNN, float32 transposed for MKL; False where neither applies."""
         weight = self.weight
-        if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
+        if weight.device.type != "cpu":
+            return False
+        if weight.dtype == torch.float32:
+            self.transposed = weight.detach().t().contiguous()
+            return True
+        if weight.dtype not in (torch.bfloat16, torch.float16):
             return False
         if not torch.backends.mkldnn.is_available():
             return False
@@ -81,7 +96,7 @@ class Linear(nn.Linear):
 
 
 def pack_weights(model: nn.Module) -> int:
-    """Pack every dense Linear of the model (see the module docstring); how many were packed.
+    """Pack every dense CPU Linear of the model (see the module docstring); how many were packed.
     A packed layer's plain weight is released unless another module shares it (a tied
     embedding), so packing costs no memory."""
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
