@@ -88,6 +88,8 @@ class NativeLibrary:
         self._loaded: list[ctypes.CDLL | None] = []
 
     def get(self) -> ctypes.CDLL | None:
+        if self._loaded:  # every call after the first: no lock on the step's hot path
+            return self._loaded[0]
         with self._lock:
             if not self._loaded:
                 self._loaded.append(self.load())

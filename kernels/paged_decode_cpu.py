@@ -39,8 +39,8 @@ def native_decode() -> NativeDecode | None:
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether the C loop takes these tensors (fp16 and fp8 caches take the torch-op decode):
-    the same float32/bfloat16 dtype for query and cache, a
-    contiguous cache, query heads contiguous within a token (its rows may be a view's)."""
+    the same float32/bfloat16 dtype for query and cache, a contiguous cache, query heads
+    contiguous within a token (its rows may be a view's)."""
     head_dim = query.shape[-1]
     return (query.dtype in C_DTYPES and key_cache.dtype == query.dtype and key_cache.is_contiguous()
             and query.stride(-1) == 1 and query.stride(-2) == head_dim)

@@ -242,7 +242,8 @@ Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 def first_piece(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> Residual:
     """Embedding, then the first layer up to its attention."""
     h = model.embed_tokens(input_ids)
-    return (h, *model.layers[0].self_attn.project(model.layers[0].input_layernorm(h), model.rotary, positions))
+    first = model.layers[0]
+    return (h, *first.self_attn.project(first.input_layernorm(h), model.rotary, positions))
 
 
 def middle_piece(
