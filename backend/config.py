@@ -30,7 +30,7 @@ class EngineConfig:
     model: str = ""
     """Hugging Face model directory or .gguf file; empty: bundled SmolLM2-135M-Instruct."""
     dtype: str = "auto"
-    """Compute and KV dtype: auto (bfloat16 on CUDA and on CPUs whose flags show native bf16 math: avx512_bf16, amx_bf16, Arm bf16; else float32), float32, bfloat16, float16."""
+    """Compute and KV dtype: auto (bfloat16 on CUDA; on CPU, bfloat16 where the flags show native bf16 math (avx512_bf16, amx_bf16, Arm bf16) and it measures faster than float32 on the model's matmul shape at start-up, else float32), float32, bfloat16, float16."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     block_size: int = 16

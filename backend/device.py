@@ -1,7 +1,7 @@
 """Where the engine runs: device, compute dtype, and how many KV blocks fit.
 
 Decided once at start-up from EngineConfig; every choice that depends on the
-machine (GPU memory left after the weights, native bf16 on this CPU) lives here.
+machine (GPU memory left after the weights, the fastest dtype on this CPU) lives here.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from .config import EngineConfig
 from .errors import ConfigError
+from .matmul_probe import matmul_times
 from .model_config import ModelConfig
 
 logger = logging.getLogger("pagedserve")
@@ -27,36 +28,32 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA and on CPUs with native bf16 matrix math, float32 elsewhere;
-    the log says which and why.
+def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig) -> torch.dtype:
+    """auto: bfloat16 on CUDA; on CPU, float32 unless the CPU has native bf16 math and
+    bf16 then measures faster on the model's own matmul shape; the log says which and why.
 
     oneDNN reports bf16 as supported on any AVX-512 CPU, emulating it there at about
-    half of float32's speed, so native support is read from the CPU flags instead. With
-    AVX512-BF16 but no AMX, oneDNN's bf16 matmul is bound by arithmetic from a few rows on
-    and slower than float32's (MKL) past ~24 rows: offline throughput there measured 232
-    tok/s in bf16 against 280 in float32 (benchmarks/RESULTS.md), so auto takes float32."""
+    half of float32's speed, so native support is read from the CPU flags first. The
+    flags alone do not settle it (backend/matmul_probe.py): with avx512_bf16 and no
+    AMX, bf16 lost to float32 at batch sizes on a Xeon and won 2-6x on an AMD EPYC."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         logger.info("dtype auto: bfloat16 (CUDA)")
         return torch.bfloat16
     flags = native_bf16_flags(cpuinfo())
-    if set(flags) & set(BF16_MATRIX_FLAGS):
-        logger.info("dtype auto: bfloat16 (this CPU has native bf16 matrix math: %s)", " ".join(flags))
-        return torch.bfloat16
-    if flags:
-        logger.info("dtype auto: float32 (this CPU has %s but no AMX: its bf16 matmuls are slower than float32's "
-                    "at batch sizes; set dtype: bfloat16 for the lower single-stream latency)", " ".join(flags))
+    if not flags:
+        logger.info("dtype auto: float32 (no native bf16 math on this CPU: no avx512_bf16, amx_bf16 or Arm bf16 "
+                    "flag; bf16 would be emulated, slower than float32)")
         return torch.float32
-    logger.info("dtype auto: float32 (no native bf16 math on this CPU: no avx512_bf16, amx_bf16 or Arm bf16 flag; "
-                "bf16 would be emulated, slower than float32)")
-    return torch.float32
+    times = matmul_times(model_config)
+    chosen = torch.bfloat16 if times.bfloat16 < times.float32 else torch.float32
+    logger.info("dtype auto: %s (this CPU has %s; measured %s; set dtype to override)",
+                str(chosen).removeprefix("torch."), " ".join(flags), times.summary())
+    return chosen
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX-512 BF16 and AMX; Arm's FEAT_BF16 ("bf16")
-BF16_MATRIX_FLAGS = ("amx_bf16", "bf16")
-"""Of those, the ones under which bf16 matmuls beat float32's at batch sizes (auto picks bf16)."""
 
 
 def native_bf16_flags(cpuinfo: str) -> list[str]:

@@ -27,7 +27,8 @@ from .distributed import TensorParallelRunner, start_workers
 from .errors import InvalidRequestError
 from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from .model_files import resolve_model_path
-from .model_loader import load_model
+from .matmul_probe import float32_layout
+from .model_loader import load_model, read_checkpoint
 from .model_runner import ModelRunner
 from .models.linear import pack_weights
 from .models.parallel import SINGLE_RANK
@@ -56,8 +57,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
-        self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_path = resolve_model_path(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device, read_checkpoint(self.model_path).config)
 
         started = time.perf_counter()
         self.workers = start_workers(config, self.model_path, self.dtype, self.device)
@@ -67,7 +68,7 @@ class LLMEngine:
         if config.quantization != "none":
             quantize_model(loaded.model, config.quantization)
         elif not compiled:
-            pack_weights(loaded.model)
+            pack_weights(loaded.model, float32_layout(loaded.config, self.dtype, self.device))
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
 

@@ -1,18 +1,25 @@
-"""dtype auto follows the CPU's own bf16 math, not what oneDNN claims (it emulates bf16 on
-any AVX-512 CPU, at about half of float32's speed)."""
+"""dtype auto follows what this CPU computes fastest: never bf16 where the flags show no
+native bf16 math (oneDNN emulates it there, at about half of float32's speed), and where
+they do, what the matmul probe measured (the same flag meant slower bf16 on a Xeon and
+2-6x faster bf16 on an AMD EPYC)."""
 
 from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from pagedserve.backend import device
+from pagedserve.backend.matmul_probe import MatmulTimes
+from pagedserve.backend.model_config import ModelConfig
 
 AVX512_ONLY = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512_vnni\n"
 AVX512_BF16_NO_AMX = "processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n"
 SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n"
 GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+CONFIG = ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64)
 
 
 def test_native_bf16_is_read_from_the_cpu_flags():
@@ -22,22 +29,27 @@ def test_native_bf16_is_read_from_the_cpu_flags():
     assert device.native_bf16_flags("") == []
 
 
-def test_auto_picks_float32_on_an_emulating_cpu_and_says_why(monkeypatch, caplog):
+def test_auto_picks_float32_on_an_emulating_cpu_without_measuring(monkeypatch, caplog):
     monkeypatch.setattr(device, "cpuinfo", lambda: AVX512_ONLY)
+    monkeypatch.setattr(device, "matmul_times", lambda config: pytest.fail("no probe without native bf16"))
     with caplog.at_level(logging.INFO, logger="pagedserve"):
-        assert device.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+        assert device.resolve_dtype("auto", torch.device("cpu"), CONFIG) == torch.float32
     assert "no native bf16" in caplog.text
-    monkeypatch.setattr(device, "cpuinfo", lambda: SAPPHIRE_RAPIDS)
-    assert device.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
-    monkeypatch.setattr(device, "cpuinfo", lambda: GRAVITON3)
-    assert device.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
 
 
-def test_auto_picks_float32_with_avx512_bf16_but_no_amx_and_says_why(monkeypatch, caplog):
-    """There bf16 matmuls are slower than float32's past a few dozen rows (measured offline: 232 vs 280 tok/s)."""
-    monkeypatch.setattr(device, "cpuinfo", lambda: AVX512_BF16_NO_AMX)
+@pytest.mark.parametrize("cpu", [AVX512_BF16_NO_AMX, SAPPHIRE_RAPIDS, GRAVITON3])
+@pytest.mark.parametrize("bf16_ms, expected", [(0.2, torch.bfloat16), (0.9, torch.float32)])
+def test_auto_takes_the_dtype_the_probe_measured_faster_and_says_so(monkeypatch, caplog, cpu, bf16_ms, expected):
+    monkeypatch.setattr(device, "cpuinfo", lambda: cpu)
+    times = MatmulTimes(64, 256, bfloat16=bf16_ms / 1e3, float32_transposed=0.8e-3, float32_onednn=0.5e-3)
+    monkeypatch.setattr(device, "matmul_times", lambda config: times)
     with caplog.at_level(logging.INFO, logger="pagedserve"):
-        assert device.resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert "avx512_bf16 but no AMX" in caplog.text
-    assert device.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
-    assert device.resolve_dtype("float32", torch.device("cpu")) == torch.float32
+        assert device.resolve_dtype("auto", torch.device("cpu"), CONFIG) == expected
+    assert f"dtype auto: {str(expected).removeprefix('torch.')}" in caplog.text
+    assert f"bfloat16 {bf16_ms:.2f} ms" in caplog.text and "0.50 ms packed (oneDNN)" in caplog.text
+
+
+def test_an_explicit_dtype_is_taken_as_given(monkeypatch):
+    monkeypatch.setattr(device, "matmul_times", lambda config: pytest.fail("no probe for an explicit dtype"))
+    assert device.resolve_dtype("bfloat16", torch.device("cpu"), CONFIG) == torch.bfloat16
+    assert device.resolve_dtype("float32", torch.device("cpu"), CONFIG) == torch.float32

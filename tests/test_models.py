@@ -76,10 +76,11 @@ def test_the_bucketed_linear_gives_the_plain_linears_rows():
         torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_a_packed_linear_computes_what_the_plain_one_does(dtype):
-    """oneDNN's packed weight (CPU half precision) and the transposed float32 weight (MKL)
-    only reorder the weight: the same product."""
+@pytest.mark.parametrize("dtype, float32_layout", [(torch.bfloat16, None), (torch.float16, None),
+                                                    (torch.float32, "transposed"), (torch.float32, "onednn")])
+def test_a_packed_linear_computes_what_the_plain_one_does(dtype, float32_layout):
+    """oneDNN's packed weight (half precision, or float32 laid out "onednn") and the
+    transposed float32 weight (MKL) only reorder the weight: the same product."""
     import torch.nn.functional as F
 
     from pagedserve.backend.models.linear import Linear
@@ -87,8 +88,10 @@ def test_a_packed_linear_computes_what_the_plain_one_does(dtype):
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).to(dtype)
     weight = layer.weight.detach().clone()
-    assert layer.pack()
-    assert (layer.transposed is not None) == (dtype == torch.float32) and (layer.packed is not None) != (dtype == torch.float32)
+    packed = layer.pack(float32_layout or "transposed")
+    assert (layer.transposed is not None) == (float32_layout == "transposed")
+    assert (layer.packed is not None) == (float32_layout != "transposed" and packed)
+    assert packed or dtype == torch.float16  # oneDNN packs fp16 only on CPUs with avx512_fp16 / avx_ne_convert
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
     for rows in (1, 5, 17, 100, 300):
         x = torch.randn(rows, 64, dtype=dtype)

@@ -1,4 +1,4 @@
-"""The model's dense linear layer: nn.Linear whose CPU half-precision calls see a few row counts.
+"""The model's dense linear layer: nn.Linear whose oneDNN calls on CPU see a few row counts.
 
 On CPU, torch runs bf16/fp16 matmuls through oneDNN, which builds a kernel for every
 input shape (1-4 ms each on a 2-core machine) and keeps up to 1,024 of them (a few
@@ -10,16 +10,18 @@ Exact up to 64 rows because a decode step's rows are its sequences, and where on
 bf16 kernel is bound by arithmetic (AVX512-BF16 without AMX) every padding row costs as
 much as a real one: 17 sequences padded to 32 took 1.8x the time of 17. Rows are
 independent in a matmul, so the padding rows (zeros) change nothing in the real ones.
-float32 (MKL) and CUDA need no buckets and take the plain path.
+float32 laid out for MKL and CUDA need no buckets and take the plain path.
 
 The same half-precision weights are also packed once, at load, into oneDNN's blocked
 layout (`pack_weights`): an unpacked weight is re-laid-out by oneDNN on every call,
 which made the matmuls of a decode step 1.4-1.6x slower (AMX Xeon, 2 cores; measured
-in benchmarks/RESULTS.md). float32 weights are instead stored transposed, [in, out]:
-MKL multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than x @ (that copy) (a decode
-step of 8 sequences 61.7 -> 53.5 ms, Xeon with AVX-512, 2 cores), and no slower
-elsewhere; a oneDNN-packed float32 weight was faster still from 8 rows on but 1.2x
-slower at one. The product is the same: both only reorder the weight.
+in benchmarks/RESULTS.md). float32 weights take whichever of two layouts this CPU
+multiplies faster (backend/matmul_probe.py measures it at start-up): "transposed",
+[in, out] for MKL, which multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than x @ (that
+copy) on a Xeon with AVX-512; or "onednn", packed like the half-precision weights,
+1.3-3x faster than either MKL form on an AMD EPYC. Both only reorder the weight: the
+product is the same up to the order of additions. A oneDNN-packed weight of any dtype
+builds a kernel per row count, so its rows take the buckets above.
 The compiled step keeps the plain weights (inductor cannot take a packed one as input),
 so an engine packs only when it runs eagerly.
 """
@@ -45,10 +47,8 @@ def row_bucket(rows: int, exact: int = 16) -> int:
     return -(-rows // step) * step
 
 
-def needs_buckets(x: torch.Tensor) -> bool:
-    """Inside the compiled step the rows are padded to a bucket already (backend/compiled_forward.py)."""
-    cpu_half = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
-    return cpu_half and not torch.compiler.is_compiling()
+FLOAT32_LAYOUTS = ("transposed", "onednn")
+"""How a CPU float32 weight is laid out for its matmul (see the module docstring)."""
 
 
 PACK_ROWS_HINT = 64
@@ -57,13 +57,14 @@ PACK_ROWS_HINT = 64
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
-    """The weight in oneDNN's blocked layout (CPU, half precision), after `pack_weights`."""
+    """The weight in oneDNN's blocked layout (CPU: half precision, or float32 laid out "onednn"), after `pack_weights`."""
     transposed: torch.Tensor | None = None
-    """The weight as [in, out] (CPU, float32), after `pack_weights`."""
+    """The weight as [in, out] (CPU, float32 laid out "transposed"), after `pack_weights`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        bucket = row_bucket(rows, EXACT_ROWS) if needs_buckets(x) else rows
+        # Inside the compiled step (plain weights) the rows are padded to a bucket already.
+        bucket = row_bucket(rows, EXACT_ROWS) if self.packed is not None and x.dim() == 2 else rows
         if bucket != rows:
             padded = x.new_zeros((bucket, x.shape[1]))
             padded[:rows] = x
@@ -78,31 +79,33 @@ class Linear(nn.Linear):
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
 
-    def pack(self) -> bool:
+    def pack(self, float32_layout: str = "transposed") -> bool:
         """Lay a CPU weight out as its matmul reads it fastest: half precision packed for
-        oneDNN, float32 transposed for MKL; False where neither applies."""
+        oneDNN, float32 as `float32_layout` says; False where nothing applies."""
         weight = self.weight
-        if weight.device.type != "cpu":
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
-        if weight.dtype == torch.float32:
+        onednn = torch.backends.mkldnn.is_available()
+        if weight.dtype == torch.float32 and (float32_layout == "transposed" or not onednn):
             self.transposed = weight.detach().t().contiguous()
             return True
-        if weight.dtype not in (torch.bfloat16, torch.float16):
+        if not onednn:
             return False
-        if not torch.backends.mkldnn.is_available():
+        try:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+        except RuntimeError:  # oneDNN packs fp16 only on CPUs with avx512_fp16 or avx_ne_convert
             return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
         return True
 
 
-def pack_weights(model: nn.Module) -> int:
+def pack_weights(model: nn.Module, float32_layout: str = "transposed") -> int:
     """Pack every dense CPU Linear of the model (see the module docstring); how many were packed.
     A packed layer's plain weight is released unless another module shares it (a tied
     embedding), so packing costs no memory."""
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     packed = 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.pack():
+        if isinstance(module, Linear) and module.pack(float32_layout):
             packed += 1
             if id(module.weight) not in shared:
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

@@ -1,0 +1,170 @@
+"""How this CPU multiplies fastest: bf16 or float32, and float32 in which weight layout.
+
+Measured, not read off the CPU flags, because the flags do not tell: with the same
+avx512_bf16 flag and no AMX, an Intel Xeon ran the model's bf16 matmuls slower than
+float32's from ~24 rows on, while an AMD EPYC ran them 2-6x faster than float32's at
+every row count (benchmarks/RESULTS.md). float32's best layout differs the same way:
+MKL over a transposed [in, out] copy won at one row on the Xeon, oneDNN's packed
+layout won 1.3-3x everywhere on the EPYC (MKL takes a slow path on AMD).
+
+The probe times the model's gate/up projection (its largest matmul per layer) as the
+engine runs it (backend/models/linear.py), at one row (a single stream's decode) and
+32 rows (a batch's), in each candidate; under a second for a small model. The verdict
+is kept in the cache directory, keyed by CPU, torch version, threads and shape, so a
+restart (or a tensor-parallel worker) reads it instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pagedserve.kernels.native_build import cache_root
+
+from .model_config import ModelConfig
+from .models.linear import FLOAT32_LAYOUTS, Linear
+
+logger = logging.getLogger("pagedserve")
+
+PROBE_ROWS = (1, 32)
+MAX_PROBE_ELEMENTS = 1 << 25
+"""Weights larger than this (128 MiB in float32) are probed at this size: the ratio is
+what matters, and it holds once the weight is far beyond the caches."""
+CACHE_FILE = "matmul_probe.json"
+
+
+@dataclass(frozen=True)
+class MatmulTimes:
+    """Seconds for one call at each of PROBE_ROWS, summed, per candidate."""
+
+    in_features: int
+    out_features: int
+    bfloat16: float
+    float32_transposed: float
+    float32_onednn: float
+
+    @property
+    def float32(self) -> float:
+        return min(self.float32_transposed, self.float32_onednn)
+
+    @property
+    def float32_layout(self) -> str:
+        return "onednn" if self.float32_onednn < self.float32_transposed else "transposed"
+
+    def summary(self) -> str:
+        return (f"[{self.in_features} -> {self.out_features}] matmul at {' and '.join(map(str, PROBE_ROWS))} rows: "
+                f"bfloat16 {self.bfloat16 * 1e3:.2f} ms, float32 {self.float32_transposed * 1e3:.2f} ms transposed "
+                f"(MKL) / {self.float32_onednn * 1e3:.2f} ms packed (oneDNN)")
+
+
+def probe_shape(config: ModelConfig) -> tuple[int, int]:
+    """The gate/up projection's [in, out], shrunk to MAX_PROBE_ELEMENTS."""
+    in_features, out_features = config.hidden_size, 2 * config.intermediate_size
+    return in_features, max(64, min(out_features, MAX_PROBE_ELEMENTS // in_features))
+
+
+def matmul_times(config: ModelConfig) -> MatmulTimes:
+    """This CPU's times for the model's probe shape: from the cache, else measured (and cached)."""
+    in_features, out_features = probe_shape(config)
+    key = _cache_key(in_features, out_features)
+    cached = _read_cache().get(key)
+    if cached is not None:
+        try:
+            return MatmulTimes(**cached)
+        except TypeError:
+            pass  # written by another version: measure again
+    times = measure(in_features, out_features)
+    _write_cache(key, times)
+    return times
+
+
+def float32_layout(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
+    """The layout for `pack_weights`: measured on a float32 CPU engine (and logged),
+    else the default, which only float32 weights read."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return FLOAT32_LAYOUTS[0]
+    times = matmul_times(config)
+    logger.info("float32 linears: %s layout (measured on this CPU, %s)", times.float32_layout, times.summary())
+    return times.float32_layout
+
+
+def measure(in_features: int, out_features: int, rounds: int = 5, calls: int = 4) -> MatmulTimes:
+    """Time each candidate, interleaved round by round so that a burst of other work on the
+    machine hits all of them; each keeps its best round."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator) * in_features**-0.5
+    candidates = {
+        "bfloat16": _packed_linear(weight, torch.bfloat16),
+        "float32_transposed": _packed_linear(weight, torch.float32, "transposed"),
+        "float32_onednn": _packed_linear(weight, torch.float32, "onednn"),
+    }
+    inputs = {rows: torch.randn(rows, in_features, generator=generator) for rows in PROBE_ROWS}
+    best = dict.fromkeys(candidates, float("inf"))
+    with torch.inference_mode():
+        for round_ in range(rounds + 1):  # round 0 warms up (oneDNN builds its kernels)
+            for name, linear in candidates.items():
+                elapsed = 0.0
+                for x in inputs.values():
+                    x = x.to(linear.weight.dtype)
+                    started = time.perf_counter()
+                    for _ in range(calls):
+                        linear(x)
+                    elapsed += (time.perf_counter() - started) / calls
+                if round_:
+                    best[name] = min(best[name], elapsed)
+    return MatmulTimes(in_features, out_features, **best)
+
+
+def _packed_linear(weight: torch.Tensor, dtype: torch.dtype, float32_layout: str = "transposed") -> Linear:
+    linear = Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    linear.pack(float32_layout)
+    return linear
+
+
+def _cache_key(in_features: int, out_features: int) -> str:
+    flags = ""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features") and not flags:
+                    flags = value.strip()
+    except OSError:
+        pass
+    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return (f"{model} flags {digest} torch {torch.__version__} threads {torch.get_num_threads()} "
+            f"shape {in_features}x{out_features} rows {','.join(map(str, PROBE_ROWS))}")
+
+
+def _read_cache() -> dict:
+    try:
+        with open(cache_root() / CACHE_FILE) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, times: MatmulTimes) -> None:
+    """Best effort: an unwritable cache only means measuring again next time."""
+    path = cache_root() / CACHE_FILE
+    data = _read_cache()
+    data[key] = asdict(times)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(data, indent=1))
+        os.replace(partial, path)
+    except OSError as exc:
+        logger.info("matmul probe: could not cache its times in %s (%s); it measures again next start", path, exc)

@@ -1,0 +1,42 @@
+"""The matmul probe measures each candidate once per machine and shape, and a restart
+reads its verdict from the cache instead of measuring again."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.backend import matmul_probe
+from pagedserve.backend.model_config import ModelConfig
+
+CONFIG = ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64)
+
+
+def test_the_probe_times_the_gate_up_shape_and_caches_its_verdict(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    times = matmul_probe.matmul_times(CONFIG)
+    assert (times.in_features, times.out_features) == (64, 2 * 96)
+    assert 0 < times.bfloat16 < 1 and 0 < times.float32_transposed < 1 and 0 < times.float32_onednn < 1
+    assert times.float32 == min(times.float32_transposed, times.float32_onednn)
+
+    monkeypatch.setattr(matmul_probe, "measure", lambda *shape: (_ for _ in ()).throw(AssertionError("measured")))
+    assert matmul_probe.matmul_times(CONFIG) == times  # read back from the cache
+    (tmp_path / matmul_probe.CACHE_FILE).write_text("not json")
+    monkeypatch.undo()
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    assert matmul_probe.matmul_times(CONFIG).in_features == 64  # a broken cache only means measuring again
+
+
+def test_a_huge_weight_is_probed_at_a_bounded_size():
+    big = ModelConfig("llama", vocab_size=256, hidden_size=8192, intermediate_size=28672, num_layers=2, num_heads=64,
+                      num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64)
+    in_features, out_features = matmul_probe.probe_shape(big)
+    assert in_features == 8192 and in_features * out_features <= matmul_probe.MAX_PROBE_ELEMENTS
+
+
+def test_the_float32_layout_is_measured_only_for_a_float32_cpu_engine(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    assert matmul_probe.float32_layout(CONFIG, torch.bfloat16, torch.device("cpu")) == "transposed"
+    assert not (tmp_path / matmul_probe.CACHE_FILE).exists()
+    layout = matmul_probe.float32_layout(CONFIG, torch.float32, torch.device("cpu"))
+    assert layout == matmul_probe.matmul_times(CONFIG).float32_layout
