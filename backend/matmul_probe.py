@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pagedserve.kernels.native_build import cache_root
+from pagedserve.kernels.native_build import cache_root, cpu_signature
 
 from .model_config import ModelConfig
 from .models.linear import FLOAT32_LAYOUTS, Linear
@@ -37,6 +37,8 @@ MAX_PROBE_ELEMENTS = 1 << 25
 """Weights larger than this (128 MiB in float32) are probed at this size: the ratio is
 what matters, and it holds once the weight is far beyond the caches."""
 CACHE_FILE = "matmul_probe.json"
+_measured: dict[str, "MatmulTimes"] = {}
+"""This process's verdicts by cache key."""
 
 
 @dataclass(frozen=True)
@@ -73,14 +75,17 @@ def matmul_times(config: ModelConfig) -> MatmulTimes:
     """This CPU's times for the model's probe shape: from the cache, else measured (and cached)."""
     in_features, out_features = probe_shape(config)
     key = _cache_key(in_features, out_features)
+    if key in _measured:  # dtype auto then the float32 layout ask twice; the disk may be unwritable
+        return _measured[key]
     cached = _read_cache().get(key)
-    if cached is not None:
-        try:
-            return MatmulTimes(**cached)
-        except TypeError:
-            pass  # written by another version: measure again
-    times = measure(in_features, out_features)
-    _write_cache(key, times)
+    try:
+        times = MatmulTimes(**cached) if cached is not None else None
+    except TypeError:  # written by another version: measure again
+        times = None
+    if times is None:
+        times = measure(in_features, out_features)
+        _write_cache(key, times)
+    _measured[key] = times
     return times
 
 
@@ -130,20 +135,8 @@ def _packed_linear(weight: torch.Tensor, dtype: torch.dtype, float32_layout: str
 
 
 def _cache_key(in_features: int, out_features: int) -> str:
-    flags = ""
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() in ("flags", "Features") and not flags:
-                    flags = value.strip()
-    except OSError:
-        pass
-    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
-    return (f"{model} flags {digest} torch {torch.__version__} threads {torch.get_num_threads()} "
+    cpu = hashlib.sha256(cpu_signature().encode()).hexdigest()[:16]
+    return (f"cpu {cpu} torch {torch.__version__} threads {torch.get_num_threads()} "
             f"shape {in_features}x{out_features} rows {','.join(map(str, PROBE_ROWS))}")
 
 

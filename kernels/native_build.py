@@ -50,8 +50,9 @@ def compiler() -> str | None:
     return None
 
 
-def _cpu_signature() -> str:
-    """-march=native code runs only where it was built: the CPU model and flags key the build."""
+def cpu_signature() -> str:
+    """The CPU model and flags: -march=native code runs only where it was built, so they key
+    the build (and the matmul probe's verdict, backend/matmul_probe.py)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
         lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))][:2]
@@ -64,7 +65,7 @@ def build(source: Path, cc: str) -> Path:
     """The shared library of `source` for these flags and this CPU, compiled unless cached.
     Written under a temporary name and renamed, so concurrent loads never see half a file."""
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may #include
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *FLAGS]).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *FLAGS]).encode() + cpu_signature().encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
         return target

@@ -14,13 +14,17 @@ CONFIG = ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=
 
 def test_the_probe_times_the_gate_up_shape_and_caches_its_verdict(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    matmul_probe._measured.clear()
     times = matmul_probe.matmul_times(CONFIG)
     assert (times.in_features, times.out_features) == (64, 2 * 96)
     assert 0 < times.bfloat16 < 1 and 0 < times.float32_transposed < 1 and 0 < times.float32_onednn < 1
     assert times.float32 == min(times.float32_transposed, times.float32_onednn)
 
     monkeypatch.setattr(matmul_probe, "measure", lambda *shape: (_ for _ in ()).throw(AssertionError("measured")))
-    assert matmul_probe.matmul_times(CONFIG) == times  # read back from the cache
+    assert matmul_probe.matmul_times(CONFIG) == times  # this process's verdict
+    matmul_probe._measured.clear()  # as a restart
+    assert matmul_probe.matmul_times(CONFIG) == times  # read back from the cache file
+    matmul_probe._measured.clear()
     (tmp_path / matmul_probe.CACHE_FILE).write_text("not json")
     monkeypatch.undo()
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
