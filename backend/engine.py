@@ -27,7 +27,6 @@ from .distributed import TensorParallelRunner, start_workers
 from .errors import InvalidRequestError
 from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from .model_files import resolve_model_path
-from .matmul_probe import float32_layout
 from .model_loader import load_model, read_checkpoint
 from .model_runner import ModelRunner
 from .models.linear import pack_weights
@@ -68,7 +67,7 @@ class LLMEngine:
         if config.quantization != "none":
             quantize_model(loaded.model, config.quantization)
         elif not compiled:
-            pack_weights(loaded.model, float32_layout(loaded.config, self.dtype, self.device))
+            pack_weights(loaded.model)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
 

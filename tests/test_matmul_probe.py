@@ -3,8 +3,6 @@ reads its verdict from the cache instead of measuring again."""
 
 from __future__ import annotations
 
-import torch
-
 from pagedserve.backend import matmul_probe
 from pagedserve.backend.model_config import ModelConfig
 
@@ -18,7 +16,7 @@ def test_the_probe_times_the_gate_up_shape_and_caches_its_verdict(tmp_path, monk
     times = matmul_probe.matmul_times(CONFIG)
     assert (times.in_features, times.out_features) == (64, 2 * 96)
     assert 0 < times.bfloat16 < 1 and 0 < times.float32_transposed < 1 and 0 < times.float32_onednn < 1
-    assert times.float32 == min(times.float32_transposed, times.float32_onednn)
+    assert times.float32 == times.float32_transposed  # the layout engines run
 
     monkeypatch.setattr(matmul_probe, "measure", lambda *shape: (_ for _ in ()).throw(AssertionError("measured")))
     assert matmul_probe.matmul_times(CONFIG) == times  # this process's verdict
@@ -36,11 +34,3 @@ def test_a_huge_weight_is_probed_at_a_bounded_size():
                       num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64)
     in_features, out_features = matmul_probe.probe_shape(big)
     assert in_features == 8192 and in_features * out_features <= matmul_probe.MAX_PROBE_ELEMENTS
-
-
-def test_the_float32_layout_is_measured_only_for_a_float32_cpu_engine(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
-    assert matmul_probe.float32_layout(CONFIG, torch.bfloat16, torch.device("cpu")) == "transposed"
-    assert not (tmp_path / matmul_probe.CACHE_FILE).exists()
-    layout = matmul_probe.float32_layout(CONFIG, torch.float32, torch.device("cpu"))
-    assert layout == matmul_probe.matmul_times(CONFIG).float32_layout

@@ -19,7 +19,6 @@ import time
 import torch
 
 from ..device import DTYPES
-from ..matmul_probe import float32_layout
 from ..model_loader import load_checkpoint, read_checkpoint
 from ..model_runner import ModelRunner
 from ..models.linear import pack_weights
@@ -43,11 +42,9 @@ def main(argv: list[str]) -> int:
     store.set(f"worker/{rank}", str(os.getpid()))
     collectives = GroupCollectives(connect(store, rank, spec.size, device))
     channel = StepChannel(collectives, device)
-    checkpoint = read_checkpoint(spec.model_path)
-    model = load_checkpoint(checkpoint, DTYPES[spec.dtype], device, TensorParallel(rank, spec.size, collectives))
-    # Tensor parallelism runs unquantized and eager, as rank 0 (backend/engine.py); the
-    # float32 layout comes from the probe's cache where rank 0 measured it.
-    pack_weights(model, float32_layout(checkpoint.config, DTYPES[spec.dtype], device))
+    model = load_checkpoint(read_checkpoint(spec.model_path), DTYPES[spec.dtype], device,
+                            TensorParallel(rank, spec.size, collectives))
+    pack_weights(model)  # tensor parallelism runs unquantized and eager, as rank 0 (backend/engine.py)
 
     message = channel.receive()
     if message.command != Command.INIT:

@@ -15,13 +15,13 @@ float32 laid out for MKL and CUDA need no buckets and take the plain path.
 The same half-precision weights are also packed once, at load, into oneDNN's blocked
 layout (`pack_weights`): an unpacked weight is re-laid-out by oneDNN on every call,
 which made the matmuls of a decode step 1.4-1.6x slower (AMX Xeon, 2 cores; measured
-in benchmarks/RESULTS.md). float32 weights take whichever of two layouts this CPU
-multiplies faster (backend/matmul_probe.py measures it at start-up): "transposed",
-[in, out] for MKL, which multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than x @ (that
-copy) on a Xeon with AVX-512; or "onednn", packed like the half-precision weights,
-1.3-3x faster than either MKL form on an AMD EPYC. Both only reorder the weight: the
-product is the same up to the order of additions. A oneDNN-packed weight of any dtype
-builds a kernel per row count, so its rows take the buckets above.
+in benchmarks/RESULTS.md). float32 weights are stored transposed, [in, out]: MKL
+multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than x @ (that copy) on a Xeon with
+AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-3x faster on an
+AMD EPYC, where MKL is slow; engines do not use it yet (backend/matmul_probe.py says
+why and times it). Both only reorder the weight: the product is the same up to the
+order of additions. A oneDNN-packed weight of any dtype builds a kernel per row count,
+so its rows take the buckets above.
 The compiled step keeps the plain weights (inductor cannot take a packed one as input),
 so an engine packs only when it runs eagerly.
 """
@@ -45,10 +45,6 @@ def row_bucket(rows: int, exact: int = 16) -> int:
         return rows
     step = 16 if rows <= 256 else 64 if rows <= 1024 else 256
     return -(-rows // step) * step
-
-
-FLOAT32_LAYOUTS = ("transposed", "onednn")
-"""How a CPU float32 weight is laid out for its matmul (see the module docstring)."""
 
 
 PACK_ROWS_HINT = 64
@@ -98,14 +94,14 @@ class Linear(nn.Linear):
         return True
 
 
-def pack_weights(model: nn.Module, float32_layout: str = "transposed") -> int:
+def pack_weights(model: nn.Module) -> int:
     """Pack every dense CPU Linear of the model (see the module docstring); how many were packed.
     A packed layer's plain weight is released unless another module shares it (a tied
     embedding), so packing costs no memory."""
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     packed = 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.pack(float32_layout):
+        if isinstance(module, Linear) and module.pack():
             packed += 1
             if id(module.weight) not in shared:
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
