@@ -1,4 +1,4 @@
-"""How this CPU multiplies fastest: bf16 or float32, and float32 in which weight layout.
+"""How fast this CPU multiplies in bf16 and in float32 (each float32 weight layout).
 
 Measured, not read off the CPU flags, because the flags do not tell: with the same
 avx512_bf16 flag and no AMX, an Intel Xeon ran the model's bf16 matmuls slower than
@@ -10,9 +10,11 @@ layout won 1.3-3x everywhere on the EPYC (MKL takes a slow path on AMD).
 Engines keep float32 weights transposed for now: with the oneDNN layout the fp8 KV
 cache's perplexity on the bundled model rose 2.0% over float32 (1.3% with MKL's
 summation order), past the 2% the fp8 test holds; the probe still times the oneDNN
-layout and the log shows it. The probe times the model's gate/up projection (its largest matmul per layer) as the
-engine runs it (backend/models/linear.py), at one row (a single stream's decode) and
-32 rows (a batch's), in each candidate; under a second for a small model. The verdict
+layout and the log shows it.
+
+The probe times the model's gate/up projection (its largest matmul per layer) as the
+engine runs it (backend/models/linear.py), at one row (a single stream's decode) and 32
+rows (a batch's), in each candidate; under a second for a small model. The verdict
 is kept in the cache directory, keyed by CPU, torch version, threads and shape, so a
 restart reads it instead of measuring again.
 """
