@@ -58,6 +58,8 @@ class Relay:
     """The client's own request id (TensorRT-LLM's `stop` names it)."""
     open: bool = True
     """No final response sent to the client yet."""
+    cancelled: bool = False
+    """Its client cancelled: nothing more goes out but a flag-only final."""
 
 
 class TextModel:
@@ -181,6 +183,8 @@ class TextModel:
         if final:
             self._close(relay, response)
             return
+        if relay.cancelled:
+            return
         try:
             relay.response_sender.send(response, flags=0)
         except Exception:
@@ -190,12 +194,16 @@ class TextModel:
 
     def _close(self, relay: Relay, response: Any) -> None:
         """Send the client's final response (None: a flag-only final), once (the relay
-        and the watcher may both try)."""
+        and the watcher may both try). A cancelled request's final carries nothing, as
+        in Triton's vLLM backend: a response sent into a cancelled gRPC stream can stay
+        in tritonserver (2.51) and keep `llm` loaded past its exit timeout."""
         with self.lock:  # the watcher must not ask a finished sender whether it was cancelled
             if not relay.open:
                 return
             relay.open = False
             self.active.pop(relay.request_id, None)
+            if relay.cancelled:
+                response = None
         send_final(relay.response_sender, response, self.final_flag)
 
     def _drain(self, responses: Iterator[Any]) -> None:
@@ -220,7 +228,7 @@ class TextModel:
         with self.lock:
             cancelled = [request_id for request_id, relay in self.active.items() if asked_cancelled(relay.response_sender)]
             for request_id in cancelled:  # the relay still sends its final, when llm_engine has ended it
-                del self.active[request_id]
+                self.active.pop(request_id).cancelled = True
         for request_id in cancelled:
             log_info(self.pb_utils, f"[pagedserve] request {request_id} cancelled by its client; cancelling it in {self.engine_model}")
             self._cancel_in_engine(request_id)
