@@ -27,6 +27,7 @@ from .distributed import TensorParallelRunner, start_workers
 from .errors import InvalidRequestError
 from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from .model_files import resolve_model_path
+from .matmul_probe import lm_head_layout
 from .model_loader import load_model, read_checkpoint
 from .model_runner import ModelRunner
 from .models.linear import pack_weights
@@ -67,7 +68,8 @@ class LLMEngine:
         if config.quantization != "none":
             quantize_model(loaded.model, config.quantization)
         elif not compiled:
-            pack_weights(loaded.model)
+            # tensor-parallel ranks all keep the default layout (backend/distributed/worker.py)
+            pack_weights(loaded.model, "transposed" if self.workers else lm_head_layout(loaded.config, self.dtype, self.device))
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
 

@@ -7,10 +7,11 @@ every row count (benchmarks/RESULTS.md). float32's best layout differs the same 
 MKL over a transposed [in, out] copy won at one row on the Xeon, oneDNN's packed
 layout won 1.3-3x everywhere on the EPYC (MKL takes a slow path on AMD).
 
-Engines keep float32 weights transposed for now: with the oneDNN layout the fp8 KV
-cache's perplexity on the bundled model rose 2.0% over float32 (1.3% with MKL's
-summation order), past the 2% the fp8 test holds; the probe still times the oneDNN
-layout and the log shows it.
+Engines keep float32 decoder weights transposed for now: with the oneDNN layout the
+fp8 KV cache's perplexity on the bundled model rose 2.0% over float32 on one EPYC
+(1.3% with MKL's summation order; 1.80% vs 1.74% on another), at the 2% the fp8 test
+holds. The LM head writes no cache: where the probe finds oneDNN faster it gets the
+oneDNN layout for batches beside the transposed one for single rows (`lm_head_layout`).
 
 The probe times the model's gate/up projection (its largest matmul per layer) as the
 engine runs it (backend/models/linear.py), at one row (a single stream's decode) and 32
@@ -89,6 +90,18 @@ def matmul_times(config: ModelConfig) -> MatmulTimes:
         _write_cache(key, times)
     _measured[key] = times
     return times
+
+
+def lm_head_layout(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
+    """`pack_weights`' layout for the LM head: "both" on a float32 CPU engine where oneDNN's
+    packed float32 measures faster than MKL's transposed one (logged), else "transposed"."""
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return "transposed"
+    times = matmul_times(config)
+    layout = "both" if times.float32_onednn < times.float32_transposed else "transposed"
+    logger.info("float32 LM head: %s (measured %s)", "oneDNN-packed for batches, transposed (MKL) for one row"
+                if layout == "both" else "transposed (MKL)", times.summary())
+    return layout
 
 
 def measure(in_features: int, out_features: int, rounds: int = 5, calls: int = 4) -> MatmulTimes:

@@ -17,10 +17,12 @@ layout (`pack_weights`): an unpacked weight is re-laid-out by oneDNN on every ca
 which made the matmuls of a decode step 1.4-1.6x slower (AMX Xeon, 2 cores; measured
 in benchmarks/RESULTS.md). float32 weights are stored transposed, [in, out]: MKL
 multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than x @ (that copy) on a Xeon with
-AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-3x faster on an
-AMD EPYC, where MKL is slow; engines do not use it yet (backend/matmul_probe.py says
-why and times it). Both only reorder the weight: the product is the same up to the
-order of additions. A oneDNN-packed weight of any dtype builds a kernel per row count,
+AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faster from
+8 rows on AMD EPYCs, where MKL is slow. Decoder layers stay transposed for now
+(backend/matmul_probe.py says why); the LM head, whose output feeds no cache, keeps
+"both" where the probe finds oneDNN faster: the transposed copy for one row (a single
+stream, where MKL is ~20% faster) and the packed one for more. Both only reorder the
+weight: the product is the same up to the order of additions. A oneDNN-packed weight of any dtype builds a kernel per row count,
 so its rows take the buckets above.
 The compiled step keeps the plain weights (inductor cannot take a packed one as input),
 so an engine packs only when it runs eagerly.
@@ -47,6 +49,7 @@ def row_bucket(rows: int, exact: int = 16) -> int:
     return -(-rows // step) * step
 
 
+FLOAT32_LAYOUTS = ("transposed", "onednn", "both")
 PACK_ROWS_HINT = 64
 """The row count oneDNN picks the packed layout for: measured best over 1-256 rows."""
 
@@ -68,7 +71,7 @@ class Linear(nn.Linear):
         return self._matmul(x)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and (self.transposed is None or x.numel() > x.shape[-1]):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.transposed is not None:
             out = torch.matmul(x, self.transposed)
@@ -81,27 +84,32 @@ class Linear(nn.Linear):
         weight = self.weight
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
+        if float32_layout not in FLOAT32_LAYOUTS:
+            raise ValueError(f"float32_layout must be one of {FLOAT32_LAYOUTS}, not {float32_layout!r}")
         onednn = torch.backends.mkldnn.is_available()
-        if weight.dtype == torch.float32 and (float32_layout == "transposed" or not onednn):
+        if weight.dtype == torch.float32 and (float32_layout != "onednn" or not onednn):
             self.transposed = weight.detach().t().contiguous()
-            return True
+            if float32_layout == "transposed" or not onednn:
+                return True
         if not onednn:
             return False
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
         except RuntimeError:  # oneDNN packs fp16 only on CPUs with avx512_fp16 or avx_ne_convert
-            return False
+            return self.transposed is not None
         return True
 
 
-def pack_weights(model: nn.Module) -> int:
-    """Pack every dense CPU Linear of the model (see the module docstring); how many were packed.
-    A packed layer's plain weight is released unless another module shares it (a tied
-    embedding), so packing costs no memory."""
+def pack_weights(model: nn.Module, lm_head_layout: str = "transposed") -> int:
+    """Pack every dense CPU Linear of the model (see the module docstring), float32 ones
+    transposed but the model's `lm_head` as `lm_head_layout`; how many were packed. A
+    packed layer's plain weight is released unless another module shares it (a tied
+    embedding), so packing costs no memory beyond a second layout where one is asked."""
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     packed = 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.pack():
+        layout = lm_head_layout if module is getattr(model, "lm_head", None) else "transposed"
+        if isinstance(module, Linear) and module.pack(layout):
             packed += 1
             if id(module.weight) not in shared:
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
