@@ -149,6 +149,14 @@ def assert_greedy_matches_transformers(engine: LLMEngine, reference, prompts: li
     assert_engine_idle(engine)
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU (half precision needs avx512_bf16 /
+    avx512bw or avx_ne_convert); where it cannot, such weights stay plain."""
+    from pagedserve.backend.models.linear import Linear
+
+    return Linear(16, 16).to(dtype).pack()
+
+
 def assert_engine_idle(engine: LLMEngine) -> None:
     """No leaked KV block and no request left in any queue."""
     kv = engine.block_manager

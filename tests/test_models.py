@@ -8,7 +8,7 @@ import torch
 
 from pagedserve.backend import LLMEngine
 
-from .conftest import assert_greedy_matches_transformers
+from .conftest import assert_greedy_matches_transformers, onednn_packs
 
 pytestmark = pytest.mark.slow
 
@@ -112,9 +112,7 @@ def test_packing_releases_the_plain_weights_but_keeps_a_tied_embedding(dtype):
     config = ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
                          max_position_embeddings=64, tie_word_embeddings=True)
-    from pagedserve.backend.models.linear import Linear
-
-    if not Linear(16, 16).to(dtype).pack():
+    if not onednn_packs(dtype):
         pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU (no avx512_bf16): they stay plain")
     model = LlamaForCausalLM(config, max_positions=64).to(dtype)
     assert pack_weights(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the lm_head

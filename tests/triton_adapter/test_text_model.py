@@ -149,7 +149,7 @@ def test_client_cancellation_aborts_in_the_engine(engine, model):
     request.sender.cancelled = True
     sent = request.sender.wait_final()
     assert engine.cancel_ids == [request_id] and engine.engine_thread.aborted == [request_id]
-    assert sent[-1][0].error().code() == TritonError.CANCELLED and request.sender.finals == 1
+    assert sent[-1] == (None, FINAL) and request.sender.finals == 1  # a flag-only final, as the vLLM backend sends
     wait_until(lambda: engine.drained())
     assert not request.sender.asked_after_final
 
@@ -163,7 +163,7 @@ def test_a_cancel_that_reaches_the_engine_before_its_request_ends_it_there(engin
     wait_until(lambda: engine.cancel_ids == [request_id])
     engine.admit.set()
     sent = request.sender.wait_final()
-    assert sent[-1][0].error().code() == TritonError.CANCELLED and len(sent) == 1
+    assert sent == [(None, FINAL)]
     assert request_id not in engine.engine_thread.submitted
     wait_until(lambda: engine.drained())
 
@@ -255,7 +255,7 @@ def test_a_failing_cancellation_check_does_not_stop_the_watcher(engine, model):
     cancelled_id = engine.request_id("y")
     wait_until(lambda: cancelled_id in engine.engine_thread.callbacks)
     cancelled.sender.cancelled = True
-    assert cancelled.sender.wait_final()[-1][0].error().code() == TritonError.CANCELLED
+    assert cancelled.sender.wait_final()[-1] == (None, FINAL)
     engine.emit(["z"], prompt="x")
     broken.sender.wait_final()
 
