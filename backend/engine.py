@@ -27,10 +27,10 @@ from .distributed import TensorParallelRunner, start_workers
 from .errors import InvalidRequestError
 from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from .model_files import resolve_model_path
-from .matmul_probe import lm_head_layout
+from .matmul_probe import weight_layouts
 from .model_loader import load_model, read_checkpoint
 from .model_runner import ModelRunner
-from .models.linear import pack_weights
+from .models.linear import WeightLayouts, pack_weights
 from .models.parallel import SINGLE_RANK
 from .output_renderer import OutputRenderer
 from .outputs import Completion, EngineStats, RequestOutput
@@ -69,7 +69,8 @@ class LLMEngine:
             quantize_model(loaded.model, config.quantization)
         elif not compiled:
             # tensor-parallel ranks all keep the default layout (backend/distributed/worker.py)
-            pack_weights(loaded.model, "transposed" if self.workers else lm_head_layout(loaded.config, self.dtype, self.device))
+            pack_weights(loaded.model, WeightLayouts() if self.workers else
+                         weight_layouts(loaded.config, self.dtype, self.device, config.kv_cache_dtype == "fp8"))
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
 

@@ -7,11 +7,13 @@ every row count (benchmarks/RESULTS.md). float32's best layout differs the same 
 MKL over a transposed [in, out] copy won at one row on the Xeon, oneDNN's packed
 layout won 1.3-3x everywhere on the EPYC (MKL takes a slow path on AMD).
 
-Engines keep float32 decoder weights transposed for now: with the oneDNN layout the
-fp8 KV cache's perplexity on the bundled model rose 2.0% over float32 on one EPYC
-(1.3% with MKL's summation order; 1.80% vs 1.74% on another), at the 2% the fp8 test
-holds. The LM head writes no cache: where the probe finds oneDNN faster it gets the
-oneDNN layout for batches beside the transposed one for single rows (`lm_head_layout`).
+Where oneDNN's packed float32 measures faster (`weight_layouts`), the decoder layers take
+it, and the LM head keeps it beside the transposed copy, which it uses for single rows
+(its 49,152 outputs per row made MKL ~20% faster at one row, 2-4x slower at more).
+Engines with an fp8 KV cache keep the decoder layers transposed: its perplexity bound
+(tests/test_quantization.py, 2% over float32) was set with MKL's summation order, and with
+oneDNN's the bundled model's rose 2.04% on one EPYC (1.32% with MKL's; 1.80% vs 1.74% on
+another). The LM head writes no cache, so it takes oneDNN's layout there too.
 
 The probe times the model's gate/up projection (its largest matmul per layer) as the
 engine runs it (backend/models/linear.py), at one row (a single stream's decode) and 32
@@ -34,7 +36,7 @@ import torch
 from pagedserve.kernels.native_build import cache_root, cpu_signature
 
 from .model_config import ModelConfig
-from .models.linear import Linear
+from .models.linear import Linear, WeightLayouts
 
 logger = logging.getLogger("pagedserve")
 
@@ -59,8 +61,8 @@ class MatmulTimes:
 
     @property
     def float32(self) -> float:
-        """float32 as engines run it: the transposed layout (see the module docstring)."""
-        return self.float32_transposed
+        """float32 as engines run it: in the faster layout (see the module docstring)."""
+        return min(self.float32_transposed, self.float32_onednn)
 
     def summary(self) -> str:
         return (f"[{self.in_features} -> {self.out_features}] matmul at {' and '.join(map(str, PROBE_ROWS))} rows: "
@@ -92,16 +94,19 @@ def matmul_times(config: ModelConfig) -> MatmulTimes:
     return times
 
 
-def lm_head_layout(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
-    """`pack_weights`' layout for the LM head: "both" on a float32 CPU engine where oneDNN's
-    packed float32 measures faster than MKL's transposed one (logged), else "transposed"."""
+def weight_layouts(config: ModelConfig, dtype: torch.dtype, device: torch.device, fp8_kv_cache: bool) -> WeightLayouts:
+    """`pack_weights`' float32 layouts for an engine (see the module docstring), logged with the times behind them."""
     if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return "transposed"
+        return WeightLayouts()
     times = matmul_times(config)
-    layout = "both" if times.float32_onednn < times.float32_transposed else "transposed"
-    logger.info("float32 LM head: %s (measured %s)", "oneDNN-packed for batches, transposed (MKL) for one row"
-                if layout == "both" else "transposed (MKL)", times.summary())
-    return layout
+    if times.float32_onednn >= times.float32_transposed:
+        logger.info("float32 weights: transposed (MKL), measured faster: %s", times.summary())
+        return WeightLayouts()
+    layouts = WeightLayouts(layers="transposed" if fp8_kv_cache else "onednn", lm_head="both")
+    logger.info("float32 weights: decoder layers %s, LM head oneDNN-packed for batches and transposed (MKL) for one "
+                "row; measured %s", "transposed (MKL: the fp8 KV cache's order)" if fp8_kv_cache else "oneDNN-packed",
+                times.summary())
+    return layouts
 
 
 def measure(in_features: int, out_features: int, rounds: int = 5, calls: int = 4) -> MatmulTimes:

@@ -16,7 +16,7 @@ def test_the_probe_times_the_gate_up_shape_and_caches_its_verdict(tmp_path, monk
     times = matmul_probe.matmul_times(CONFIG)
     assert (times.in_features, times.out_features) == (64, 2 * 96)
     assert 0 < times.bfloat16 < 1 and 0 < times.float32_transposed < 1 and 0 < times.float32_onednn < 1
-    assert times.float32 == times.float32_transposed  # the layout engines run
+    assert times.float32 == min(times.float32_transposed, times.float32_onednn)  # the layout engines run
 
     monkeypatch.setattr(matmul_probe, "measure", lambda *shape: (_ for _ in ()).throw(AssertionError("measured")))
     assert matmul_probe.matmul_times(CONFIG) == times  # this process's verdict
@@ -34,3 +34,21 @@ def test_a_huge_weight_is_probed_at_a_bounded_size():
                       num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64)
     in_features, out_features = matmul_probe.probe_shape(big)
     assert in_features == 8192 and in_features * out_features <= matmul_probe.MAX_PROBE_ELEMENTS
+
+
+def test_float32_layouts_follow_the_faster_measurement_and_the_fp8_cache(monkeypatch):
+    import torch
+
+    from pagedserve.backend.models.linear import WeightLayouts
+
+    def probed(transposed: float, onednn: float) -> None:
+        times = matmul_probe.MatmulTimes(64, 192, bfloat16=1.0, float32_transposed=transposed, float32_onednn=onednn)
+        monkeypatch.setattr(matmul_probe, "matmul_times", lambda config: times)
+
+    cpu = torch.device("cpu")
+    probed(transposed=1.0, onednn=2.0)
+    assert matmul_probe.weight_layouts(CONFIG, torch.float32, cpu, fp8_kv_cache=False) == WeightLayouts()
+    probed(transposed=2.0, onednn=1.0)
+    assert matmul_probe.weight_layouts(CONFIG, torch.float32, cpu, fp8_kv_cache=False) == WeightLayouts("onednn", "both")
+    assert matmul_probe.weight_layouts(CONFIG, torch.float32, cpu, fp8_kv_cache=True) == WeightLayouts("transposed", "both")
+    assert matmul_probe.weight_layouts(CONFIG, torch.bfloat16, cpu, fp8_kv_cache=False) == WeightLayouts()

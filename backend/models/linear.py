@@ -18,17 +18,19 @@ which made the matmuls of a decode step 1.4-1.6x slower (AMX Xeon, 2 cores; meas
 in benchmarks/RESULTS.md). float32 weights are stored transposed, [in, out]: MKL
 multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than x @ (that copy) on a Xeon with
 AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faster from
-8 rows on AMD EPYCs, where MKL is slow. Decoder layers stay transposed for now
-(backend/matmul_probe.py says why); the LM head, whose output feeds no cache, keeps
-"both" where the probe finds oneDNN faster: the transposed copy for one row (a single
-stream, where MKL is ~20% faster) and the packed one for more. Both only reorder the
-weight: the product is the same up to the order of additions. A oneDNN-packed weight of any dtype builds a kernel per row count,
-so its rows take the buckets above.
+8 rows on AMD EPYCs, where MKL is slow; or kept in "both" layouts, the transposed copy
+for one row (a single stream, where MKL is ~20% faster there) and the packed one for
+more. Which layout each part of the model gets is measured (`WeightLayouts`,
+backend/matmul_probe.py). All only reorder the weight: the product is the same up to
+the order of additions. A oneDNN-packed weight of any dtype builds a kernel per row
+count, so its rows take the buckets above.
 The compiled step keeps the plain weights (inductor cannot take a packed one as input),
 so an engine packs only when it runs eagerly.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,22 @@ def row_bucket(rows: int, exact: int = 16) -> int:
 
 
 FLOAT32_LAYOUTS = ("transposed", "onednn", "both")
+
+
+@dataclass(frozen=True)
+class WeightLayouts:
+    """The float32 layout (one of FLOAT32_LAYOUTS) of the decoder layers' linears and of the
+    LM head; half-precision weights are packed for oneDNN whatever these say."""
+
+    layers: str = "transposed"
+    lm_head: str = "transposed"
+
+    def __post_init__(self) -> None:
+        for layout in (self.layers, self.lm_head):
+            if layout not in FLOAT32_LAYOUTS:
+                raise ValueError(f"float32 layout must be one of {FLOAT32_LAYOUTS}, not {layout!r}")
+
+
 PACK_ROWS_HINT = 64
 """The row count oneDNN picks the packed layout for: measured best over 1-256 rows."""
 
@@ -100,15 +118,15 @@ class Linear(nn.Linear):
         return True
 
 
-def pack_weights(model: nn.Module, lm_head_layout: str = "transposed") -> int:
-    """Pack every dense CPU Linear of the model (see the module docstring), float32 ones
-    transposed but the model's `lm_head` as `lm_head_layout`; how many were packed. A
+def pack_weights(model: nn.Module, layouts: WeightLayouts = WeightLayouts()) -> int:
+    """Pack every dense CPU Linear of the model (see the module docstring), float32 ones as
+    `layouts` says for the model's `lm_head` and for the rest; how many were packed. A
     packed layer's plain weight is released unless another module shares it (a tied
-    embedding), so packing costs no memory beyond a second layout where one is asked."""
+    embedding), so packing costs no memory beyond a second layout where "both" is asked."""
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     packed = 0
     for module in model.modules():
-        layout = lm_head_layout if module is getattr(model, "lm_head", None) else "transposed"
+        layout = layouts.lm_head if module is getattr(model, "lm_head", None) else layouts.layers
         if isinstance(module, Linear) and module.pack(layout):
             packed += 1
             if id(module.weight) not in shared:
