@@ -7,10 +7,13 @@ every row count (benchmarks/RESULTS.md). float32's best layout differs the same 
 MKL over a transposed [in, out] copy won at one row on the Xeon, oneDNN's packed
 layout won 1.3-3x everywhere on the EPYC (MKL takes a slow path on AMD).
 
-Where oneDNN's packed float32 measures faster (`weight_layouts`), the decoder layers take
-it, and the LM head keeps it beside the transposed copy, which it uses for single rows
-(its 49,152 outputs per row made MKL ~20% faster at one row, 2-4x slower at more).
-Engines with an fp8 KV cache keep the decoder layers transposed: its perplexity bound
+Where oneDNN's packed float32 measures faster (`weight_layouts`), the model takes it for
+batches and keeps the plain weight beside it for steps of a few rows, which the C
+matrix-vector loop (kernels/gemv_cpu.py) streams faster than oneDNN or MKL: the "both"
+layout. The LM head always can (its plain weight is the tied embedding's, or takes the
+place of the transposed copy MKL would need); the decoder layers do where their second
+copy takes at most PLAIN_COPY_MAX_MEMORY of the machine's memory, else they keep only the
+packed one. Engines with an fp8 KV cache keep the decoder layers transposed: its perplexity bound
 (tests/test_quantization.py, 2% over float32) was set with MKL's summation order, and with
 oneDNN's the bundled model's rose 2.04% on one EPYC (1.32% with MKL's; 1.80% vs 1.74% on
 another). The LM head writes no cache, so it takes oneDNN's layout there too.
@@ -33,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pagedserve.kernels import gemv_cpu
 from pagedserve.kernels.native_build import cache_root, cpu_signature
 
 from .model_config import ModelConfig
@@ -44,6 +48,9 @@ PROBE_ROWS = (1, 32)
 MAX_PROBE_ELEMENTS = 1 << 25
 """Weights larger than this (128 MiB in float32) are probed at this size: the ratio is
 what matters, and it holds once the weight is far beyond the caches."""
+PLAIN_COPY_MAX_MEMORY = 0.125
+"""The share of the machine's memory a second (plain) copy of the float32 decoder layers may
+take for the faster single-stream decode it buys (a 135M-parameter model: ~0.4 GiB)."""
 CACHE_FILE = "matmul_probe.json"
 _measured: dict[str, "MatmulTimes"] = {}
 """This process's verdicts by cache key."""
@@ -102,11 +109,34 @@ def weight_layouts(config: ModelConfig, dtype: torch.dtype, device: torch.device
     if times.float32_onednn >= times.float32_transposed:
         logger.info("float32 weights: transposed (MKL), measured faster: %s", times.summary())
         return WeightLayouts()
-    layouts = WeightLayouts(layers="transposed" if fp8_kv_cache else "onednn", lm_head="both")
-    logger.info("float32 weights: decoder layers %s, LM head oneDNN-packed for batches and transposed (MKL) for one "
-                "row; measured %s", "transposed (MKL: the fp8 KV cache's order)" if fp8_kv_cache else "oneDNN-packed",
-                times.summary())
+    if gemv_cpu.LIBRARY.get() is None:
+        few_rows = "one row through MKL's transposed copy"
+        layouts = WeightLayouts(layers="transposed" if fp8_kv_cache else "onednn", lm_head="transposed")
+    else:
+        few_rows = f"up to {gemv_cpu.GEMV_MAX_ROWS} rows through the C GEMV over the plain weight"
+        plain_copy_fits = decoder_weight_bytes(config) <= PLAIN_COPY_MAX_MEMORY * physical_memory()
+        layouts = WeightLayouts(layers="transposed" if fp8_kv_cache else "both" if plain_copy_fits else "onednn",
+                                lm_head="both")
+    layers = {"transposed": "transposed (MKL: the fp8 KV cache's order)", "both": f"oneDNN-packed, {few_rows}",
+              "onednn": "oneDNN-packed (a plain copy too would take over "
+                        f"{PLAIN_COPY_MAX_MEMORY:.0%} of memory)"}[layouts.layers]
+    logger.info("float32 weights: decoder layers %s; LM head oneDNN-packed for batches, %s; measured %s",
+                layers, few_rows if layouts.lm_head == "both" else "transposed (MKL)", times.summary())
     return layouts
+
+
+def decoder_weight_bytes(config: ModelConfig) -> int:
+    """float32 bytes of the decoder layers' linear weights."""
+    per_layer = config.hidden_size * (2 * config.q_size + 2 * config.kv_size + 3 * config.intermediate_size)
+    return 4 * config.num_layers * per_layer
+
+
+def physical_memory() -> int:
+    """Bytes of memory this machine has (0 where the OS does not say: no plain copy then)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def measure(in_features: int, out_features: int, rounds: int = 5, calls: int = 4) -> MatmulTimes:

@@ -49,6 +49,23 @@ def test_float32_layouts_follow_the_faster_measurement_and_the_fp8_cache(monkeyp
     probed(transposed=1.0, onednn=2.0)
     assert matmul_probe.weight_layouts(CONFIG, torch.float32, cpu, fp8_kv_cache=False) == WeightLayouts()
     probed(transposed=2.0, onednn=1.0)
-    assert matmul_probe.weight_layouts(CONFIG, torch.float32, cpu, fp8_kv_cache=False) == WeightLayouts("onednn", "both")
+    monkeypatch.setattr(matmul_probe.gemv_cpu.LIBRARY, "get", lambda: object())  # the C GEMV is built
+    assert matmul_probe.weight_layouts(CONFIG, torch.float32, cpu, fp8_kv_cache=False) == WeightLayouts("both", "both")
     assert matmul_probe.weight_layouts(CONFIG, torch.float32, cpu, fp8_kv_cache=True) == WeightLayouts("transposed", "both")
     assert matmul_probe.weight_layouts(CONFIG, torch.bfloat16, cpu, fp8_kv_cache=False) == WeightLayouts()
+
+
+def test_decoder_layers_keep_a_plain_copy_only_where_it_fits_and_the_gemv_is_built(monkeypatch):
+    import torch
+
+    from pagedserve.backend.models.linear import WeightLayouts
+
+    times = matmul_probe.MatmulTimes(64, 192, bfloat16=1.0, float32_transposed=2.0, float32_onednn=1.0)
+    monkeypatch.setattr(matmul_probe, "matmul_times", lambda config: times)
+    monkeypatch.setattr(matmul_probe.gemv_cpu.LIBRARY, "get", lambda: object())
+    cpu = torch.device("cpu")
+    copy = matmul_probe.decoder_weight_bytes(CONFIG)
+    monkeypatch.setattr(matmul_probe, "physical_memory", lambda: int(copy / matmul_probe.PLAIN_COPY_MAX_MEMORY) - 1)
+    assert matmul_probe.weight_layouts(CONFIG, torch.float32, cpu, fp8_kv_cache=False) == WeightLayouts("onednn", "both")
+    monkeypatch.setattr(matmul_probe.gemv_cpu.LIBRARY, "get", lambda: None)  # no C compiler: MKL for one row
+    assert matmul_probe.weight_layouts(CONFIG, torch.float32, cpu, fp8_kv_cache=False) == WeightLayouts("onednn", "transposed")

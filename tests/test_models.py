@@ -81,8 +81,8 @@ def test_the_bucketed_linear_gives_the_plain_linears_rows():
                                                     (torch.float32, "both")])
 def test_a_packed_linear_computes_what_the_plain_one_does(dtype, float32_layout):
     """oneDNN's packed weight (half precision, or float32 laid out "onednn"), the
-    transposed float32 weight (MKL), and both (one row by MKL, more by oneDNN) only
-    reorder the weight: the same product."""
+    transposed float32 weight (MKL), and both (a few rows by the C GEMV over the plain
+    weight, more by oneDNN) only reorder the weight or the sums: the same product."""
     import torch.nn.functional as F
 
     from pagedserve.backend.models.linear import Linear
@@ -91,13 +91,14 @@ def test_a_packed_linear_computes_what_the_plain_one_does(dtype, float32_layout)
     layer = Linear(64, 96, bias=True).to(dtype)
     weight = layer.weight.detach().clone()
     packed = layer.pack(float32_layout or "transposed")
-    assert (layer.transposed is not None) == (float32_layout in ("transposed", "both"))
+    assert (layer.transposed is not None) == (float32_layout == "transposed")
+    assert bool(layer.gemv_rows) == (float32_layout == "both")
     assert (layer.packed is not None) == (float32_layout != "transposed" and packed)
     # oneDNN packs half precision only where the CPU has its instructions (avx512_bf16 /
     # avx512_fp16 or avx_ne_convert); such a layer stays unpacked and plain
     assert packed or dtype != torch.float32
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
-    for rows in (1, 5, 17, 100, 300):
+    for rows in (1, 3, 5, 17, 100, 300):
         x = torch.randn(rows, 64, dtype=dtype)
         expected = F.linear(x.float(), weight.float(), layer.bias.float())
         torch.testing.assert_close(layer(x).float(), expected, **tolerance)
@@ -118,3 +119,20 @@ def test_packing_releases_the_plain_weights_but_keeps_a_tied_embedding(dtype):
     assert pack_weights(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the lm_head
     assert model.layers[0].mlp.down_proj.weight.numel() == 0
     assert model.lm_head.weight is model.embed_tokens.weight and model.embed_tokens.weight.numel() == 256 * 64
+
+
+def test_layers_laid_out_both_keep_the_plain_weight_their_single_rows_read():
+    from pagedserve.backend.model_config import ModelConfig
+    from pagedserve.backend.models.linear import WeightLayouts, pack_weights
+    from pagedserve.backend.models.llama import LlamaForCausalLM
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    config = ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=64, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config, max_positions=64)
+    assert pack_weights(model, WeightLayouts(layers="both", lm_head="both")) == 2 * 4 + 1
+    down = model.layers[0].mlp.down_proj
+    assert down.packed is not None and down.weight.shape == (64, 128)
+    assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.packed is not None

@@ -18,11 +18,13 @@ which made the matmuls of a decode step 1.4-1.6x slower (AMX Xeon, 2 cores; meas
 in benchmarks/RESULTS.md). float32 weights are stored transposed, [in, out]: MKL
 multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than x @ (that copy) on a Xeon with
 AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faster from
-8 rows on AMD EPYCs, where MKL is slow; or kept in "both" layouts, the transposed copy
-for one row (a single stream, where MKL is ~20% faster there) and the packed one for
-more. Which layout each part of the model gets is measured (`WeightLayouts`,
-backend/matmul_probe.py). All only reorder the weight: the product is the same up to
-the order of additions. A oneDNN-packed weight of any dtype builds a kernel per row
+8 rows on AMD EPYCs, where MKL is slow; or kept in "both" layouts: the plain [out, in]
+weight for up to GEMV_MAX_ROWS rows, through the C matrix-vector loop of
+kernels/gemv_cpu.py (a single stream's decode, bound by streaming the weights: ~25 GB/s
+there against ~18 through oneDNN on a 2-core EPYC), and the packed one for more. Which
+layout each part of the model gets is measured (`WeightLayouts`,
+backend/matmul_probe.py). All only reorder the weight or the additions: the product is
+the same up to the order of additions. A oneDNN-packed weight of any dtype builds a kernel per row
 count, so its rows take the buckets above.
 The compiled step keeps the plain weights (inductor cannot take a packed one as input),
 so an engine packs only when it runs eagerly.
@@ -35,6 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedserve.kernels.gemv_cpu import GEMV_MAX_ROWS, gemv
 
 
 EXACT_ROWS = 64
@@ -77,6 +81,9 @@ class Linear(nn.Linear):
     """The weight in oneDNN's blocked layout (CPU: half precision, or float32 laid out "onednn"), after `pack_weights`."""
     transposed: torch.Tensor | None = None
     """The weight as [in, out] (CPU, float32 laid out "transposed"), after `pack_weights`."""
+    gemv_rows: int = 0
+    """Row counts up to this go through the C matrix-vector loop over the plain weight,
+    which the layer then keeps (CPU, float32 laid out "both")."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -89,7 +96,11 @@ class Linear(nn.Linear):
         return self._matmul(x)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and (self.transposed is None or x.numel() > x.shape[-1]):
+        if x.dim() == 2 and x.shape[0] <= self.gemv_rows:
+            out = gemv(x, self.weight, self.bias)
+            if out is not None:  # else (no C compiler) the packed weight below
+                return out
+        if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.transposed is not None:
             out = torch.matmul(x, self.transposed)
@@ -105,16 +116,17 @@ class Linear(nn.Linear):
         if float32_layout not in FLOAT32_LAYOUTS:
             raise ValueError(f"float32_layout must be one of {FLOAT32_LAYOUTS}, not {float32_layout!r}")
         onednn = torch.backends.mkldnn.is_available()
-        if weight.dtype == torch.float32 and (float32_layout != "onednn" or not onednn):
+        if weight.dtype == torch.float32 and (float32_layout == "transposed" or not onednn):
             self.transposed = weight.detach().t().contiguous()
-            if float32_layout == "transposed" or not onednn:
-                return True
+            return True
         if not onednn:
             return False
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
         except RuntimeError:  # oneDNN packs fp16 only on CPUs with avx512_fp16 or avx_ne_convert
-            return self.transposed is not None
+            return False
+        if weight.dtype == torch.float32 and float32_layout == "both":
+            self.gemv_rows = GEMV_MAX_ROWS
         return True
 
 
@@ -122,13 +134,13 @@ def pack_weights(model: nn.Module, layouts: WeightLayouts = WeightLayouts()) -> 
     """Pack every dense CPU Linear of the model (see the module docstring), float32 ones as
     `layouts` says for the model's `lm_head` and for the rest; how many were packed. A
     packed layer's plain weight is released unless another module shares it (a tied
-    embedding), so packing costs no memory beyond a second layout where "both" is asked."""
+    embedding) or the layer still reads it ("both"): packing costs no memory beyond that."""
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     packed = 0
     for module in model.modules():
         layout = layouts.lm_head if module is getattr(model, "lm_head", None) else layouts.layers
         if isinstance(module, Linear) and module.pack(layout):
             packed += 1
-            if id(module.weight) not in shared:
+            if id(module.weight) not in shared and not module.gemv_rows:
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
     return packed
