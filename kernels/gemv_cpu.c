@@ -14,6 +14,21 @@
  */
 #include <stdint.h>
 
+/* out[j] += dot(x[start:], w_j[start:]) for the four rows w_j of w (each `in` long). */
+static inline void dot4_from(const float* restrict x, const float* restrict w, int64_t in, int64_t start,
+                             float* restrict out) {
+    const float *w0 = w, *w1 = w + in, *w2 = w + 2 * in, *w3 = w + 3 * in;
+    float s0 = out[0], s1 = out[1], s2 = out[2], s3 = out[3];
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t i = start; i < in; ++i) {
+        s0 += x[i] * w0[i];
+        s1 += x[i] * w1[i];
+        s2 += x[i] * w2[i];
+        s3 += x[i] * w3[i];
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -24,7 +39,7 @@ static inline float horizontal_sum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* out[0..3] = dot(x, w_j) for the four rows w_j of w (each `in` long). */
+/* out[0..3] = dot(x, w_j) for the four rows w_j of w: 16 columns a step in AVX2 registers. */
 static inline void dot4(const float* restrict x, const float* restrict w, int64_t in, float* restrict out) {
     const float *w0 = w, *w1 = w + in, *w2 = w + 2 * in, *w3 = w + 3 * in;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -40,29 +55,15 @@ static inline void dot4(const float* restrict x, const float* restrict w, int64_
         a3 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w3 + i), a3);
         b3 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w3 + i + 8), b3);
     }
-    float s0 = horizontal_sum(_mm256_add_ps(a0, b0)), s1 = horizontal_sum(_mm256_add_ps(a1, b1));
-    float s2 = horizontal_sum(_mm256_add_ps(a2, b2)), s3 = horizontal_sum(_mm256_add_ps(a3, b3));
-    for (; i < in; ++i) {
-        s0 += x[i] * w0[i];
-        s1 += x[i] * w1[i];
-        s2 += x[i] * w2[i];
-        s3 += x[i] * w3[i];
-    }
-    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+    out[0] = horizontal_sum(_mm256_add_ps(a0, b0)), out[1] = horizontal_sum(_mm256_add_ps(a1, b1));
+    out[2] = horizontal_sum(_mm256_add_ps(a2, b2)), out[3] = horizontal_sum(_mm256_add_ps(a3, b3));
+    dot4_from(x, w, in, i, out);
 }
 #else
-/* Without AVX2 and FMA: the same four dot products as a loop the compiler vectorises. */
+/* Without AVX2 and FMA: the loop above, which the compiler vectorises as it can. */
 static inline void dot4(const float* restrict x, const float* restrict w, int64_t in, float* restrict out) {
-    const float *w0 = w, *w1 = w + in, *w2 = w + 2 * in, *w3 = w + 3 * in;
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-    for (int64_t i = 0; i < in; ++i) {
-        s0 += x[i] * w0[i];
-        s1 += x[i] * w1[i];
-        s2 += x[i] * w2[i];
-        s3 += x[i] * w3[i];
-    }
-    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+    out[0] = out[1] = out[2] = out[3] = 0.f;
+    dot4_from(x, w, in, 0, out);
 }
 #endif
 
