@@ -4,7 +4,8 @@ Decode-only ragged batches over NaN-poisoned caches (tests/kernels/paged_batch.p
 read past a sequence's end or through a padding entry of a block table shows as NaN).
 Bounds as for the CPU attention (paged_batch.TOL: float32 1e-4, bfloat16 2e-2); measured
 float32 ~1e-6, bfloat16 2e-3 to 6e-3 (the query and output round to bfloat16 on both sides).
-The shapes cover the AVX-512 specialisations (head_dim 64 / 128, groups 1-8), the portable
+The shapes cover the AVX-512 or AVX2 specialisations (head_dim 64 / 128, groups 1-8; which one
+runs depends on the CPU, the other is compiled but not run), the portable
 loop (head_dim 80, group 16), both work splits (few decodes: one item per KV head; many:
 one per decode), contexts of 1 key to past 2,000 and block sizes 8-32.
 """
