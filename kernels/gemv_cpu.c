@@ -12,6 +12,7 @@
  * the output rows. The sums run in another order than MKL's or oneDNN's: float32 rounding
  * differences only (tests/kernels/test_gemv_cpu.py bounds them).
  */
+#include <math.h>
 #include <stdint.h>
 
 /* out[j] += dot(x[start:], w_j[start:]) for the four rows w_j of w (each `in` long). */
@@ -93,5 +94,81 @@ void gemv_f32(const float* x, const float* w, const float* bias, float* y, int r
             if (bias)
                 for (int64_t o = first; o < first + 4 && o < out; ++o) yr[o] += bias[o];
         }
+    }
+}
+
+/* The same product for a weight stored as GGUF Q4_1 stores it: each block of 32 inputs of a
+ * row is d * q + m, q 4-bit (byte j of a block: input j in its low nibble, j + 16 in its
+ * high one), d and m per block. d * q is exact in float32 (fp16 d, 4-bit q), so fma(d, q, m)
+ * rounds once, as the float32 weight it was read from did: the weights are bit for bit the
+ * float32 ones, in a sixth of the bytes, and only the order of the sums differs. */
+#if defined(__AVX2__) && defined(__FMA__)
+/* The 32 weights of one block as four 8-lane vectors. */
+static inline void q4_block(const uint8_t* restrict q, float d, float m, __m256 w[4]) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i*)q), low = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    const __m256 dd = _mm256_set1_ps(d), mm = _mm256_set1_ps(m);
+    w[0] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), mm);
+    w[1] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), mm);
+    w[2] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), mm);
+    w[3] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), mm);
+}
+
+/* y[r, o] for ROWS rows (a constant at each call, so the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void q4_row(
+    const float* x, const uint8_t* q, const float* d, const float* m, int64_t in, int64_t o, float* y, int64_t out,
+    const int ROWS) {
+    __m256 acc[4][4];
+    for (int r = 0; r < ROWS; ++r)
+        for (int k = 0; k < 4; ++k) acc[r][k] = _mm256_setzero_ps();
+    const int64_t blocks = in / 32;
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m256 w[4];
+        q4_block(q + (o * blocks + b) * 16, d[o * blocks + b], m[o * blocks + b], w);
+        for (int r = 0; r < ROWS; ++r)
+            for (int k = 0; k < 4; ++k)
+                acc[r][k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * in + b * 32 + 8 * k), w[k], acc[r][k]);
+    }
+    for (int r = 0; r < ROWS; ++r)
+        y[r * out + o] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+}
+#else
+static inline __attribute__((always_inline)) void q4_row(
+    const float* x, const uint8_t* q, const float* d, const float* m, int64_t in, int64_t o, float* y, int64_t out,
+    const int ROWS) {
+    const int64_t blocks = in / 32;
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* qb = q + (o * blocks + b) * 16;
+        float w[32];
+        for (int j = 0; j < 16; ++j) {
+            w[j] = fmaf(d[o * blocks + b], (float)(qb[j] & 0x0f), m[o * blocks + b]);
+            w[j + 16] = fmaf(d[o * blocks + b], (float)(qb[j] >> 4), m[o * blocks + b]);
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int j = 0; j < 32; ++j) s += x[r * in + b * 32 + j] * w[j];
+            sum[r] += s;
+        }
+    }
+    for (int r = 0; r < ROWS; ++r) y[r * out + o] = sum[r];
+}
+#endif
+
+/* y[r, o] = sum_i x[r, i] * W[o, i] + (bias ? bias[o] : 0) for W in Q4_1 blocks (above);
+ * q: [out, in / 2] bytes, d, m: [out, in / 32]; in a multiple of 32, rows 1-4. */
+void gemv_q4_f32(const float* x, const uint8_t* q, const float* d, const float* m, const float* bias, float* y,
+                 int rows, int64_t in, int64_t out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (out * in >= 65536) schedule(static)
+    for (int64_t o = 0; o < out; ++o) {
+        switch (rows) {
+            case 1: q4_row(x, q, d, m, in, o, y, out, 1); break;
+            case 2: q4_row(x, q, d, m, in, o, y, out, 2); break;
+            case 3: q4_row(x, q, d, m, in, o, y, out, 3); break;
+            default: q4_row(x, q, d, m, in, o, y, out, 4); break;
+        }
+        if (bias)
+            for (int r = 0; r < rows; ++r) y[r * out + o] += bias[o];
     }
 }

@@ -136,3 +136,26 @@ def test_layers_laid_out_both_keep_the_plain_weight_their_single_rows_read():
     down = model.layers[0].mlp.down_proj
     assert down.packed is not None and down.weight.shape == (64, 128)
     assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.packed is not None
+
+
+def test_a_q4_exact_layer_laid_out_both_reads_its_4_bit_parts_and_drops_the_plain_weight():
+    """A GGUF Q4_1 checkpoint's layer: the single-row loop reads the exact 4-bit parts, so
+    the float32 plain copy is not kept, and the product is the plain layer's."""
+    import torch.nn.functional as F
+
+    from pagedserve.backend.models.linear import Linear, WeightLayouts, pack_weights
+    from pagedserve.kernels import gemv_cpu
+
+    from .kernels.test_gemv_cpu import q4_exact_weight
+
+    if not torch.backends.mkldnn.is_available() or gemv_cpu.LIBRARY.get() is None:
+        pytest.skip("needs oneDNN and the C GEMV")
+    model = torch.nn.Sequential(Linear(128, 64, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(q4_exact_weight(64, 128, seed=3))
+    weight = model[0].weight.detach().clone()
+    assert pack_weights(model, WeightLayouts(layers="both")) == 1
+    assert model[0].gemv_q4 is not None and model[0].weight.numel() == 0
+    for rows in (1, 4, 9):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(model[0](x), F.linear(x, weight), rtol=1e-5, atol=1e-5)

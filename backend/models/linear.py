@@ -21,7 +21,9 @@ AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faste
 8 rows on AMD EPYCs, where MKL is slow; or kept in "both" layouts: the plain [out, in]
 weight for up to GEMV_MAX_ROWS rows, through the C matrix-vector loop of
 kernels/gemv_cpu.py (a single stream's decode, bound by streaming the weights: ~25 GB/s
-there against ~18 through oneDNN on a 2-core EPYC), and the packed one for more. Which
+there against ~18 through oneDNN on a 2-core EPYC), and the packed one for more. Where the
+weight is exactly a GGUF Q4_1 one (the bundled model's layers), that loop reads its 4-bit
+parts instead of the plain weight: the same values in a sixth of the bytes. Which
 layout each part of the model gets is measured (`WeightLayouts`,
 backend/matmul_probe.py). All only reorder the weight or the additions: the product is
 the same up to the order of additions. A oneDNN-packed weight of any dtype builds a kernel per row
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.gemv_cpu import GEMV_MAX_ROWS, gemv
+from pagedserve.kernels.gemv_cpu import GEMV_MAX_ROWS, Q4Weight, as_q4, gemv
 
 
 EXACT_ROWS = 64
@@ -82,8 +84,12 @@ class Linear(nn.Linear):
     transposed: torch.Tensor | None = None
     """The weight as [in, out] (CPU, float32 laid out "transposed"), after `pack_weights`."""
     gemv_rows: int = 0
-    """Row counts up to this go through the C matrix-vector loop over the plain weight,
-    which the layer then keeps (CPU, float32 laid out "both")."""
+    """Row counts up to this go through the C matrix-vector loop over `gemv_weight` (CPU,
+    float32 laid out "both")."""
+    gemv_q4: Q4Weight | None = None
+    """What that loop reads where the weight's Q4_1 parts rebuild it exactly (a GGUF Q4_1
+    checkpoint's layers: a sixth of the bytes); without them it reads the plain weight,
+    which the layer then keeps."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -97,7 +103,7 @@ class Linear(nn.Linear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.gemv_rows:
-            out = gemv(x, self.weight, self.bias)
+            out = gemv(x, self.weight if self.gemv_q4 is None else self.gemv_q4, self.bias)
             if out is not None:  # else (no C compiler) the packed weight below
                 return out
         if self.packed is not None:
@@ -106,6 +112,11 @@ class Linear(nn.Linear):
             out = torch.matmul(x, self.transposed)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def reads_plain_weight(self) -> bool:
+        """Whether the layer still multiplies by `weight` after packing (so it must stay)."""
+        return (self.packed is None and self.transposed is None) or (self.gemv_rows > 0 and self.gemv_q4 is None)
 
     def pack(self, float32_layout: str = "transposed") -> bool:
         """Lay a CPU weight out as its matmul reads it fastest: half precision packed for
@@ -127,6 +138,7 @@ class Linear(nn.Linear):
             return False
         if weight.dtype == torch.float32 and float32_layout == "both":
             self.gemv_rows = GEMV_MAX_ROWS
+            self.gemv_q4 = as_q4(weight)
         return True
 
 
@@ -141,6 +153,6 @@ def pack_weights(model: nn.Module, layouts: WeightLayouts = WeightLayouts()) -> 
         layout = layouts.lm_head if module is getattr(model, "lm_head", None) else layouts.layers
         if isinstance(module, Linear) and module.pack(layout):
             packed += 1
-            if id(module.weight) not in shared and not module.gemv_rows:
+            if id(module.weight) not in shared and not module.reads_plain_weight:
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
     return packed

@@ -51,3 +51,41 @@ def test_a_large_weight_splits_over_threads_with_the_same_result():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(gemv_cpu.gemv(x, weight), alone)  # each output's sum does not depend on the split
+
+
+def q4_exact_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A float32 weight as a GGUF Q4_1 checkpoint dequantizes: per block of 32, d * q + m with
+    d, m fp16 values, q in 0..15 and (as the quantizer leaves them) a 0 and a 15 in each block."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = in_features // 32
+    d = (torch.rand(out_features, blocks, generator=g) * 0.01).half().float()
+    m = (-torch.rand(out_features, blocks, generator=g) * 0.05).half().float()
+    q = torch.randint(0, 16, (out_features, blocks, 32), generator=g).float()
+    q[..., 5], q[..., 27] = 0, 15
+    return (d[..., None] * q + m[..., None]).reshape(out_features, in_features)
+
+
+def test_q4_parts_rebuild_the_weight_bit_for_bit_or_are_refused():
+    weight = q4_exact_weight(96, 128, seed=1)
+    parts = gemv_cpu.as_q4(weight)
+    assert parts is not None and parts.shape == (96, 128) and parts.nibbles.numel() == 96 * 64
+    low, high = (parts.nibbles & 15).float(), (parts.nibbles >> 4).float()
+    q = torch.cat([low.view(96, 4, 16), high.view(96, 4, 16)], dim=-1)
+    assert torch.equal(parts.scales[..., None] * q + parts.offsets[..., None], weight.view(96, 4, 32))
+    assert gemv_cpu.as_q4(weight + 1e-6) is None  # off the grid: refused, never approximated
+    assert gemv_cpu.as_q4(torch.randn(96, 128)) is None
+    assert gemv_cpu.as_q4(weight[:, :100].contiguous()) is None  # not whole blocks
+
+
+@built
+@pytest.mark.parametrize("rows", range(1, gemv_cpu.GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("bias", [False, True])
+def test_q4_weights_multiply_like_their_float32_values(rows, bias):
+    weight = q4_exact_weight(200, 576, seed=rows)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g)
+    b = torch.randn(200, generator=g) if bias else None
+    out = gemv_cpu.gemv(x, gemv_cpu.as_q4(weight), b)
+    reference = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    scale = x.double().abs() @ weight.double().abs().T + (0 if b is None else b.double().abs())
+    assert ((out.double() - reference).abs() <= 1e-5 * scale).all()
