@@ -102,6 +102,8 @@ void gemv_f32(const float* x, const float* w, const float* bias, float* y, int r
  * high one), d and m per block. d * q is exact in float32 (fp16 d, 4-bit q), so fma(d, q, m)
  * rounds once, as the float32 weight it was read from did: the weights are bit for bit the
  * float32 ones, in a sixth of the bytes, and only the order of the sums differs. */
+#define Q4_MAX_ROWS 8 /* kernels/gemv_cpu.py's Q4_MAX_ROWS */
+
 #if defined(__AVX2__) && defined(__FMA__)
 /* The 32 weights of one block as four 8-lane vectors. */
 static inline void q4_block(const uint8_t* restrict q, float d, float m, __m256 w[4]) {
@@ -114,30 +116,35 @@ static inline void q4_block(const uint8_t* restrict q, float d, float m, __m256 
     w[3] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), mm);
 }
 
-/* y[r, o] for ROWS rows (a constant at each call, so the accumulators stay in registers). */
+/* y[r, o] for ROWS rows (a constant at each call, so the accumulators stay in registers):
+ * four per row for one row, two for two, one each for more (the rows' chains overlap). */
 static inline __attribute__((always_inline)) void q4_row(
     const float* x, const uint8_t* q, const float* d, const float* m, int64_t in, int64_t o, float* y, int64_t out,
     const int ROWS) {
-    __m256 acc[4][4];
+    const int lanes = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
+    __m256 acc[Q4_MAX_ROWS][4];
     for (int r = 0; r < ROWS; ++r)
-        for (int k = 0; k < 4; ++k) acc[r][k] = _mm256_setzero_ps();
+        for (int k = 0; k < lanes; ++k) acc[r][k] = _mm256_setzero_ps();
     const int64_t blocks = in / 32;
     for (int64_t b = 0; b < blocks; ++b) {
         __m256 w[4];
         q4_block(q + (o * blocks + b) * 16, d[o * blocks + b], m[o * blocks + b], w);
         for (int r = 0; r < ROWS; ++r)
             for (int k = 0; k < 4; ++k)
-                acc[r][k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * in + b * 32 + 8 * k), w[k], acc[r][k]);
+                acc[r][k % lanes] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * in + b * 32 + 8 * k), w[k], acc[r][k % lanes]);
     }
-    for (int r = 0; r < ROWS; ++r)
-        y[r * out + o] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+    for (int r = 0; r < ROWS; ++r) {
+        __m256 total = acc[r][0];
+        for (int k = 1; k < lanes; ++k) total = _mm256_add_ps(total, acc[r][k]);
+        y[r * out + o] = horizontal_sum(total);
+    }
 }
 #else
 static inline __attribute__((always_inline)) void q4_row(
     const float* x, const uint8_t* q, const float* d, const float* m, int64_t in, int64_t o, float* y, int64_t out,
     const int ROWS) {
     const int64_t blocks = in / 32;
-    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    float sum[Q4_MAX_ROWS] = {0.f};
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* qb = q + (o * blocks + b) * 16;
         float w[32];
@@ -157,7 +164,7 @@ static inline __attribute__((always_inline)) void q4_row(
 #endif
 
 /* y[r, o] = sum_i x[r, i] * W[o, i] + (bias ? bias[o] : 0) for W in Q4_1 blocks (above);
- * q: [out, in / 2] bytes, d, m: [out, in / 32]; in a multiple of 32, rows 1-4. */
+ * q: [out, in / 2] bytes, d, m: [out, in / 32]; in a multiple of 32, rows 1 to Q4_MAX_ROWS. */
 void gemv_q4_f32(const float* x, const uint8_t* q, const float* d, const float* m, const float* bias, float* y,
                  int rows, int64_t in, int64_t out, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (out * in >= 65536) schedule(static)
@@ -166,7 +173,11 @@ void gemv_q4_f32(const float* x, const uint8_t* q, const float* d, const float* 
             case 1: q4_row(x, q, d, m, in, o, y, out, 1); break;
             case 2: q4_row(x, q, d, m, in, o, y, out, 2); break;
             case 3: q4_row(x, q, d, m, in, o, y, out, 3); break;
-            default: q4_row(x, q, d, m, in, o, y, out, 4); break;
+            case 4: q4_row(x, q, d, m, in, o, y, out, 4); break;
+            case 5: q4_row(x, q, d, m, in, o, y, out, 5); break;
+            case 6: q4_row(x, q, d, m, in, o, y, out, 6); break;
+            case 7: q4_row(x, q, d, m, in, o, y, out, 7); break;
+            default: q4_row(x, q, d, m, in, o, y, out, 8); break;
         }
         if (bias)
             for (int r = 0; r < rows; ++r) y[r * out + o] += bias[o];

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.gemv_cpu import GEMV_MAX_ROWS, Q4Weight, as_q4, gemv
+from pagedserve.kernels.gemv_cpu import GEMV_MAX_ROWS, Q4_MAX_ROWS, Q4Weight, as_q4, gemv
 
 
 EXACT_ROWS = 64
@@ -137,8 +137,8 @@ class Linear(nn.Linear):
         except RuntimeError:  # oneDNN packs fp16 only on CPUs with avx512_fp16 or avx_ne_convert
             return False
         if weight.dtype == torch.float32 and float32_layout == "both":
-            self.gemv_rows = GEMV_MAX_ROWS
             self.gemv_q4 = as_q4(weight)
+            self.gemv_rows = GEMV_MAX_ROWS if self.gemv_q4 is None else Q4_MAX_ROWS
         return True
 
 

@@ -78,7 +78,7 @@ def test_q4_parts_rebuild_the_weight_bit_for_bit_or_are_refused():
 
 
 @built
-@pytest.mark.parametrize("rows", range(1, gemv_cpu.GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", range(1, gemv_cpu.Q4_MAX_ROWS + 1))
 @pytest.mark.parametrize("bias", [False, True])
 def test_q4_weights_multiply_like_their_float32_values(rows, bias):
     weight = q4_exact_weight(200, 576, seed=rows)
@@ -89,3 +89,4 @@ def test_q4_weights_multiply_like_their_float32_values(rows, bias):
     reference = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
     scale = x.double().abs() @ weight.double().abs().T + (0 if b is None else b.double().abs())
     assert ((out.double() - reference).abs() <= 1e-5 * scale).all()
+    assert gemv_cpu.gemv(torch.randn(gemv_cpu.Q4_MAX_ROWS + 1, 576), gemv_cpu.as_q4(weight)) is None
