@@ -155,7 +155,7 @@ def test_a_q4_exact_layer_laid_out_both_reads_its_4_bit_parts_and_drops_the_plai
         model[0].weight.copy_(q4_exact_weight(64, 128, seed=3))
     weight = model[0].weight.detach().clone()
     assert pack_weights(model, WeightLayouts(layers="both")) == 1
-    assert model[0].gemv_q4 is not None and model[0].weight.numel() == 0
+    assert model[0].gemv_blocks is not None and model[0].weight.numel() == 0
     for rows in (1, 4, 8, 9):
         x = torch.randn(rows, 128)
         torch.testing.assert_close(model[0](x), F.linear(x, weight), rtol=1e-5, atol=1e-5)

@@ -22,8 +22,9 @@ AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faste
 weight for up to GEMV_MAX_ROWS rows, through the C matrix-vector loop of
 kernels/gemv_cpu.py (a single stream's decode, bound by streaming the weights: ~25 GB/s
 there against ~18 through oneDNN on a 2-core EPYC), and the packed one for more. Where the
-weight is exactly a GGUF Q4_1 one (the bundled model's layers), that loop reads its 4-bit
-parts instead of the plain weight: the same values in a sixth of the bytes. Which
+weight is exactly a GGUF Q4_1 or Q8_0 one (the bundled model's layers, its embedding), that
+loop reads those parts instead of the plain weight: the same values in a sixth or a third of
+the bytes. Which
 layout each part of the model gets is measured (`WeightLayouts`,
 backend/matmul_probe.py). All only reorder the weight or the additions: the product is
 the same up to the order of additions. A oneDNN-packed weight of any dtype builds a kernel per row
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.gemv_cpu import GEMV_MAX_ROWS, Q4_MAX_ROWS, Q4Weight, as_q4, gemv
+from pagedserve.kernels.gemv_cpu import BLOCK_MAX_ROWS, GEMV_MAX_ROWS, BlockWeight, as_blocks, gemv
 
 
 EXACT_ROWS = 64
@@ -86,10 +87,10 @@ class Linear(nn.Linear):
     gemv_rows: int = 0
     """Row counts up to this go through the C matrix-vector loop over `gemv_weight` (CPU,
     float32 laid out "both")."""
-    gemv_q4: Q4Weight | None = None
-    """What that loop reads where the weight's Q4_1 parts rebuild it exactly (a GGUF Q4_1
-    checkpoint's layers: a sixth of the bytes); without them it reads the plain weight,
-    which the layer then keeps."""
+    gemv_blocks: BlockWeight | None = None
+    """What that loop reads where the weight's Q4_1 or Q8_0 parts rebuild it exactly (a GGUF
+    checkpoint's layers: a sixth or a third of the bytes); without them it reads the plain
+    weight, which the layer then keeps."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -103,7 +104,7 @@ class Linear(nn.Linear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.gemv_rows:
-            out = gemv(x, self.weight if self.gemv_q4 is None else self.gemv_q4, self.bias)
+            out = gemv(x, self.weight if self.gemv_blocks is None else self.gemv_blocks, self.bias)
             if out is not None:  # else (no C compiler) the packed weight below
                 return out
         if self.packed is not None:
@@ -116,7 +117,7 @@ class Linear(nn.Linear):
     @property
     def reads_plain_weight(self) -> bool:
         """Whether the layer still multiplies by `weight` after packing (so it must stay)."""
-        return (self.packed is None and self.transposed is None) or (self.gemv_rows > 0 and self.gemv_q4 is None)
+        return (self.packed is None and self.transposed is None) or (self.gemv_rows > 0 and self.gemv_blocks is None)
 
     def pack(self, float32_layout: str = "transposed") -> bool:
         """Lay a CPU weight out as its matmul reads it fastest: half precision packed for
@@ -137,8 +138,8 @@ class Linear(nn.Linear):
         except RuntimeError:  # oneDNN packs fp16 only on CPUs with avx512_fp16 or avx_ne_convert
             return False
         if weight.dtype == torch.float32 and float32_layout == "both":
-            self.gemv_q4 = as_q4(weight)
-            self.gemv_rows = GEMV_MAX_ROWS if self.gemv_q4 is None else Q4_MAX_ROWS
+            self.gemv_blocks = as_blocks(weight)
+            self.gemv_rows = GEMV_MAX_ROWS if self.gemv_blocks is None else BLOCK_MAX_ROWS
         return True
 
 

@@ -65,28 +65,50 @@ def q4_exact_weight(out_features: int, in_features: int, seed: int) -> torch.Ten
     return (d[..., None] * q + m[..., None]).reshape(out_features, in_features)
 
 
+def q8_exact_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """As a GGUF Q8_0 checkpoint dequantizes: per block of 32, d * q, d an fp16 value, q in
+    -127..127 with a +-127 in each block."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = in_features // 32
+    d = (torch.rand(out_features, blocks, generator=g) * 0.001).half().float()
+    q = torch.randint(-127, 128, (out_features, blocks, 32), generator=g).float()
+    q[..., 9] = -127
+    return (d[..., None] * q).reshape(out_features, in_features)
+
+
+def test_q8_parts_rebuild_the_weight_bit_for_bit():
+    weight = q8_exact_weight(64, 96, seed=2)
+    parts = gemv_cpu.as_blocks(weight)
+    assert parts is not None and parts.kind == "q8_0" and parts.codes.numel() == 64 * 96
+    q = parts.codes.view(torch.int8).float().view(64, 3, 32)
+    assert torch.equal(parts.scales[..., None] * q, weight.view(64, 3, 32))
+    assert gemv_cpu.as_blocks(weight * 1.0001) is None
+
+
 def test_q4_parts_rebuild_the_weight_bit_for_bit_or_are_refused():
     weight = q4_exact_weight(96, 128, seed=1)
-    parts = gemv_cpu.as_q4(weight)
-    assert parts is not None and parts.shape == (96, 128) and parts.nibbles.numel() == 96 * 64
-    low, high = (parts.nibbles & 15).float(), (parts.nibbles >> 4).float()
+    parts = gemv_cpu.as_blocks(weight)
+    assert parts is not None and parts.kind == "q4_1" and parts.shape == (96, 128) and parts.codes.numel() == 96 * 64
+    low, high = (parts.codes & 15).float(), (parts.codes >> 4).float()
     q = torch.cat([low.view(96, 4, 16), high.view(96, 4, 16)], dim=-1)
     assert torch.equal(parts.scales[..., None] * q + parts.offsets[..., None], weight.view(96, 4, 32))
-    assert gemv_cpu.as_q4(weight + 1e-6) is None  # off the grid: refused, never approximated
-    assert gemv_cpu.as_q4(torch.randn(96, 128)) is None
-    assert gemv_cpu.as_q4(weight[:, :100].contiguous()) is None  # not whole blocks
+    assert gemv_cpu.as_blocks(weight + 1e-6) is None  # off the grid: refused, never approximated
+    assert gemv_cpu.as_blocks(torch.randn(96, 128)) is None
+    assert gemv_cpu.as_blocks(weight[:, :100].contiguous()) is None  # not whole blocks
 
 
 @built
-@pytest.mark.parametrize("rows", range(1, gemv_cpu.Q4_MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", range(1, gemv_cpu.BLOCK_MAX_ROWS + 1))
 @pytest.mark.parametrize("bias", [False, True])
-def test_q4_weights_multiply_like_their_float32_values(rows, bias):
-    weight = q4_exact_weight(200, 576, seed=rows)
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_block_weights_multiply_like_their_float32_values(rows, bias, kind):
+    weight = (q4_exact_weight if kind == "q4_1" else q8_exact_weight)(200, 576, seed=rows)
+    assert gemv_cpu.as_blocks(weight).kind == kind
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=g)
     b = torch.randn(200, generator=g) if bias else None
-    out = gemv_cpu.gemv(x, gemv_cpu.as_q4(weight), b)
+    out = gemv_cpu.gemv(x, gemv_cpu.as_blocks(weight), b)
     reference = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
     scale = x.double().abs() @ weight.double().abs().T + (0 if b is None else b.double().abs())
     assert ((out.double() - reference).abs() <= 1e-5 * scale).all()
-    assert gemv_cpu.gemv(torch.randn(gemv_cpu.Q4_MAX_ROWS + 1, 576), gemv_cpu.as_q4(weight)) is None
+    assert gemv_cpu.gemv(torch.randn(gemv_cpu.BLOCK_MAX_ROWS + 1, 576), gemv_cpu.as_blocks(weight)) is None
