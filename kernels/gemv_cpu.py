@@ -73,6 +73,8 @@ def as_blocks(weight: torch.Tensor) -> BlockWeight | None:
     from them (checked here, so a weight that merely looks quantized is never approximated)."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.numel() == 0:
         return None
+    if weight.shape[0] > 1 and as_blocks(weight[:1]) is None:  # most weights fail at once: a cheap look first
+        return None
     blocks = weight.detach().reshape(weight.shape[0], -1, BLOCK)
     low = blocks.amin(-1)  # Q4_1's m: the block's smallest value has q = 0, its largest q = 15
     found = _exact_codes(blocks, (blocks.amax(-1) - low) / 15, low, 0, 15)

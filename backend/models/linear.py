@@ -22,9 +22,9 @@ AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faste
 weight for up to GEMV_MAX_ROWS rows, through the C matrix-vector loop of
 kernels/gemv_cpu.py (a single stream's decode, bound by streaming the weights: ~25 GB/s
 there against ~18 through oneDNN on a 2-core EPYC), and the packed one for more. Where the
-weight is exactly a GGUF Q4_1 or Q8_0 one (the bundled model's layers, its embedding), that
-loop reads those parts instead of the plain weight: the same values in a sixth or a third of
-the bytes. Which
+float32 weight that is exactly a GGUF Q4_1 or Q8_0 one (the bundled model's layers, its
+embedding), in any layout, sends up to BLOCK_MAX_ROWS rows to that loop over those parts
+instead: the same values in a sixth or a third of the bytes. Which
 layout each part of the model gets is measured (`WeightLayouts`,
 backend/matmul_probe.py). All only reorder the weight or the additions: the product is
 the same up to the order of additions. A oneDNN-packed weight of any dtype builds a kernel per row
@@ -128,6 +128,9 @@ class Linear(nn.Linear):
         if float32_layout not in FLOAT32_LAYOUTS:
             raise ValueError(f"float32_layout must be one of {FLOAT32_LAYOUTS}, not {float32_layout!r}")
         onednn = torch.backends.mkldnn.is_available()
+        if weight.dtype == torch.float32:  # whatever the layout, a few rows read exact GGUF blocks
+            self.gemv_blocks = as_blocks(weight)
+            self.gemv_rows = 0 if self.gemv_blocks is None else BLOCK_MAX_ROWS
         if weight.dtype == torch.float32 and (float32_layout == "transposed" or not onednn):
             self.transposed = weight.detach().t().contiguous()
             return True
@@ -137,9 +140,8 @@ class Linear(nn.Linear):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
         except RuntimeError:  # oneDNN packs fp16 only on CPUs with avx512_fp16 or avx_ne_convert
             return False
-        if weight.dtype == torch.float32 and float32_layout == "both":
-            self.gemv_blocks = as_blocks(weight)
-            self.gemv_rows = GEMV_MAX_ROWS if self.gemv_blocks is None else BLOCK_MAX_ROWS
+        if weight.dtype == torch.float32 and float32_layout == "both" and self.gemv_blocks is None:
+            self.gemv_rows = GEMV_MAX_ROWS  # the plain weight, kept
         return True
 
 
