@@ -1,0 +1,103 @@
+"""Small float32 steps on CPU: the bundled model's linear layers multiplied by 1-16 rows, each
+way the engine can (backend/models/linear.py), on its real weights.
+
+Ways: the C GEMV over the weights' exact GGUF blocks (kernels/gemv_cpu.py `as_blocks`: Q4_1
+decoder layers, the Q8_0 embedding as LM head), the C GEMV over the plain float32 weight,
+oneDNN's packed float32 weight, and MKL over a transposed copy. One pass = every decoder
+linear (qkv, o, gate_up, down of each layer) and, separately, the LM head; the ways alternate
+pass by pass for --rounds rounds and each keeps its fastest (weights streamed from memory,
+as in a decode step). GB/s = float32 bytes of the weights / time, however many bytes the
+way actually reads. A row count a way does not take shows "-".
+
+    python benchmarks/cpu_gemv.py [--rounds 7] [--rows 1,2,4,8,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import machine  # noqa: E402
+
+from pagedserve.backend.model_files import default_model_path  # noqa: E402
+from pagedserve.backend.model_loader import load_model  # noqa: E402
+from pagedserve.backend.models.linear import PACK_ROWS_HINT, Linear  # noqa: E402
+from pagedserve.kernels import gemv_cpu  # noqa: E402
+
+Multiply = Callable[[torch.Tensor], object]
+
+
+def ways_for(weight: torch.Tensor) -> dict[str, tuple[int, Multiply]]:
+    """Each way to multiply rows by this weight: (most rows it takes, x -> x @ weight.T)."""
+    plain = weight.detach().contiguous()
+    packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
+    transposed = plain.t().contiguous()
+    blocks = gemv_cpu.as_blocks(plain)
+    ways = {
+        "C GEMV, plain": (gemv_cpu.GEMV_MAX_ROWS, lambda x: gemv_cpu.gemv(x, plain)),
+        "oneDNN packed": (1 << 30, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")),
+        "MKL transposed": (1 << 30, lambda x: torch.matmul(x, transposed)),
+    }
+    if blocks is not None:
+        ways = {f"C GEMV, {blocks.kind} blocks": (gemv_cpu.BLOCK_MAX_ROWS, lambda x: gemv_cpu.gemv(x, blocks)), **ways}
+    return ways
+
+
+def time_passes(layers: list[dict[str, tuple[int, Multiply]]], rows: int, rounds: int) -> dict[str, float | None]:
+    """Fastest seconds per pass over `layers` for each way that takes `rows` (None if it does not)."""
+    names = [name for name in layers[0] if name != "__in"]
+    inputs = {}
+    best: dict[str, float | None] = {name: float("inf") for name in names}
+    for round_ in range(rounds + 1):  # round 0 warms up
+        for name in names if round_ % 2 else reversed(names):
+            if layers[0][name][0] < rows:
+                best[name] = None
+                continue
+            started = time.perf_counter()
+            for index, layer in enumerate(layers):
+                x = inputs.setdefault((rows, index), torch.randn(rows, layer["__in"]))
+                layer[name][1](x)
+            if round_:
+                best[name] = min(best[name], time.perf_counter() - started)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    args = parser.parse_args()
+    if gemv_cpu.LIBRARY.get() is None:
+        sys.exit("the C GEMV is not built here (no C compiler: set CC or install gcc)")
+    print(machine(), flush=True)
+    print("loading the bundled model in float32 and laying each weight out every way ...", flush=True)
+    model = load_model(default_model_path(), torch.float32, torch.device("cpu")).model
+    groups: dict[str, list] = {"decoder linears": [], "LM head": []}
+    with torch.inference_mode():
+        for name, module in model.named_modules():
+            if isinstance(module, Linear):
+                layer = {**ways_for(module.weight), "__in": module.in_features}
+                groups["LM head" if name == "lm_head" else "decoder linears"].append(layer)
+        bytes_of = {group: sum(4 * m.weight.numel() for n, m in model.named_modules() if isinstance(m, Linear)
+                               and (n == "lm_head") == (group == "LM head")) for group in groups}
+        for group, layers in groups.items():
+            names = [n for n in layers[0] if n != "__in"]
+            print(f"\n{group}: {len(layers)} weights, {bytes_of[group] / 1e6:.0f} MB in float32; "
+                  f"ms per pass (GB/s of float32 weights)\n")
+            print("| rows | " + " | ".join(names) + " |")
+            print("|---:|" + "---:|" * len(names))
+            for rows in (int(r) for r in args.rows.split(",")):
+                best = time_passes(layers, rows, args.rounds)
+                cells = [("-" if best[n] is None else f"{best[n] * 1e3:.2f} ({bytes_of[group] / best[n] / 1e9:.0f})")
+                         for n in names]
+                print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
