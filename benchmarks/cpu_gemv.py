@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -31,6 +32,14 @@ from pagedserve.backend.models.linear import PACK_ROWS_HINT, Linear  # noqa: E40
 from pagedserve.kernels import gemv_cpu  # noqa: E402
 
 Multiply = Callable[[torch.Tensor], object]
+
+
+@dataclass
+class Weight:
+    """One weight, laid out every way: name -> (most rows the way takes, x -> x @ weight.T)."""
+
+    in_features: int
+    ways: dict[str, tuple[int, Multiply]]
 
 
 def ways_for(weight: torch.Tensor) -> dict[str, tuple[int, Multiply]]:
@@ -49,20 +58,19 @@ def ways_for(weight: torch.Tensor) -> dict[str, tuple[int, Multiply]]:
     return ways
 
 
-def time_passes(layers: list[dict[str, tuple[int, Multiply]]], rows: int, rounds: int) -> dict[str, float | None]:
-    """Fastest seconds per pass over `layers` for each way that takes `rows` (None if it does not)."""
-    names = [name for name in layers[0] if name != "__in"]
-    inputs = {}
+def time_passes(weights: list[Weight], rows: int, rounds: int) -> dict[str, float | None]:
+    """Fastest seconds per pass over `weights` for each way that takes `rows` (None if it does not)."""
+    names = list(weights[0].ways)
+    inputs = [torch.randn(rows, weight.in_features) for weight in weights]
     best: dict[str, float | None] = {name: float("inf") for name in names}
     for round_ in range(rounds + 1):  # round 0 warms up
         for name in names if round_ % 2 else reversed(names):
-            if layers[0][name][0] < rows:
+            if weights[0].ways[name][0] < rows:
                 best[name] = None
                 continue
             started = time.perf_counter()
-            for index, layer in enumerate(layers):
-                x = inputs.setdefault((rows, index), torch.randn(rows, layer["__in"]))
-                layer[name][1](x)
+            for weight, x in zip(weights, inputs):
+                weight.ways[name][1](x)
             if round_:
                 best[name] = min(best[name], time.perf_counter() - started)
     return best
@@ -78,22 +86,22 @@ def main() -> None:
     print(machine(), flush=True)
     print("loading the bundled model in float32 and laying each weight out every way ...", flush=True)
     model = load_model(default_model_path(), torch.float32, torch.device("cpu")).model
-    groups: dict[str, list] = {"decoder linears": [], "LM head": []}
+    groups: dict[str, list[Weight]] = {"decoder linears": [], "LM head": []}
     with torch.inference_mode():
         for name, module in model.named_modules():
             if isinstance(module, Linear):
-                layer = {**ways_for(module.weight), "__in": module.in_features}
-                groups["LM head" if name == "lm_head" else "decoder linears"].append(layer)
+                groups["LM head" if name == "lm_head" else "decoder linears"].append(
+                    Weight(module.in_features, ways_for(module.weight)))
         bytes_of = {group: sum(4 * m.weight.numel() for n, m in model.named_modules() if isinstance(m, Linear)
                                and (n == "lm_head") == (group == "LM head")) for group in groups}
-        for group, layers in groups.items():
-            names = [n for n in layers[0] if n != "__in"]
-            print(f"\n{group}: {len(layers)} weights, {bytes_of[group] / 1e6:.0f} MB in float32; "
+        for group, weights in groups.items():
+            names = list(weights[0].ways)
+            print(f"\n{group}: {len(weights)} weights, {bytes_of[group] / 1e6:.0f} MB in float32; "
                   f"ms per pass (GB/s of float32 weights)\n")
             print("| rows | " + " | ".join(names) + " |")
             print("|---:|" + "---:|" * len(names))
             for rows in (int(r) for r in args.rows.split(",")):
-                best = time_passes(layers, rows, args.rounds)
+                best = time_passes(weights, rows, args.rounds)
                 cells = [("-" if best[n] is None else f"{best[n] * 1e3:.2f} ({bytes_of[group] / best[n] / 1e9:.0f})")
                          for n in names]
                 print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)

@@ -1,9 +1,11 @@
 """float32 matrix-vector products for CPU in C (kernels/gemv_cpu.c): a decoding sequence's
 matmuls, bound by how fast the weights stream from memory.
 
-`gemv` multiplies up to GEMV_MAX_ROWS rows by a weight laid out as the checkpoint stores
-it, [out, in]; backend/models/linear.py sends a step of that few rows here where a layer
-keeps that weight (the "both" layout, backend/matmul_probe.py). Built at first use
+`gemv` multiplies a few rows by a float32 weight as the checkpoint stores it, [out, in] (up to
+GEMV_MAX_ROWS), or by a `BlockWeight`: the GGUF Q4_1 / Q8_0 blocks that rebuild a float32
+weight exactly (`as_blocks`, up to BLOCK_MAX_ROWS), the same values in a sixth or a third of
+the bytes. backend/models/linear.py sends its small steps here (the "both" layout of
+backend/matmul_probe.py, and any float32 weight with exact blocks). Built at first use
 (kernels/native_build.py); returns None where it does not apply, and the caller runs torch.
 """
 
@@ -79,19 +81,19 @@ def as_blocks(weight: torch.Tensor) -> BlockWeight | None:
     low = blocks.amin(-1)  # Q4_1's m: the block's smallest value has q = 0, its largest q = 15
     found = _exact_codes(blocks, (blocks.amax(-1) - low) / 15, low, 0, 15)
     if found is not None:
-        q = found.to(torch.uint8)
-        codes = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
-        return _block_weight("q4_1", codes, blocks, (blocks.amax(-1) - low) / 15, low)
+        q, scale = found[0].to(torch.uint8), found[1]
+        return _block_weight("q4_1", q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4), scale, low)
     zero = torch.zeros_like(low)  # Q8_0: the block's largest magnitude has q = +-127
     found = _exact_codes(blocks, blocks.abs().amax(-1) / 127, zero, -127, 127)
     if found is not None:
-        return _block_weight("q8_0", found.to(torch.int8).view(torch.uint8), blocks, blocks.abs().amax(-1) / 127, zero)
+        return _block_weight("q8_0", found[0].to(torch.int8).view(torch.uint8), found[1], zero)
     return None
 
 
 def _exact_codes(blocks: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, lowest: int,
-                 highest: int) -> torch.Tensor | None:
-    """q with scale * q + offset == blocks exactly (scale and offset rounded to fp16 first), or None."""
+                 highest: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q, the scale rounded to fp16) with scale * q + offset == blocks exactly, or None (the
+    offset must be an fp16 value already)."""
     scale = scale.half().float()
     if not torch.equal(offset.half().float(), offset) or not bool(torch.isfinite(scale).all()):
         return None
@@ -99,13 +101,11 @@ def _exact_codes(blocks: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
     q = torch.where(scale[..., None] > 0, torch.round((blocks - offset[..., None]) / step), torch.zeros_like(blocks))
     if bool((q < lowest).any()) or bool((q > highest).any()):
         return None
-    return q if torch.equal(scale[..., None] * q + offset[..., None], blocks) else None
+    return (q, scale) if torch.equal(scale[..., None] * q + offset[..., None], blocks) else None
 
 
-def _block_weight(kind: str, codes: torch.Tensor, blocks: torch.Tensor, scale: torch.Tensor,
-                  offset: torch.Tensor) -> BlockWeight:
-    return BlockWeight(kind, codes.reshape(blocks.shape[0], -1).contiguous(), scale.half().float().contiguous(),
-                       offset.contiguous())
+def _block_weight(kind: str, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> BlockWeight:
+    return BlockWeight(kind, codes.reshape(codes.shape[0], -1).contiguous(), scale.contiguous(), offset.contiguous())
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -21,14 +21,13 @@ AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faste
 8 rows on AMD EPYCs, where MKL is slow; or kept in "both" layouts: the plain [out, in]
 weight for up to GEMV_MAX_ROWS rows, through the C matrix-vector loop of
 kernels/gemv_cpu.py (a single stream's decode, bound by streaming the weights: ~25 GB/s
-there against ~18 through oneDNN on a 2-core EPYC), and the packed one for more. Where the
-float32 weight that is exactly a GGUF Q4_1 or Q8_0 one (the bundled model's layers, its
-embedding), in any layout, sends up to BLOCK_MAX_ROWS rows to that loop over those parts
-instead: the same values in a sixth or a third of the bytes. Which
-layout each part of the model gets is measured (`WeightLayouts`,
-backend/matmul_probe.py). All only reorder the weight or the additions: the product is
-the same up to the order of additions. A oneDNN-packed weight of any dtype builds a kernel per row
-count, so its rows take the buckets above.
+there against ~18 through oneDNN on a 2-core EPYC), and the packed one for more. A float32
+weight that is exactly a GGUF Q4_1 or Q8_0 one (the bundled model's layers, its embedding)
+sends up to BLOCK_MAX_ROWS rows to that loop over those blocks instead, in any layout: the
+same values in a sixth or a third of the bytes. Which layout each part of the model gets is
+measured (`WeightLayouts`, backend/matmul_probe.py). All only reorder the weight or the
+additions: the product is the same up to the order of additions. A oneDNN-packed weight of
+any dtype builds a kernel per row count, so its rows take the buckets above.
 The compiled step keeps the plain weights (inductor cannot take a packed one as input),
 so an engine packs only when it runs eagerly.
 """
@@ -85,8 +84,8 @@ class Linear(nn.Linear):
     transposed: torch.Tensor | None = None
     """The weight as [in, out] (CPU, float32 laid out "transposed"), after `pack_weights`."""
     gemv_rows: int = 0
-    """Row counts up to this go through the C matrix-vector loop over `gemv_weight` (CPU,
-    float32 laid out "both")."""
+    """Row counts up to this go through the C matrix-vector loop (CPU float32: over
+    `gemv_blocks`, else over the plain weight where laid out "both")."""
     gemv_blocks: BlockWeight | None = None
     """What that loop reads where the weight's Q4_1 or Q8_0 parts rebuild it exactly (a GGUF
     checkpoint's layers: a sixth or a third of the bytes); without them it reads the plain
