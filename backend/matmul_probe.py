@@ -14,7 +14,7 @@ layout. The LM head always can (its plain weight is the tied embedding's, or tak
 place of the transposed copy MKL would need); the decoder layers do where their second
 copy takes at most PLAIN_COPY_MAX_MEMORY of the machine's memory, else they keep only the
 packed one. (Whatever the layout, a float32 weight that is exactly a GGUF Q4_1 or Q8_0 one
-sends up to 8 rows through the C loop over those blocks: backend/models/linear.py.)
+is multiplied through those blocks at every row count instead: backend/models/linear.py.)
 Engines with an fp8 KV cache keep the decoder layers transposed: its perplexity bound
 (tests/test_quantization.py, 2% over float32) was set with MKL's summation order, and with
 oneDNN's the bundled model's rose 2.04% on one EPYC (1.32% with MKL's; 1.80% vs 1.74% on
@@ -115,8 +115,7 @@ def weight_layouts(config: ModelConfig, dtype: torch.dtype, device: torch.device
         few_rows = "one row through MKL's transposed copy"
         layouts = WeightLayouts(layers="transposed" if fp8_kv_cache else "onednn", lm_head="transposed")
     else:
-        few_rows = (f"up to {gemv_cpu.GEMV_MAX_ROWS} rows through the C GEMV over the plain weight (up to "
-                    f"{gemv_cpu.BLOCK_MAX_ROWS} over its GGUF Q4_1/Q8_0 blocks where they rebuild it exactly)")
+        few_rows = f"up to {gemv_cpu.GEMV_MAX_ROWS} rows through the C GEMV over the plain weight"
         plain_copy_fits = decoder_weight_bytes(config) <= PLAIN_COPY_MAX_MEMORY * physical_memory()
         layouts = WeightLayouts(layers="transposed" if fp8_kv_cache else "both" if plain_copy_fits else "onednn",
                                 lm_head="both")

@@ -31,14 +31,7 @@ static inline void dot4_from(const float* restrict x, const float* restrict w, i
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-static inline float horizontal_sum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
-}
+#include "cpu_avx2.h"
 
 /* out[0..3] = dot(x, w_j) for the four rows w_j of w: 16 columns a step in AVX2 registers. */
 static inline void dot4(const float* restrict x, const float* restrict w, int64_t in, float* restrict out) {
@@ -94,110 +87,5 @@ void gemv_f32(const float* x, const float* w, const float* bias, float* y, int r
             if (bias)
                 for (int64_t o = first; o < first + 4 && o < out; ++o) yr[o] += bias[o];
         }
-    }
-}
-
-/* The same product for a weight stored as a GGUF checkpoint stores it, in blocks of 32 inputs
- * of a row, each d * q + m with d and m fp16 values: Q4_1 (q 4-bit, 16 bytes a block: byte j
- * holds input j in its low nibble and j + 16 in its high one) or Q8_0 (q int8, 32 bytes, m 0).
- * d * q is exact in float32 (an 11-bit d times a 4- or 8-bit q), so fma(d, q, m) rounds once,
- * as the float32 weight it was read from did: the weights are bit for bit the float32 ones,
- * in a sixth (Q4_1) or a third (Q8_0) of the bytes, and only the order of the sums differs. */
-#define BLOCK_MAX_ROWS 8 /* kernels/gemv_cpu.py's BLOCK_MAX_ROWS */
-enum { BLOCK_Q4_1 = 0, BLOCK_Q8_0 = 1 }; /* kernels/gemv_cpu.py's BLOCK_KINDS */
-
-static inline int block_bytes(int kind) { return kind == BLOCK_Q8_0 ? 32 : 16; }
-
-#if defined(__AVX2__) && defined(__FMA__)
-/* The 32 weights of one block as four 8-lane vectors. */
-static inline void dequantize_block(const uint8_t* restrict q, float d, float m, __m256 w[4], const int kind) {
-    __m256i v[4];
-    if (kind == BLOCK_Q8_0) {
-        const __m128i a = _mm_loadu_si128((const __m128i*)q), b = _mm_loadu_si128((const __m128i*)(q + 16));
-        v[0] = _mm256_cvtepi8_epi32(a), v[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(a, 8));
-        v[2] = _mm256_cvtepi8_epi32(b), v[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
-    } else {
-        const __m128i bytes = _mm_loadu_si128((const __m128i*)q), low = _mm_set1_epi8(0x0f);
-        const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-        v[0] = _mm256_cvtepu8_epi32(lo), v[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
-        v[2] = _mm256_cvtepu8_epi32(hi), v[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
-    }
-    const __m256 dd = _mm256_set1_ps(d), mm = _mm256_set1_ps(m);
-    for (int k = 0; k < 4; ++k) w[k] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(v[k]), mm);
-}
-
-/* y[r, o] for ROWS rows (ROWS and kind constants at each call, so the accumulators stay in
- * registers): four per row for one row, two for two, one each for more (the rows' chains overlap). */
-static inline __attribute__((always_inline)) void block_row(
-    const float* x, const uint8_t* q, const float* d, const float* m, int64_t in, int64_t o, float* y, int64_t out,
-    const int ROWS, const int kind) {
-    const int lanes = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
-    __m256 acc[BLOCK_MAX_ROWS][4];
-    for (int r = 0; r < ROWS; ++r)
-        for (int k = 0; k < lanes; ++k) acc[r][k] = _mm256_setzero_ps();
-    const int64_t blocks = in / 32;
-    for (int64_t b = 0; b < blocks; ++b) {
-        __m256 w[4];
-        dequantize_block(q + (o * blocks + b) * block_bytes(kind), d[o * blocks + b], m[o * blocks + b], w, kind);
-        for (int r = 0; r < ROWS; ++r)
-            for (int k = 0; k < 4; ++k)
-                acc[r][k % lanes] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * in + b * 32 + 8 * k), w[k], acc[r][k % lanes]);
-    }
-    for (int r = 0; r < ROWS; ++r) {
-        __m256 total = acc[r][0];
-        for (int k = 1; k < lanes; ++k) total = _mm256_add_ps(total, acc[r][k]);
-        y[r * out + o] = horizontal_sum(total);
-    }
-}
-#else
-static inline __attribute__((always_inline)) void block_row(
-    const float* x, const uint8_t* q, const float* d, const float* m, int64_t in, int64_t o, float* y, int64_t out,
-    const int ROWS, const int kind) {
-    const int64_t blocks = in / 32;
-    float sum[BLOCK_MAX_ROWS] = {0.f};
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* qb = q + (o * blocks + b) * block_bytes(kind);
-        const float db = d[o * blocks + b], mb = m[o * blocks + b];
-        float w[32];
-        for (int j = 0; j < 16; ++j) {
-            w[j] = fmaf(db, kind == BLOCK_Q8_0 ? (float)(int8_t)qb[j] : (float)(qb[j] & 0x0f), mb);
-            w[j + 16] = fmaf(db, kind == BLOCK_Q8_0 ? (float)(int8_t)qb[j + 16] : (float)(qb[j] >> 4), mb);
-        }
-        for (int r = 0; r < ROWS; ++r) {
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int j = 0; j < 32; ++j) s += x[r * in + b * 32 + j] * w[j];
-            sum[r] += s;
-        }
-    }
-    for (int r = 0; r < ROWS; ++r) y[r * out + o] = sum[r];
-}
-#endif
-
-#define BLOCK_ROWS_CASES(KIND)                                                   \
-    switch (rows) {                                                              \
-        case 1: block_row(x, q, d, m, in, o, y, out, 1, KIND); break;            \
-        case 2: block_row(x, q, d, m, in, o, y, out, 2, KIND); break;            \
-        case 3: block_row(x, q, d, m, in, o, y, out, 3, KIND); break;            \
-        case 4: block_row(x, q, d, m, in, o, y, out, 4, KIND); break;            \
-        case 5: block_row(x, q, d, m, in, o, y, out, 5, KIND); break;            \
-        case 6: block_row(x, q, d, m, in, o, y, out, 6, KIND); break;            \
-        case 7: block_row(x, q, d, m, in, o, y, out, 7, KIND); break;            \
-        default: block_row(x, q, d, m, in, o, y, out, 8, KIND); break;           \
-    }
-
-/* y[r, o] = sum_i x[r, i] * W[o, i] + (bias ? bias[o] : 0) for W in blocks of `kind` (above);
- * q: [out, in / 32 * block bytes], d, m: [out, in / 32]; in a multiple of 32, rows 1 to BLOCK_MAX_ROWS. */
-void gemv_blocks_f32(const float* x, const uint8_t* q, const float* d, const float* m, const float* bias, float* y,
-                     int rows, int64_t in, int64_t out, int kind, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (out * in >= 65536) schedule(static)
-    for (int64_t o = 0; o < out; ++o) {
-        if (kind == BLOCK_Q8_0) {
-            BLOCK_ROWS_CASES(BLOCK_Q8_0)
-        } else {
-            BLOCK_ROWS_CASES(BLOCK_Q4_1)
-        }
-        if (bias)
-            for (int r = 0; r < rows; ++r) y[r * out + o] += bias[o];
     }
 }

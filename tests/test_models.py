@@ -138,24 +138,30 @@ def test_layers_laid_out_both_keep_the_plain_weight_their_single_rows_read():
     assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.packed is not None
 
 
-def test_a_q4_exact_layer_laid_out_both_reads_its_4_bit_parts_and_drops_the_plain_weight():
-    """A GGUF Q4_1 checkpoint's layer: the single-row loop reads the exact 4-bit parts, so
-    the float32 plain copy is not kept, and the product is the plain layer's."""
+@pytest.mark.parametrize("float32_layout", ["transposed", "onednn", "both"])
+def test_a_gguf_exact_layer_multiplies_its_blocks_at_every_row_count_and_keeps_no_float32_copy(float32_layout):
+    """A GGUF Q4_1 checkpoint's layer, whatever the layout: every step reads the exact 4-bit
+    parts (a sixth of the bytes), no float32 copy is kept, and the product is the plain layer's,
+    for decode-sized and prefill-sized steps, 2-D or 3-D."""
     import torch.nn.functional as F
 
     from pagedserve.backend.models.linear import Linear, WeightLayouts, pack_weights
-    from pagedserve.kernels import gemv_cpu
+    from pagedserve.kernels import block_matmul_cpu
 
-    from .kernels.test_gemv_cpu import q4_exact_weight
+    from .kernels.test_block_matmul_cpu import q4_exact_weight
 
-    if not torch.backends.mkldnn.is_available() or gemv_cpu.LIBRARY.get() is None:
-        pytest.skip("needs oneDNN and the C GEMV")
-    model = torch.nn.Sequential(Linear(128, 64, bias=False))
+    if block_matmul_cpu.LIBRARY.get() is None:
+        pytest.skip("needs the C block matmul (a C compiler)")
+    model = torch.nn.Sequential(Linear(128, 64, bias=True))
     with torch.no_grad():
         model[0].weight.copy_(q4_exact_weight(64, 128, seed=3))
-    weight = model[0].weight.detach().clone()
-    assert pack_weights(model, WeightLayouts(layers="both")) == 1
-    assert model[0].gemv_blocks is not None and model[0].weight.numel() == 0
-    for rows in (1, 4, 8, 9):
-        x = torch.randn(rows, 128)
-        torch.testing.assert_close(model[0](x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+    assert pack_weights(model, WeightLayouts(layers=float32_layout)) == 1
+    layer = model[0]
+    assert layer.blocks is not None and layer.weight.numel() == 0
+    assert layer.packed is None and layer.transposed is None and layer.gemv_rows == 0
+    for shape in ((1, 128), (8, 128), (9, 128), (70, 128), (2, 5, 128)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 128, dtype=torch.float64)  # a dtype the C loops decline: the rebuilt weight
+    torch.testing.assert_close(layer(x), F.linear(x, weight.double(), bias.double()))

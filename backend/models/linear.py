@@ -21,26 +21,33 @@ AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faste
 8 rows on AMD EPYCs, where MKL is slow; or kept in "both" layouts: the plain [out, in]
 weight for up to GEMV_MAX_ROWS rows, through the C matrix-vector loop of
 kernels/gemv_cpu.py (a single stream's decode, bound by streaming the weights: ~25 GB/s
-there against ~18 through oneDNN on a 2-core EPYC), and the packed one for more. A float32
-weight that is exactly a GGUF Q4_1 or Q8_0 one (the bundled model's layers, its embedding)
-sends up to BLOCK_MAX_ROWS rows to that loop over those blocks instead, in any layout: the
-same values in a sixth or a third of the bytes. Which layout each part of the model gets is
-measured (`WeightLayouts`, backend/matmul_probe.py). All only reorder the weight or the
-additions: the product is the same up to the order of additions. A oneDNN-packed weight of
-any dtype builds a kernel per row count, so its rows take the buckets above.
+there against ~18 through oneDNN on a 2-core EPYC), and the packed one for more. Which
+layout each part of the model gets is measured (`WeightLayouts`, backend/matmul_probe.py).
+A float32 weight that is exactly a GGUF Q4_1 or Q8_0 one (the bundled model's layers, its
+embedding) keeps none of these: every step multiplies those blocks (`blocks`,
+kernels/block_matmul_cpu.py), the same values in a sixth or a third of the bytes, faster
+than oneDNN's float32 kernel at every row count measured (1-512 rows, 2-core AVX2 EPYC).
+All only reorder the weight or the additions: the product is the same up to the order of
+additions. A oneDNN-packed weight of any dtype builds a kernel per row count, so its rows
+take the buckets above.
 The compiled step keeps the plain weights (inductor cannot take a packed one as input),
 so an engine packs only when it runs eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.gemv_cpu import BLOCK_MAX_ROWS, GEMV_MAX_ROWS, BlockWeight, as_blocks, gemv
+from pagedserve.kernels import block_matmul_cpu
+from pagedserve.kernels.block_matmul_cpu import BlockWeight, as_blocks, block_matmul
+from pagedserve.kernels.gemv_cpu import GEMV_MAX_ROWS, gemv
+
+logger = logging.getLogger("pagedserve")
 
 
 EXACT_ROWS = 64
@@ -84,14 +91,16 @@ class Linear(nn.Linear):
     transposed: torch.Tensor | None = None
     """The weight as [in, out] (CPU, float32 laid out "transposed"), after `pack_weights`."""
     gemv_rows: int = 0
-    """Row counts up to this go through the C matrix-vector loop (CPU float32: over
-    `gemv_blocks`, else over the plain weight where laid out "both")."""
-    gemv_blocks: BlockWeight | None = None
-    """What that loop reads where the weight's Q4_1 or Q8_0 parts rebuild it exactly (a GGUF
-    checkpoint's layers: a sixth or a third of the bytes); without them it reads the plain
-    weight, which the layer then keeps."""
+    """Row counts up to this go through the C matrix-vector loop over the plain weight (CPU
+    float32 laid out "both")."""
+    blocks: BlockWeight | None = None
+    """The weight's GGUF Q4_1 or Q8_0 parts where they rebuild it exactly (CPU float32, after
+    `pack_weights`): every step multiplies them, in a sixth or a third of the bytes, and the
+    layer keeps no other copy."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            return self._block_matmul(x)
         rows = x.shape[0]
         # Inside the compiled step (plain weights) the rows are padded to a bucket already.
         bucket = row_bucket(rows, EXACT_ROWS) if self.packed is not None and x.dim() == 2 else rows
@@ -101,9 +110,17 @@ class Linear(nn.Linear):
             return self._matmul(padded)[:rows]
         return self._matmul(x)
 
+    def _block_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()
+        out = block_matmul(flat, self.blocks, self.bias)
+        if out is None:  # not float32 rows (or none): through the weight the blocks rebuild
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            out = F.linear(flat, self.blocks.dequantize().to(x.dtype), bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.gemv_rows:
-            out = gemv(x, self.weight if self.gemv_blocks is None else self.gemv_blocks, self.bias)
+            out = gemv(x, self.weight, self.bias)
             if out is not None:  # else (no C compiler) the packed weight below
                 return out
         if self.packed is not None:
@@ -116,7 +133,7 @@ class Linear(nn.Linear):
     @property
     def reads_plain_weight(self) -> bool:
         """Whether the layer still multiplies by `weight` after packing (so it must stay)."""
-        return (self.packed is None and self.transposed is None) or (self.gemv_rows > 0 and self.gemv_blocks is None)
+        return (self.packed is None and self.transposed is None and self.blocks is None) or self.gemv_rows > 0
 
     def pack(self, float32_layout: str = "transposed") -> bool:
         """Lay a CPU weight out as its matmul reads it fastest: half precision packed for
@@ -126,10 +143,11 @@ class Linear(nn.Linear):
             return False
         if float32_layout not in FLOAT32_LAYOUTS:
             raise ValueError(f"float32_layout must be one of {FLOAT32_LAYOUTS}, not {float32_layout!r}")
+        if weight.dtype == torch.float32 and block_matmul_cpu.LIBRARY.get() is not None:
+            self.blocks = as_blocks(weight)  # whatever the layout: exact GGUF blocks serve every step
+            if self.blocks is not None:
+                return True
         onednn = torch.backends.mkldnn.is_available()
-        if weight.dtype == torch.float32:  # whatever the layout, a few rows read exact GGUF blocks
-            self.gemv_blocks = as_blocks(weight)
-            self.gemv_rows = 0 if self.gemv_blocks is None else BLOCK_MAX_ROWS
         if weight.dtype == torch.float32 and (float32_layout == "transposed" or not onednn):
             self.transposed = weight.detach().t().contiguous()
             return True
@@ -139,7 +157,7 @@ class Linear(nn.Linear):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
         except RuntimeError:  # oneDNN packs fp16 only on CPUs with avx512_fp16 or avx_ne_convert
             return False
-        if weight.dtype == torch.float32 and float32_layout == "both" and self.gemv_blocks is None:
+        if weight.dtype == torch.float32 and float32_layout == "both":
             self.gemv_rows = GEMV_MAX_ROWS  # the plain weight, kept
         return True
 
@@ -157,4 +175,9 @@ def pack_weights(model: nn.Module, layouts: WeightLayouts = WeightLayouts()) -> 
             packed += 1
             if id(module.weight) not in shared and not module.reads_plain_weight:
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+    blocks = sum(isinstance(m, Linear) and m.blocks is not None for m in model.modules())
+    if blocks:
+        logger.info("%d of %d packed linears are exact GGUF Q4_1/Q8_0 weights: multiplied through those blocks "
+                    "(kernels/block_matmul_cpu.py) at every step, in a third to a sixth of the float32 bytes",
+                    blocks, packed)
     return packed

@@ -1,15 +1,17 @@
-"""Small float32 steps on CPU: the bundled model's linear layers multiplied by 1-16 rows, each
-way the engine can (backend/models/linear.py), on its real weights.
+"""float32 matmuls on CPU: the bundled model's linear layers multiplied by 1-128 rows (a
+single stream's decode to a batch's step and a prefill chunk), each way the engine can
+(backend/models/linear.py), on its real weights.
 
-Ways: the C GEMV over the weights' exact GGUF blocks (kernels/gemv_cpu.py `as_blocks`: Q4_1
-decoder layers, the Q8_0 embedding as LM head), the C GEMV over the plain float32 weight,
-oneDNN's packed float32 weight, and MKL over a transposed copy. One pass = every decoder
-linear (qkv, o, gate_up, down of each layer) and, separately, the LM head; the ways alternate
-pass by pass for --rounds rounds and each keeps its fastest (weights streamed from memory,
-as in a decode step). GB/s = float32 bytes of the weights / time, however many bytes the
-way actually reads. A row count a way does not take shows "-".
+Ways: the C matmul over the weights' exact GGUF blocks (kernels/block_matmul_cpu.py: Q4_1
+decoder layers, the Q8_0 embedding as LM head; a streaming loop up to 8 rows, a tiled GEMM
+beyond), the C GEMV over the plain float32 weight (up to 4 rows), oneDNN's packed float32
+weight, and MKL over a transposed copy. One pass = every decoder linear (qkv, o, gate_up,
+down of each layer) and, separately, the LM head; the ways alternate pass by pass for
+--rounds rounds and each keeps its fastest (weights streamed from memory, as in a step).
+Cells: ms per pass (GB/s of the float32 weights, however many bytes the way actually reads;
+GFLOP/s). A row count a way does not take shows "-".
 
-    python benchmarks/cpu_gemv.py [--rounds 7] [--rows 1,2,4,8,16]
+    python benchmarks/cpu_matmul.py [--rounds 7] [--rows 1,2,4,8,16,32,64,128]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from workload import machine  # noqa: E402
 from pagedserve.backend.model_files import default_model_path  # noqa: E402
 from pagedserve.backend.model_loader import load_model  # noqa: E402
 from pagedserve.backend.models.linear import PACK_ROWS_HINT, Linear  # noqa: E402
-from pagedserve.kernels import gemv_cpu  # noqa: E402
+from pagedserve.kernels import block_matmul_cpu, gemv_cpu  # noqa: E402
 
 Multiply = Callable[[torch.Tensor], object]
 
@@ -47,14 +49,14 @@ def ways_for(weight: torch.Tensor) -> dict[str, tuple[int, Multiply]]:
     plain = weight.detach().contiguous()
     packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
     transposed = plain.t().contiguous()
-    blocks = gemv_cpu.as_blocks(plain)
+    blocks = block_matmul_cpu.as_blocks(plain)
     ways = {
         "C GEMV, plain": (gemv_cpu.GEMV_MAX_ROWS, lambda x: gemv_cpu.gemv(x, plain)),
         "oneDNN packed": (1 << 30, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")),
         "MKL transposed": (1 << 30, lambda x: torch.matmul(x, transposed)),
     }
     if blocks is not None:
-        ways = {f"C GEMV, {blocks.kind} blocks": (gemv_cpu.BLOCK_MAX_ROWS, lambda x: gemv_cpu.gemv(x, blocks)), **ways}
+        ways = {f"C, {blocks.kind} blocks": (1 << 30, lambda x: block_matmul_cpu.block_matmul(x, blocks)), **ways}
     return ways
 
 
@@ -79,10 +81,10 @@ def time_passes(weights: list[Weight], rows: int, rounds: int) -> dict[str, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     args = parser.parse_args()
-    if gemv_cpu.LIBRARY.get() is None:
-        sys.exit("the C GEMV is not built here (no C compiler: set CC or install gcc)")
+    if gemv_cpu.LIBRARY.get() is None or block_matmul_cpu.LIBRARY.get() is None:
+        sys.exit("the C kernels are not built here (no C compiler: set CC or install gcc)")
     print(machine(), flush=True)
     print("loading the bundled model in float32 and laying each weight out every way ...", flush=True)
     model = load_model(default_model_path(), torch.float32, torch.device("cpu")).model
@@ -92,18 +94,19 @@ def main() -> None:
             if isinstance(module, Linear):
                 groups["LM head" if name == "lm_head" else "decoder linears"].append(
                     Weight(module.in_features, ways_for(module.weight)))
-        bytes_of = {group: sum(4 * m.weight.numel() for n, m in model.named_modules() if isinstance(m, Linear)
-                               and (n == "lm_head") == (group == "LM head")) for group in groups}
+        params_of = {group: sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, Linear)
+                                and (n == "lm_head") == (group == "LM head")) for group in groups}
+        bytes_of = {group: 4 * params for group, params in params_of.items()}
         for group, weights in groups.items():
             names = list(weights[0].ways)
             print(f"\n{group}: {len(weights)} weights, {bytes_of[group] / 1e6:.0f} MB in float32; "
-                  f"ms per pass (GB/s of float32 weights)\n")
+                  f"ms per pass (GB/s of float32 weights; GFLOP/s)\n")
             print("| rows | " + " | ".join(names) + " |")
             print("|---:|" + "---:|" * len(names))
             for rows in (int(r) for r in args.rows.split(",")):
                 best = time_passes(weights, rows, args.rounds)
-                cells = [("-" if best[n] is None else f"{best[n] * 1e3:.2f} ({bytes_of[group] / best[n] / 1e9:.0f})")
-                         for n in names]
+                cells = [("-" if best[n] is None else f"{best[n] * 1e3:.2f} ({bytes_of[group] / best[n] / 1e9:.0f}; "
+                                                       f"{2 * rows * params_of[group] / best[n] / 1e9:.0f})") for n in names]
                 print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -1,0 +1,122 @@
+"""The C matmul over exact GGUF blocks (kernels/block_matmul_cpu.py) against torch's matmul of
+the float32 weight the blocks rebuild.
+
+The weights are the same float32 values, so only the order of the additions differs: within
+1e-5 relative to the sum of |x_i w_i| of each output, at every row count (the few-row loop and
+the tiled GEMM), for shapes that are not whole tiles (outputs not a multiple of six, inputs in
+several chunks, rows in several passes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import block_matmul_cpu
+from pagedserve.kernels.block_matmul_cpu import as_blocks, block_matmul
+
+built = pytest.mark.skipif(block_matmul_cpu.LIBRARY.get() is None, reason="the C matmul is not built here (no C compiler)")
+
+
+def q4_exact_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A float32 weight as a GGUF Q4_1 checkpoint dequantizes: per block of 32, d * q + m with
+    d, m fp16 values, q in 0..15 and (as the quantizer leaves them) a 0 and a 15 in each block."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = in_features // 32
+    d = (torch.rand(out_features, blocks, generator=g) * 0.01).half().float()
+    m = (-torch.rand(out_features, blocks, generator=g) * 0.05).half().float()
+    q = torch.randint(0, 16, (out_features, blocks, 32), generator=g).float()
+    q[..., 5], q[..., 27] = 0, 15
+    return (d[..., None] * q + m[..., None]).reshape(out_features, in_features)
+
+
+def q8_exact_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """As a GGUF Q8_0 checkpoint dequantizes: per block of 32, d * q, d an fp16 value, q in
+    -127..127 with a +-127 in each block."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = in_features // 32
+    d = (torch.rand(out_features, blocks, generator=g) * 0.001).half().float()
+    q = torch.randint(-127, 128, (out_features, blocks, 32), generator=g).float()
+    q[..., 9] = -127
+    return (d[..., None] * q).reshape(out_features, in_features)
+
+
+EXACT_WEIGHTS = {"q4_1": q4_exact_weight, "q8_0": q8_exact_weight}
+
+
+def test_q8_parts_rebuild_the_weight_bit_for_bit():
+    weight = q8_exact_weight(64, 96, seed=2)
+    parts = as_blocks(weight)
+    assert parts is not None and parts.kind == "q8_0" and parts.codes.numel() == 64 * 96
+    q = parts.codes.view(torch.int8).float().view(64, 3, 32)
+    assert torch.equal(parts.scales[..., None] * q, weight.view(64, 3, 32))
+    assert torch.equal(parts.dequantize(), weight)
+    assert as_blocks(weight * 1.0001) is None
+
+
+def test_q4_parts_rebuild_the_weight_bit_for_bit_or_are_refused():
+    weight = q4_exact_weight(96, 128, seed=1)
+    parts = as_blocks(weight)
+    assert parts is not None and parts.kind == "q4_1" and parts.shape == (96, 128) and parts.codes.numel() == 96 * 64
+    low, high = (parts.codes & 15).float(), (parts.codes >> 4).float()
+    q = torch.cat([low.view(96, 4, 16), high.view(96, 4, 16)], dim=-1)
+    assert torch.equal(parts.scales[..., None] * q + parts.offsets[..., None], weight.view(96, 4, 32))
+    assert torch.equal(parts.dequantize(), weight)
+    assert as_blocks(weight + 1e-6) is None  # off the grid: refused, never approximated
+    assert as_blocks(torch.randn(96, 128)) is None
+    assert as_blocks(weight[:, :100].contiguous()) is None  # not whole blocks
+
+
+def assert_matches_float32_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    out = block_matmul(x, as_blocks(weight), bias)
+    reference = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    scale = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
+    assert out.shape == (x.shape[0], weight.shape[0]) and out.dtype == torch.float32
+    assert ((out.double() - reference).abs() <= 1e-5 * scale).all()
+
+
+@built
+@pytest.mark.parametrize("rows", [*range(1, block_matmul_cpu.GEMV_ROWS + 3), 17, 64, 131])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_block_weights_multiply_like_their_float32_values(rows, bias, kind):
+    """Up to GEMV_ROWS the few-row loop, beyond it the GEMM (131 rows: three passes of rows)."""
+    weight = EXACT_WEIGHTS[kind](200, 576, seed=rows)
+    assert as_blocks(weight).kind == kind
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g)
+    assert_matches_float32_weight(x, weight, torch.randn(200, generator=g) if bias else None)
+
+
+@built
+@pytest.mark.parametrize("in_features, out_features", [(1536, 576), (1600, 7), (32, 13), (800, 1), (64, 49152 // 64)])
+@pytest.mark.parametrize("rows", [3, 9, 40])
+def test_shapes_that_are_not_whole_tiles(in_features, out_features, rows):
+    """Outputs not a multiple of six (the GEMM's tile), inputs in one, two or three chunks of its
+    scratch (1,536 = 2 x 768; 1,600 = 3 uneven ones), a single block, a single output."""
+    g = torch.Generator().manual_seed(in_features + out_features + rows)
+    weight = q4_exact_weight(out_features, in_features, seed=rows)
+    assert_matches_float32_weight(torch.randn(rows, in_features, generator=g), weight, torch.randn(out_features, generator=g))
+
+
+@built
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_a_large_weight_splits_over_threads_with_the_same_result(rows):
+    g = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(rows, 576, generator=g), as_blocks(q8_exact_weight(3000, 576, seed=7))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = block_matmul(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(block_matmul(x, weight), alone)  # each output's sum does not depend on the split
+
+
+@built
+def test_declines_what_it_does_not_compute():
+    weight = as_blocks(q4_exact_weight(8, 64, seed=0))
+    assert block_matmul(torch.randn(2, 64).bfloat16(), weight) is None  # float32 only
+    assert block_matmul(torch.randn(64, 2).T, weight) is None  # not contiguous
+    assert block_matmul(torch.randn(1, 32), weight) is None  # sizes disagree
+    assert block_matmul(torch.randn(1, 64), weight, torch.randn(7)) is None  # bias of another size
+    assert block_matmul(torch.randn(0, 64), weight) is None  # no rows
