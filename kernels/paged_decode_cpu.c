@@ -305,6 +305,8 @@ static int attend_item_fast(
     return 0;
 }
 #elif defined(__AVX2__) && defined(__FMA__)
+#include "cpu_avx2.h"
+
 /* The same item with AVX2 and FMA (no AVX-512): 8-lane vectors, a key row read in place as
  * dim/8 of them (bf16 widened), each query head's partial dot products kept for 8 keys and
  * summed across lanes together, a vectorised exp, and the value pass accumulating in
@@ -341,13 +343,6 @@ static inline __m256i lanes_below(int remaining) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(remaining), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-static inline float horizontal_sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
-}
-
 /* s[0..len) <- exp(s - max s); returns their sum. */
 static inline float softmax_in_place8(float* s, int len) {
     float top = -INFINITY;
@@ -359,7 +354,7 @@ static inline float softmax_in_place8(float* s, int len) {
         _mm256_maskstore_ps(s + t, k, e);
         sum = _mm256_add_ps(sum, e);
     }
-    return horizontal_sum8(sum);
+    return horizontal_sum(sum);
 }
 
 /* r[i] = sum of the 8 lanes of v[i], for 8 vectors. */
