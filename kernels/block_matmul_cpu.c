@@ -205,7 +205,12 @@ static void block_gemm(const float* x, const uint8_t* q, const float* d, const f
         float scratch[TILE_OUT * KC_MAX] __attribute__((aligned(64)));
         for (int r0 = 0; r0 < rows; r0 += MC) {
             const int pass_rows = rows - r0 < MC ? rows - r0 : MC;
-#pragma omp for schedule(static)
+            /* Handed out 16 panels at a time, not halved up front: on a 2-core machine serving
+             * requests, another process (the relay, tritonserver) takes a core now and then, and a
+             * static half would leave the other thread waiting at the barrier. With a process
+             * taking ~17% of a core: 32 rows 61 vs 73 ms, 64 rows 152 vs 218 (static); alone, the
+             * same within noise. */
+#pragma omp for schedule(dynamic, 16)
             for (int64_t p = 0; p < panels; ++p) {
                 const int64_t o0 = p * TILE_OUT, outs = out - o0 < TILE_OUT ? out - o0 : TILE_OUT;
                 for (int64_t k0 = 0; k0 < in; k0 += chunk) {
