@@ -28,7 +28,7 @@ import torch
 
 logger = logging.getLogger("pagedserve")
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DISABLE_ENV = "PAGEDSERVE_NATIVE_CPU"
 """Set to 0 to keep every CPU kernel on torch ops (benchmarks compare the two)."""
 
@@ -61,18 +61,20 @@ def cpu_signature() -> str:
     return platform.machine() + "\n" + "\n".join(lines)
 
 
-def build(source: Path, cc: str) -> Path:
+def build(source: Path, cc: str, march: str = "native") -> Path:
     """The shared library of `source` for these flags and this CPU, compiled unless cached.
-    Written under a temporary name and renamed, so concurrent loads never see half a file."""
+    Written under a temporary name and renamed, so concurrent loads never see half a file.
+    `march` other than native: an older instruction set's code (tests run each one the CPU can)."""
+    flags = [*FLAGS, f"-march={march}"]
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may #include
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *FLAGS]).encode() + cpu_signature().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *flags]).encode() + cpu_signature().encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        done = subprocess.run([cc, *FLAGS, str(source), "-o", str(partial), "-lm"], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags, str(source), "-o", str(partial), "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[-600:]}")
         os.replace(partial, target)
@@ -96,8 +98,8 @@ class NativeLibrary:
                 self._loaded.append(self.load())
             return self._loaded[0]
 
-    def load(self) -> ctypes.CDLL | None:
-        """Build and load now (no memo; tests call it with a changed environment)."""
+    def load(self, march: str = "native") -> ctypes.CDLL | None:
+        """Build and load now (no memo; tests call it with a changed environment or `march`)."""
         if os.environ.get(DISABLE_ENV, "1") == "0":
             return None
         cc = compiler()
@@ -105,7 +107,7 @@ class NativeLibrary:
             logger.warning("%s: no C compiler (set CC or install gcc); using %s", self.what, self.fallback)
             return None
         try:
-            library = ctypes.CDLL(str(build(self.source, cc)))
+            library = ctypes.CDLL(str(build(self.source, cc, march)))
         except (OSError, RuntimeError) as exc:
             logger.warning("%s: build failed, using %s: %s", self.what, self.fallback, exc)
             return None

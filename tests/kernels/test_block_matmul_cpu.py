@@ -8,6 +8,9 @@ several chunks, rows in several passes)."""
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -96,6 +99,30 @@ def test_shapes_that_are_not_whole_tiles(in_features, out_features, rows):
     g = torch.Generator().manual_seed(in_features + out_features + rows)
     weight = q4_exact_weight(out_features, in_features, seed=rows)
     assert_matches_float32_weight(torch.randn(rows, in_features, generator=g), weight, torch.randn(out_features, generator=g))
+
+
+def instruction_sets_here() -> list[str]:
+    """-march levels whose code this CPU runs: the kernel's plain-C loops, its AVX2 path and
+    whatever -march=native picks (AVX-512 tiles where the CPU has them)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["native"]
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    return ["x86-64", *(["haswell"] if {"avx2", "fma"} <= flags else []), "native"]
+
+
+@built
+@pytest.mark.parametrize("march", instruction_sets_here())
+def test_every_instruction_set_the_cpu_runs_computes_the_same_products(march, monkeypatch):
+    """A machine builds only its own -march=native code; the others are built here on purpose,
+    so each vector width's tiles (and their leftover rows) are checked on one CPU."""
+    library = block_matmul_cpu.LIBRARY.load(march=march)
+    monkeypatch.setattr(block_matmul_cpu.LIBRARY, "get", lambda: library)
+    g = torch.Generator().manual_seed(11)
+    for rows in (1, 5, 9, 14, 33, 70):
+        for kind, make in EXACT_WEIGHTS.items():
+            weight = make(50, 1600, seed=rows)
+            assert as_blocks(weight).kind == kind
+            assert_matches_float32_weight(torch.randn(rows, 1600, generator=g), weight, torch.randn(50, generator=g))
 
 
 @built
