@@ -36,9 +36,10 @@ LIBRARY = NativeLibrary(Path(__file__).with_name("block_matmul_cpu.c"), "CPU GGU
                         _declare)
 
 GEMV_ROWS = 8
-"""Up to this many rows (block_matmul_cpu.c's GEMV_ROWS) each output's blocks are expanded in
-registers and used by every row at once: the blocks stream once, and a few rows cost little
-more than one. More rows go through the GEMM, which expands them into L1 once per six outputs."""
+"""Up to this many rows (block_matmul_cpu.c's GEMV_UP_TO: 8 with AVX2, 2 where the GEMM has
+AVX-512 tiles) each output's blocks are expanded in registers and used by every row at once:
+the blocks stream once, and a few rows cost little more than one. More rows go through the
+GEMM, which expands them into L1 once per six outputs."""
 
 BLOCK = 32
 """Inputs per block (one scale and one offset each), as in GGUF's Q4_1 and Q8_0."""
