@@ -14,7 +14,10 @@ layout. The LM head always can (its plain weight is the tied embedding's, or tak
 place of the transposed copy MKL would need); the decoder layers do where their second
 copy takes at most PLAIN_COPY_MAX_MEMORY of the machine's memory, else they keep only the
 packed one. (Whatever the layout, a float32 weight that is exactly a GGUF Q4_1 or Q8_0 one
-is multiplied through those blocks at every row count instead: backend/models/linear.py.)
+is multiplied through those blocks at every row count instead: backend/models/linear.py.
+So for a checkpoint of such blocks, as the bundled one is, float32 is timed through them: on an
+AMD EPYC with avx512_bf16 oneDNN's bf16 beat its float32 2-6x, while the blocks run a
+single stream's float32 steps from a sixth of the bytes.)
 Engines with an fp8 KV cache keep the decoder layers transposed: its perplexity bound
 (tests/test_quantization.py, 2% over float32) was set with MKL's summation order, and with
 oneDNN's the bundled model's rose 2.04% on one EPYC (1.32% with MKL's; 1.80% vs 1.74% on
@@ -39,6 +42,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pagedserve.kernels import gemv_cpu
+from pagedserve.kernels.block_matmul_cpu import grid_weight
 from pagedserve.kernels.native_build import cache_root, cpu_signature
 
 from .model_config import ModelConfig
@@ -67,16 +71,22 @@ class MatmulTimes:
     bfloat16: float
     float32_transposed: float
     float32_onednn: float
+    float32_blocks: float | None = None
+    """Through the checkpoint's own GGUF blocks, where it has them (None: it has not)."""
 
     @property
     def float32(self) -> float:
-        """float32 as engines run it: in the faster layout (see the module docstring)."""
+        """float32 as engines run it: through the blocks where the checkpoint has them (whatever
+        the layout), else in the faster layout (see the module docstring)."""
+        if self.float32_blocks is not None:
+            return self.float32_blocks
         return min(self.float32_transposed, self.float32_onednn)
 
     def summary(self) -> str:
+        blocks = "" if self.float32_blocks is None else f" / {self.float32_blocks * 1e3:.2f} ms GGUF blocks (C)"
         return (f"[{self.in_features} -> {self.out_features}] matmul at {' and '.join(map(str, PROBE_ROWS))} rows: "
                 f"bfloat16 {self.bfloat16 * 1e3:.2f} ms, float32 {self.float32_transposed * 1e3:.2f} ms transposed "
-                f"(MKL) / {self.float32_onednn * 1e3:.2f} ms packed (oneDNN)")
+                f"(MKL) / {self.float32_onednn * 1e3:.2f} ms packed (oneDNN){blocks}")
 
 
 def probe_shape(config: ModelConfig) -> tuple[int, int]:
@@ -88,7 +98,7 @@ def probe_shape(config: ModelConfig) -> tuple[int, int]:
 def matmul_times(config: ModelConfig) -> MatmulTimes:
     """This CPU's times for the model's probe shape: from the cache, else measured (and cached)."""
     in_features, out_features = probe_shape(config)
-    key = _cache_key(in_features, out_features)
+    key = _cache_key(in_features, out_features, config.source_block_format)
     if key in _measured:  # dtype auto then the float32 layout ask twice; the disk may be unwritable
         return _measured[key]
     cached = _read_cache().get(key)
@@ -97,7 +107,7 @@ def matmul_times(config: ModelConfig) -> MatmulTimes:
     except TypeError:  # written by another version: measure again
         times = None
     if times is None:
-        times = measure(in_features, out_features)
+        times = measure(in_features, out_features, config.source_block_format)
         _write_cache(key, times)
     _measured[key] = times
     return times
@@ -141,9 +151,11 @@ def physical_memory() -> int:
         return 0
 
 
-def measure(in_features: int, out_features: int, rounds: int = 5, calls: int = 4) -> MatmulTimes:
+def measure(in_features: int, out_features: int, block_format: str | None = None, rounds: int = 5,
+            calls: int = 4) -> MatmulTimes:
     """Time each candidate, interleaved round by round so that a burst of other work on the
-    machine hits all of them; each keeps its best round."""
+    machine hits all of them; each keeps its best round. `block_format`: also a weight in those
+    GGUF blocks, which a float32 Linear multiplies through them (the checkpoint's own format)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator) * in_features**-0.5
     candidates = {
@@ -151,6 +163,9 @@ def measure(in_features: int, out_features: int, rounds: int = 5, calls: int = 4
         "float32_transposed": _packed_linear(weight, torch.float32, "transposed"),
         "float32_onednn": _packed_linear(weight, torch.float32, "onednn"),
     }
+    if block_format is not None:
+        candidates["float32_blocks"] = _packed_linear(grid_weight(block_format, out_features, in_features, seed=0),
+                                                      torch.float32)
     inputs = {rows: torch.randn(rows, in_features, generator=generator) for rows in PROBE_ROWS}
     best = dict.fromkeys(candidates, float("inf"))
     with torch.inference_mode():
@@ -176,10 +191,11 @@ def _packed_linear(weight: torch.Tensor, dtype: torch.dtype, float32_layout: str
     return linear
 
 
-def _cache_key(in_features: int, out_features: int) -> str:
+def _cache_key(in_features: int, out_features: int, block_format: str | None) -> str:
     cpu = hashlib.sha256(cpu_signature().encode()).hexdigest()[:16]
+    blocks = f" blocks {block_format}" if block_format else ""
     return (f"cpu {cpu} torch {torch.__version__} threads {torch.get_num_threads()} "
-            f"shape {in_features}x{out_features} rows {','.join(map(str, PROBE_ROWS))}")
+            f"shape {in_features}x{out_features} rows {','.join(map(str, PROBE_ROWS))}{blocks}")
 
 
 def _read_cache() -> dict:

@@ -29,6 +29,9 @@ class ModelConfig:
     checkpoint_dtype: str = "float32"
     source_group_size: int | None = None
     """Block size of the checkpoint's own weight quantization (GGUF Q4_1: 32), if any."""
+    source_block_format: str | None = None
+    """"q4_1" or "q8_0" when the checkpoint's layer weights are GGUF blocks of that format, which
+    float32 engines multiply through (kernels/block_matmul_cpu.py): dtype auto times those."""
     packed_int4: str | None = None
     """"awq" or "gptq"/"gptq_v2" when the checkpoint stores packed 4-bit linear weights."""
 

@@ -80,6 +80,28 @@ class BlockWeight:
         return torch.addcmul(self.offsets[..., None], self.scales[..., None], q).reshape(out_features, -1)
 
 
+def grid_weight(kind: str, out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A random float32 weight exactly as a GGUF checkpoint of `kind` dequantizes (per block of 32,
+    d * q + m with fp16 d and m), which `as_blocks` takes: for timing the block matmul
+    (backend/matmul_probe.py) and testing it. Q4_1: q in 0..15 with a 0 and a 15 in each block,
+    as the quantizer leaves them; Q8_0: m = 0, q in -127..127 with a -127 in each block."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = in_features // BLOCK
+    if kind == "q4_1":
+        d = (torch.rand(out_features, blocks, generator=g) * 0.01).half().float()
+        m = (-torch.rand(out_features, blocks, generator=g) * 0.05).half().float()
+        q = torch.randint(0, 16, (out_features, blocks, BLOCK), generator=g).float()
+        q[..., 5], q[..., 27] = 0, 15
+    elif kind == "q8_0":
+        d = (torch.rand(out_features, blocks, generator=g) * 0.001).half().float()
+        m = torch.zeros_like(d)
+        q = torch.randint(-127, 128, (out_features, blocks, BLOCK), generator=g).float()
+        q[..., 9] = -127
+    else:
+        raise ValueError(f"block kind must be one of {sorted(BLOCK_KINDS)}, got {kind!r}")
+    return (d[..., None] * q + m[..., None]).reshape(out_features, in_features)
+
+
 def as_blocks(weight: torch.Tensor) -> BlockWeight | None:
     """The weight as Q4_1 parts, else Q8_0 parts, or None unless every value is rebuilt exactly
     from them (checked here, so a weight that merely looks quantized is never approximated)."""
@@ -134,4 +156,4 @@ def block_matmul(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
     return out
 
 
-__all__ = ["GEMV_ROWS", "LIBRARY", "BlockWeight", "as_blocks", "block_matmul"]
+__all__ = ["GEMV_ROWS", "LIBRARY", "BlockWeight", "as_blocks", "block_matmul", "grid_weight"]

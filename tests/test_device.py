@@ -49,6 +49,18 @@ def test_auto_takes_the_dtype_the_probe_measured_faster_and_says_so(monkeypatch,
     assert f"bfloat16 {bf16_ms:.2f} ms" in caplog.text and "0.50 ms packed (oneDNN)" in caplog.text
 
 
+def test_auto_weighs_bf16_against_the_checkpoints_own_blocks_where_float32_runs_through_them(monkeypatch, caplog):
+    """A GGUF Q4_1 checkpoint (the bundled model): float32 engines multiply its blocks, so bf16
+    beating oneDNN's float32 does not make it the faster dtype."""
+    monkeypatch.setattr(device, "cpuinfo", lambda: AVX512_BF16_NO_AMX)
+    times = MatmulTimes(64, 256, bfloat16=0.3e-3, float32_transposed=0.8e-3, float32_onednn=0.5e-3,
+                        float32_blocks=0.2e-3)
+    monkeypatch.setattr(device, "matmul_times", lambda config: times)
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        assert device.resolve_dtype("auto", torch.device("cpu"), CONFIG) == torch.float32
+    assert "0.20 ms GGUF blocks" in caplog.text
+
+
 def test_an_explicit_dtype_is_taken_as_given(monkeypatch):
     monkeypatch.setattr(device, "matmul_times", lambda config: pytest.fail("no probe for an explicit dtype"))
     assert device.resolve_dtype("bfloat16", torch.device("cpu"), CONFIG) == torch.bfloat16

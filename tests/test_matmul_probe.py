@@ -29,6 +29,18 @@ def test_the_probe_times_the_gate_up_shape_and_caches_its_verdict(tmp_path, monk
     assert matmul_probe.matmul_times(CONFIG).in_features == 64  # a broken cache only means measuring again
 
 
+def test_a_checkpoint_of_gguf_blocks_is_timed_through_them_under_a_key_of_its_own(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    matmul_probe._measured.clear()
+    plain = matmul_probe.matmul_times(CONFIG)
+    blocks = matmul_probe.matmul_times(replace(CONFIG, source_block_format="q4_1"))
+    assert plain.float32_blocks is None and 0 < blocks.float32_blocks < 1
+    assert blocks.float32 == blocks.float32_blocks  # what float32 engines of that checkpoint run
+    assert "GGUF blocks" in blocks.summary() and "GGUF blocks" not in plain.summary()
+
+
 def test_a_huge_weight_is_probed_at_a_bounded_size():
     big = ModelConfig("llama", vocab_size=256, hidden_size=8192, intermediate_size=28672, num_layers=2, num_heads=64,
                       num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64)

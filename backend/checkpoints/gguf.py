@@ -59,7 +59,17 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
         eos_token_ids=[int(eos)] if eos is not None else [],
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         source_group_size=_quant_block_size(layer_types),
+        source_block_format=_block_format(layer_types),
     )
+
+
+def _block_format(qtypes: set[int]) -> str | None:
+    """"q4_1" / "q8_0" when every layer's weights are in that one format (the formats whose
+    blocks kernels/block_matmul_cpu.py multiplies), else None."""
+    from gguf import GGMLQuantizationType
+
+    formats = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+    return formats.get(GGMLQuantizationType(next(iter(qtypes)))) if len(qtypes) == 1 else None
 
 
 def _quant_block_size(qtypes: set[int]) -> int | None:

@@ -15,32 +15,17 @@ import pytest
 import torch
 
 from pagedserve.kernels import block_matmul_cpu
-from pagedserve.kernels.block_matmul_cpu import as_blocks, block_matmul
+from pagedserve.kernels.block_matmul_cpu import as_blocks, block_matmul, grid_weight
 
 built = pytest.mark.skipif(block_matmul_cpu.LIBRARY.get() is None, reason="the C matmul is not built here (no C compiler)")
 
 
 def q4_exact_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
-    """A float32 weight as a GGUF Q4_1 checkpoint dequantizes: per block of 32, d * q + m with
-    d, m fp16 values, q in 0..15 and (as the quantizer leaves them) a 0 and a 15 in each block."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = in_features // 32
-    d = (torch.rand(out_features, blocks, generator=g) * 0.01).half().float()
-    m = (-torch.rand(out_features, blocks, generator=g) * 0.05).half().float()
-    q = torch.randint(0, 16, (out_features, blocks, 32), generator=g).float()
-    q[..., 5], q[..., 27] = 0, 15
-    return (d[..., None] * q + m[..., None]).reshape(out_features, in_features)
+    return grid_weight("q4_1", out_features, in_features, seed)
 
 
 def q8_exact_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
-    """As a GGUF Q8_0 checkpoint dequantizes: per block of 32, d * q, d an fp16 value, q in
-    -127..127 with a +-127 in each block."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = in_features // 32
-    d = (torch.rand(out_features, blocks, generator=g) * 0.001).half().float()
-    q = torch.randint(-127, 128, (out_features, blocks, 32), generator=g).float()
-    q[..., 9] = -127
-    return (d[..., None] * q).reshape(out_features, in_features)
+    return grid_weight("q8_0", out_features, in_features, seed)
 
 
 EXACT_WEIGHTS = {"q4_1": q4_exact_weight, "q8_0": q8_exact_weight}
