@@ -68,11 +68,27 @@ static inline void dequantize_block(const uint8_t* restrict q, float d, float m,
     for (int k = 0; k < 4; ++k) w[k] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(v[k]), mm);
 }
 
+/* The 32 weights of one block into dst (the GEMM's scratch): with AVX-512 in two 16-lane
+ * halves, half the instructions of four 8-lane ones (the expansion is ~20% of a 32-row GEMM). */
 static inline void dequantize_block_to(const uint8_t* restrict q, float d, float m, float* restrict dst,
                                        const int kind) {
+#if defined(__AVX512F__)
+    __m512i v[2];
+    if (kind == BLOCK_Q8_0) {
+        v[0] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q));
+        v[1] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16)));
+    } else {
+        const __m128i bytes = _mm_loadu_si128((const __m128i*)q), low = _mm_set1_epi8(0x0f);
+        v[0] = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, low));
+        v[1] = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+    }
+    const __m512 dd = _mm512_set1_ps(d), mm = _mm512_set1_ps(m);
+    for (int k = 0; k < 2; ++k) _mm512_storeu_ps(dst + 16 * k, _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(v[k]), mm));
+#else
     __m256 w[4];
     dequantize_block(q, d, m, w, kind);
     for (int k = 0; k < 4; ++k) _mm256_storeu_ps(dst + 8 * k, w[k]);
+#endif
 }
 
 /* y[r, o] for ROWS rows (ROWS and kind constants at each call, so the accumulators stay in
