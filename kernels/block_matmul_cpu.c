@@ -18,8 +18,8 @@
  *   packed float32 kernel reached ~50% of this CPU's FMA peak at 32 rows, this loop ~75%
  *   (2-core AVX2 EPYC; benchmarks/cpu_matmul.py). With AVX-512 the tile is 4 rows x 6 outputs
  *   of 16 lanes (24 of its 32 registers; 10 loads feed 24 FMAs): on a 2-core Xeon it went
- *   from 127 to 210 GFLOP/s at 32 rows, ahead of oneDNN and MKL up to 64 rows, behind them
- *   (~0.85x) at 128. Rows go MC at a time, so the rows being multiplied stay in L2 while the
+ *   from 127 to 210 GFLOP/s at 32 rows, ahead of oneDNN and MKL up to 128 rows, behind them
+ *   (~0.9x) at 512. Rows go MC at a time, so the rows being multiplied stay in L2 while the
  *   weights pass.
  * Built at first use by kernels/native_build.py (-O3 -march=native -fopenmp); threads split the
  * outputs.
@@ -35,7 +35,7 @@
 #define TILE_ROWS 2 /* 2 x 6 of AVX2's 16 */
 #endif
 #define KC_MAX 768  /* inputs of the scratch: 6 x 768 floats, 18 KB of the 32 KB L1 */
-#define MC 64       /* rows the GEMM multiplies per pass over the weights */
+#define MC 128      /* rows the GEMM multiplies per pass over the weights (128 x 768 floats: 384 KB of L2) */
 enum { BLOCK_Q4_1 = 0, BLOCK_Q8_0 = 1 }; /* kernels/block_matmul_cpu.py's BLOCK_KINDS */
 
 /* Rows up to which the few-row loop beats the GEMM: AVX2's GEMM wins only past 8 (2-core EPYC),

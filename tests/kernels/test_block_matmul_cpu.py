@@ -67,7 +67,7 @@ def assert_matches_float32_weight(x: torch.Tensor, weight: torch.Tensor, bias: t
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_block_weights_multiply_like_their_float32_values(rows, bias, kind):
-    """Up to GEMV_ROWS the few-row loop, beyond it the GEMM (131 rows: three passes of rows)."""
+    """Up to GEMV_ROWS the few-row loop, beyond it the GEMM (131 rows: a pass of 128 and one of 3)."""
     weight = EXACT_WEIGHTS[kind](200, 576, seed=rows)
     assert as_blocks(weight).kind == kind
     g = torch.Generator().manual_seed(rows)
