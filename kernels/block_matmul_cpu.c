@@ -160,15 +160,13 @@ static inline __attribute__((always_inline)) void tile_reduce(const tile_vec* v,
 }
 #endif
 
-/* sums[r][n] = x_r . w_n over `len` inputs (a multiple of 32) for ROWS rows of x (row stride
- * x_stride) and OUTS scratch rows of w (stride w_stride): the GEMM's tile. */
+/* sums[r * OUTS + n] = x_r . w_n over `len` inputs (a multiple of 32) for ROWS rows of x (row
+ * stride x_stride) and OUTS scratch rows of w (stride w_stride): the GEMM's tile. */
 static inline __attribute__((always_inline)) void tile_sums(const float* x, int64_t x_stride, const float* w,
-                                                            int64_t w_stride, int64_t len,
-                                                            float sums[TILE_ROWS][TILE_OUT], const int ROWS,
-                                                            const int OUTS) {
-    tile_vec acc[TILE_ROWS][TILE_OUT];
-    for (int r = 0; r < ROWS; ++r)
-        for (int n = 0; n < OUTS; ++n) acc[r][n] = tile_zero();
+                                                            int64_t w_stride, int64_t len, float* sums,
+                                                            const int ROWS, const int OUTS) {
+    tile_vec acc[TILE_ROWS * TILE_OUT];
+    for (int i = 0; i < ROWS * OUTS; ++i) acc[i] = tile_zero();
     for (int64_t k = 0; k < len; k += TILE_LANES) {
         tile_vec xv[TILE_ROWS];
         for (int r = 0; r < ROWS; ++r) xv[r] = tile_load(x + r * x_stride + k);
@@ -177,16 +175,10 @@ static inline __attribute__((always_inline)) void tile_sums(const float* x, int6
             /* Keep wv in a register for every row: folded into each FMA as a memory operand, it
              * is loaded once per row, and the loads, not the FMAs, would set the pace. */
             __asm__("" : "+v"(wv));
-            for (int r = 0; r < ROWS; ++r) acc[r][n] = tile_fma(xv[r], wv, acc[r][n]);
+            for (int r = 0; r < ROWS; ++r) acc[r * OUTS + n] = tile_fma(xv[r], wv, acc[r * OUTS + n]);
         }
     }
-    tile_vec flat[TILE_ROWS * TILE_OUT];
-    float flat_sums[TILE_ROWS * TILE_OUT];
-    for (int r = 0; r < ROWS; ++r)
-        for (int n = 0; n < OUTS; ++n) flat[r * OUTS + n] = acc[r][n];
-    tile_reduce(flat, ROWS * OUTS, flat_sums);
-    for (int r = 0; r < ROWS; ++r)
-        for (int n = 0; n < OUTS; ++n) sums[r][n] = flat_sums[r * OUTS + n];
+    tile_reduce(acc, ROWS * OUTS, sums);
 }
 #else
 /* Without AVX2 and FMA: plain loops, which the compiler vectorises as it can. */
@@ -217,13 +209,13 @@ static inline __attribute__((always_inline)) void gemv_output(
 }
 
 static inline void tile_sums(const float* x, int64_t x_stride, const float* w, int64_t w_stride, int64_t len,
-                             float sums[TILE_ROWS][TILE_OUT], const int ROWS, const int OUTS) {
+                             float* sums, const int ROWS, const int OUTS) {
     for (int r = 0; r < ROWS; ++r)
         for (int n = 0; n < OUTS; ++n) {
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t k = 0; k < len; ++k) s += x[r * x_stride + k] * w[n * w_stride + k];
-            sums[r][n] = s;
+            sums[r * OUTS + n] = s;
         }
 }
 #endif
@@ -260,11 +252,11 @@ static inline __attribute__((always_inline)) void tile(const float* x, int64_t x
                                                        int64_t w_stride, int64_t len, float* y, int64_t out,
                                                        int accumulate, const float* bias, const int ROWS,
                                                        const int OUTS) {
-    float sums[TILE_ROWS][TILE_OUT];
+    float sums[TILE_ROWS * TILE_OUT];
     tile_sums(x, x_stride, w, w_stride, len, sums, ROWS, OUTS);
     for (int r = 0; r < ROWS; ++r)
         for (int n = 0; n < OUTS; ++n)
-            y[r * out + n] = sums[r][n] + (accumulate ? y[r * out + n] : 0.f) + (bias ? bias[n] : 0.f);
+            y[r * out + n] = sums[r * OUTS + n] + (accumulate ? y[r * out + n] : 0.f) + (bias ? bias[n] : 0.f);
 }
 
 /* Every row of x (row stride x_stride) times one scratch panel of OUTS outputs (constant). */
