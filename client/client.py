@@ -98,17 +98,22 @@ class LLMClient:
         results: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(self.url)
         client.start_stream(callback=lambda result, error: results.put((result, error)))
+        answered = False
         try:
             client.async_stream_infer(
                 self.model, build_inputs(grpcclient, prompt, messages, stream=True, **sampling), request_id=uuid.uuid4().hex
             )
             while True:
                 chunk = chunk_or_raise(*results.get())
+                answered = chunk.final
                 yield chunk
                 if chunk.final:
                     return
         finally:
-            client.stop_stream(cancel_requests=True)
+            # Cancel only a request left unfinished: tritonserver 2.51's gRPC frontend can keep the
+            # model referenced (and its unload waits out the exit timeout) when a stream whose
+            # request was just answered is cancelled.
+            client.stop_stream(cancel_requests=not answered)
             client.close()
 
     def generate(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **sampling: Any) -> str:

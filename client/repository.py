@@ -2,8 +2,8 @@
 
 The committed `model_repository/` holds defaults. Serving another model (or
 tests with a small KV budget) writes a copy whose config.pbtxt `parameters`
-carry the chosen values. The model is named once, in llm_engine's config.pbtxt;
-the models that load a tokenizer read it from there.
+carry the chosen values. The model is named once, in the config.pbtxt of `llm`
+(which hosts the engine); the models that load a tokenizer read it from there.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Mapping
 
 from pagedserve.backend.config import EngineConfig
 from pagedserve.backend.errors import ConfigError
-from pagedserve.backend.triton_adapter.arguments import ENGINE_SWITCHES
+from pagedserve.backend.triton_adapter.arguments import ENGINE_MODEL, ENGINE_SWITCHES
 
 ENGINE_ONLY_PARAMETERS = set(ENGINE_SWITCHES)
 
@@ -26,7 +26,7 @@ def source_repository() -> Path:
     here = Path(__file__).resolve().parent.parent / "model_repository"
     override = os.environ.get("PAGEDSERVE_MODEL_REPOSITORY")
     path = Path(override) if override else here
-    if not (path / "llm_engine" / "config.pbtxt").exists():
+    if not (path / ENGINE_MODEL / "config.pbtxt").exists():
         raise FileNotFoundError(
             f"no model repository at {path}; set PAGEDSERVE_MODEL_REPOSITORY to the project's model_repository/"
         )
@@ -45,7 +45,7 @@ def write_repository(destination: str | os.PathLike, model: str = "", engine: Ma
     if destination.exists():
         shutil.rmtree(destination)
     shutil.copytree(source_repository(), destination, ignore=shutil.ignore_patterns("__pycache__"))
-    set_parameters(destination / "llm_engine" / "config.pbtxt", {"model": model, **engine})
+    set_parameters(destination / ENGINE_MODEL / "config.pbtxt", {"model": model, **engine})
     return destination
 
 

@@ -34,4 +34,4 @@ def test_a_written_copy_has_every_model_and_version(tmp_path):
     copy = write_repository(tmp_path / "repo", engine={"max_num_seqs": "4"})
     assert sorted(p.parent.name for p in copy.glob("*/config.pbtxt")) == MODELS
     assert all((copy / model / "1").is_dir() for model in MODELS)
-    assert 'key: "max_num_seqs" value: { string_value: "4" }' in (copy / "llm_engine" / "config.pbtxt").read_text()
+    assert 'key: "max_num_seqs" value: { string_value: "4" }' in (copy / "llm" / "config.pbtxt").read_text()

@@ -1,10 +1,10 @@
 """What a model's initialize args configure: config.pbtxt `parameters`, and the
 tokenizer of the served model.
 
-Which model is served is said in one place, the `model` parameter of the engine
-model's config.pbtxt (`llm_engine`); `llm`, `preprocessing` and `postprocessing`
-read it from there (their `engine_model` parameter names the engine model when it
-is not `llm_engine`), so a tokenizer can never disagree with the engine's weights.
+Which model is served is said in one place, the `model` parameter of the engine's
+model's config.pbtxt (`llm`); the relays, `preprocessing` and `postprocessing` read
+it from there (their `engine_model` parameter names the engine's model when it is
+not `llm`), so a tokenizer can never disagree with the engine's weights.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from ..errors import ConfigError
 from ..model_files import resolve_model_path
 from ..tokenizer import load_tokenizer
 
-ENGINE_MODEL = "llm_engine"
+ENGINE_MODEL = "llm"
+"""The model that hosts the engine; the relays send it token ids over BLS."""
 ENGINE_SWITCHES = ("REPORT_CUSTOM_METRICS", "enable_metrics")
 """Switches of the engine model's config.pbtxt; set on another model they would do nothing."""
 _PBTXT_PARAMETER = re.compile(r'parameters\s*\{\s*key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}')

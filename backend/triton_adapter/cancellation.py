@@ -3,8 +3,8 @@
 - `Watcher`: a thread that runs a tick every few milliseconds; an exception in
   one tick is logged and the next tick runs, so one failure never ends
   cancellation for good.
-- `RecentIds`: ids cancelled before their request arrived. `llm` sends the cancel
-  and the request to `llm_engine` as two BLS calls, and the cancel can win the
+- `RecentIds`: ids cancelled before their request arrived. A relay sends the cancel
+  and the request to the engine's model as two BLS calls, and the cancel can win the
   race; the request is then refused on arrival instead of running to max_tokens.
 """
 

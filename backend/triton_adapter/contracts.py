@@ -1,7 +1,10 @@
-"""The client contracts a relay over `llm_engine` speaks: what it sends the engine for
-a client's request, and which responses the client gets for each engine response.
+"""The client contracts our models speak: what the engine is asked for a client's
+request (its token-level tensors), and which responses the client gets for each
+engine response. `llm` speaks VllmText in the engine's own process (engine_model.py);
+the relays (relay_model.py) speak the others over BLS to `llm`.
 
 - VllmText (`llm`): Triton's vLLM backend's tensors, text in and out.
+- EngineTokens (`llm_engine`): the engine's token-level tensors, passed on unchanged.
 - TrtllmText (`tensorrt_llm_bls`): TensorRT-LLM's text-level tensors.
 - TrtllmTokens (`tensorrt_llm`): TensorRT-LLM's token-level tensors, the middle step
   of the `ensemble`; it also sends the context ids `postprocessing` needs for exact text.
@@ -40,8 +43,8 @@ Reply = Callable[[Arrays], list[dict[str, np.ndarray]]]
 
 @dataclass
 class RelayPlan:
-    """How one client request travels: llm_engine's inputs and outputs, and `reply`,
-    which turns an llm_engine response into the client's responses (maybe several, or none)."""
+    """How one client request travels: the engine's token-level inputs and outputs, and
+    `reply`, which turns an engine response into the client's responses (maybe several, or none)."""
 
     engine_inputs: dict[str, np.ndarray] = field(default_factory=dict)
     engine_outputs: list[str] = field(default_factory=list)
@@ -58,7 +61,7 @@ class Contract(Protocol):
 
 @dataclass(frozen=True)
 class VllmText:
-    """`llm`: tokenizes (or renders the chat), forwards the rest to llm_engine unchanged."""
+    """`llm`: tokenizes (or renders the chat), hands the rest to the engine unchanged."""
 
     def configured(self, parameters: Mapping[str, str]) -> VllmText:
         return self
@@ -74,6 +77,24 @@ class VllmText:
             engine_inputs=forwarded,
             engine_outputs=[name for name in ENGINE_OUTPUTS if name in needed],
             reply=lambda outputs: [text_response(outputs, tokenizer, with_text)],
+        )
+
+
+@dataclass(frozen=True)
+class EngineTokens:
+    """`llm_engine`: the engine's token-level tensors, relayed to `llm` unchanged."""
+
+    def configured(self, parameters: Mapping[str, str]) -> EngineTokens:
+        return self
+
+    def plan(self, inputs: Arrays, requested: set[str], tokenizer: Any) -> RelayPlan:
+        if "input_ids" not in inputs:  # without it `llm` would read the request as text
+            raise InvalidRequestError("input_ids", "is required: llm_engine takes token ids (send text to `llm`)")
+        needed = {*requested, "finished", ERROR_OUTPUT}
+        return RelayPlan(
+            engine_inputs=dict(inputs),
+            engine_outputs=[name for name in ENGINE_OUTPUTS if name in needed],
+            reply=lambda outputs: [{name: array for name, array in outputs.items() if name in requested}],
         )
 
 
@@ -108,7 +129,7 @@ class _Trtllm:
         raise NotImplementedError
 
     def sequence_outputs(self, outputs: Arrays, ids: list[list[int]], tokenizer: Any) -> list[dict[str, np.ndarray]]:
-        """This contract's own outputs of each sequence of an llm_engine response."""
+        """This contract's own outputs of each sequence of an engine response."""
         raise NotImplementedError
 
 

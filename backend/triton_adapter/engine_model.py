@@ -1,4 +1,11 @@
-"""The `llm_engine` model: decoupled; token ids in, token ids out.
+"""The model that hosts the engine (`llm`): decoupled; the vLLM backend's text
+contract in and out, and token ids in and out for the relays (`llm_engine`,
+`tensorrt_llm`, `tensorrt_llm_bls`) and for clients that tokenize themselves.
+
+A text request is planned by the model's client contract (contracts.py: prompt to
+token ids) and each engine response is rendered by it (ids to a text delta), in this
+process: a streamed token crosses one process boundary on its way to the client, not
+two as through a relay (that hop cost 5-10% of throughput at 32 streams on 2 cores).
 
 execute() only parses and hands requests to the engine thread, then returns.
 Besides the engine thread, two threads of our own: the response thread turns
@@ -12,7 +19,7 @@ Triton (2.51) traps kept here:
   only asks senders that are still in `active`.
 - every request gets exactly one final, also when building or sending a response
   fails (finals.send_final; a failed non-final send aborts the request).
-- a BLS caller (`llm`, input `bls_caller`) gets an empty response at once: the
+- a BLS caller (a relay, input `bls_caller`) gets an empty response at once: the
   python backend holds one of its BLS threads (32 by default) per call until
   the first response, and a request waiting in the queue would keep it. Its
   errors travel as data in `error` (finals.py says why).
@@ -36,6 +43,7 @@ from ..outputs import EngineStats, RequestOutput
 from ..values import to_bool
 from .arguments import model_parameters
 from .cancellation import WATCH_INTERVAL_S, RecentIds, Watcher, asked_cancelled
+from .contracts import Contract, Reply, VllmText
 from .finals import CANCELLED, Failure, send_final
 from .metrics import EngineMetrics, RequestTiming
 from .python_model import log_info
@@ -59,15 +67,20 @@ class ActiveRequest:
     abort_sent: bool = False
     failure: Failure | None = None
     """Why we aborted it ourselves (a failed send); None: its client cancelled."""
+    reply: Reply | None = None
+    """The client contract's responses for an engine response; None: the client reads token ids."""
 
 
 class EngineModel:
-    """Per-request lifecycle of `llm_engine` over an EngineThread.
+    """Per-request lifecycle of the engine-hosting model over an EngineThread.
 
     `engine_thread` needs submit(request_id, prompt_token_ids, params, on_output),
     abort(request_id) and shutdown(timeout); `stats` returns the engine's EngineStats
-    (read for the gauges only when `metrics` is given).
+    (read for the gauges only when `metrics` is given). With a `contract` (a subclass
+    names it), requests without `input_ids` speak it: text in, text out.
     """
+
+    contract: Contract | None = None
 
     def __init__(
         self,
@@ -131,7 +144,11 @@ class EngineModel:
                 self._cancel(scalar(inputs, "cancel_request_id"))
                 response_sender.send(flags=self.final_flag)
                 return
-            parsed = parse_engine_request(inputs, self.tokenizer, request.parameters(), request.requested_output_names())
+            requested, reply = request.requested_output_names(), None
+            if self.contract is not None and "input_ids" not in inputs:
+                plan = self.contract.plan(inputs, set(requested), self.tokenizer)
+                inputs, requested, reply = plan.engine_inputs, plan.engine_outputs, plan.reply
+            parsed = parse_engine_request(inputs, self.tokenizer, request.parameters(), requested)
             parsed.bls_caller = bls_caller
             request_id = request.request_id()
             if request_id and self.cancelled_early.take(request_id):
@@ -142,7 +159,7 @@ class EngineModel:
             if bls_caller:  # frees the BLS thread the caller holds until a first response
                 response_sender.send(self.pb_utils.InferenceResponse(output_tensors=[]))
             with self.lock:
-                self.active[request_id] = ActiveRequest(response_sender, parsed, RequestTiming(time.monotonic()))
+                self.active[request_id] = ActiveRequest(response_sender, parsed, RequestTiming(time.monotonic()), reply=reply)
             submitted = request_id
             self.engine_thread.submit(request_id, parsed.prompt_token_ids, parsed.params, self.outbox.put)
         except Exception as error:
@@ -202,6 +219,9 @@ class EngineModel:
             if active.failure is None:  # the server log says so, as vLLM's backend's does
                 log_info(self.pb_utils, f"[pagedserve] aborted request {output.request_id} in the engine "
                          "after its client cancelled it; its KV blocks are free")
+                if active.reply is not None:  # a text client's final carries nothing, as in vLLM's backend
+                    send_final(active.response_sender, None, self.final_flag)
+                    return
             self._finish(active.response_sender, active.failure or CANCELLED, bls_caller)
             return
         if not active.request.stream:
@@ -210,11 +230,15 @@ class EngineModel:
                 return
             output = active.pending
         tensors = engine_response(active.request, output, self.tokenizer)
-        response = self.pb_utils.InferenceResponse(output_tensors=to_tensors(self.pb_utils, tensors))
-        if output.finished:
-            send_final(active.response_sender, response, self.final_flag)
-        else:
+        replies = [tensors] if active.reply is None else active.reply(tensors)
+        responses = [self.pb_utils.InferenceResponse(output_tensors=to_tensors(self.pb_utils, t)) for t in replies]
+        last = responses.pop() if responses else None
+        for response in responses:
             active.response_sender.send(response)
+        if output.finished:
+            send_final(active.response_sender, last, self.final_flag)
+        elif last is not None:
+            active.response_sender.send(last)
 
     def _count(self, active: ActiveRequest, output: RequestOutput) -> None:
         """Metrics of an output; a failure here is logged, never the request's end."""
@@ -258,5 +282,11 @@ class EngineModel:
 def _is_bls_caller(inputs: Mapping[str, Any]) -> bool:
     try:
         return flag(inputs, BLS_CALLER)
-    except InvalidRequestError:  # not from `llm`: its mistake is reported as usual
+    except InvalidRequestError:  # not from a relay: its mistake is reported as usual
         return False
+
+
+class TextEngineModel(EngineModel):
+    """`llm`: the engine, speaking Triton's vLLM backend's text contract (token ids too)."""
+
+    contract: Contract | None = VllmText()

@@ -6,7 +6,7 @@ So a failed send still closes the request (a flag-only final), and a failure is
 kept as a `Failure` (message + code name) that can travel two ways: as a Triton
 error to a client, or as data in the `error` output to `llm`. The second exists
 because Triton 2.51 loses a BLS error response that is not a stream's first
-(python_backend r24.10 does not store its response id), so `llm_engine` never
+(python_backend r24.10 does not store its response id), so the engine's model never
 answers `llm` with an error response.
 """
 
@@ -24,7 +24,7 @@ from ..errors import EngineDeadError, InvalidRequestError, QueueFullError
 logger = logging.getLogger("pagedserve")
 
 ERROR_OUTPUT = "error"
-"""`llm_engine`'s output carrying a Failure as JSON, sent only to BLS callers."""
+"""the engine's output carrying a Failure as JSON, sent only to BLS callers."""
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,14 @@ class Failure:
         return pb_utils.InferenceResponse(error=self.triton_error(pb_utils))
 
     def tensors(self) -> dict[str, np.ndarray]:
-        """This failure as `llm_engine`'s `error` output."""
+        """This failure as the engine's `error` output."""
         return {ERROR_OUTPUT: np.array([json.dumps({"code": self.code, "message": self.message})], dtype=np.object_)}
 
     @classmethod
     def from_outputs(cls, outputs: Mapping[str, np.ndarray]) -> Failure:
         raw = outputs[ERROR_OUTPUT].reshape(-1)[0]
         fields = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
-        return cls(str(fields.get("message", "llm_engine failed")), str(fields.get("code", "INTERNAL")))
+        return cls(str(fields.get("message", "the engine failed")), str(fields.get("code", "INTERNAL")))
 
 
 CANCELLED = Failure("request cancelled", "CANCELLED")

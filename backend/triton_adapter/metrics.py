@@ -1,4 +1,4 @@
-"""`llm_engine`'s Prometheus metrics on Triton's metrics port.
+"""The engine's Prometheus metrics on Triton's metrics port.
 
 Three groups:
 - vLLM's families (`vllm:` counters and histograms) with the names, buckets and

@@ -45,7 +45,7 @@ RETURN_OUTPUTS = {
 }
 """Each return_* flag and the output it adds; an output whose flag is off is absent (vLLM backend)."""
 CORE_OUTPUTS = ("output_ids", "output_lengths", "context_ids", "context_lengths", "trim_chars", "skip_special_tokens", "finished")
-"""`llm_engine` outputs sent whenever requested."""
+"""Token-level engine outputs sent whenever requested."""
 BLS_CALLER = "bls_caller"
 
 
@@ -60,7 +60,7 @@ class VerbatimRequestError(InvalidRequestError):
 
 @dataclass
 class EngineRequest:
-    """One parsed `llm_engine` request."""
+    """One parsed token-level engine request."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -98,7 +98,7 @@ def parse_prompt(inputs: Arrays, tokenizer: Any) -> list[int]:
 def parse_engine_request(
     inputs: Arrays, tokenizer: Any, request_parameters: str | None = None, requested_outputs: Iterable[str] = ()
 ) -> EngineRequest:
-    """Parse an `llm_engine` request (`request_parameters`: Triton's request parameters
+    """Parse a token-level engine request (`request_parameters`: Triton's request parameters
     as JSON, read as sampling parameters when `sampling_parameters` is absent;
     `requested_outputs`: the request's requested output names)."""
     prompt = token_ids(inputs, "input_ids")

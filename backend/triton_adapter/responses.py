@@ -1,4 +1,4 @@
-"""Building responses: `llm_engine`'s token-id outputs and the text a client reads.
+"""Building responses: the engine's token-id outputs and the text a client reads.
 
 Outputs are the vLLM backend's: `text_output`, `finish_reason`,
 `cumulative_logprob`, `logprobs`, `num_input_tokens`, `num_output_tokens`
@@ -20,10 +20,10 @@ from .requests import CORE_OUTPUTS, RETURN_OUTPUTS, EngineRequest
 from .tensors import Arrays, flag, token_ids
 
 CLIENT_OUTPUTS = tuple(RETURN_OUTPUTS.values())
-"""Outputs `llm` passes on from `llm_engine` unchanged."""
+"""Outputs a text client gets as the engine makes them."""
 ENGINE_OUTPUTS = (*CORE_OUTPUTS, *CLIENT_OUTPUTS, ERROR_OUTPUT)
 TEXT_LEVEL_INPUTS = ("text_input", "messages", "apply_chat_template")
-"""`llm` inputs it consumes itself; the rest go on to `llm_engine` unchanged."""
+"""`llm` inputs it consumes itself; the rest go on to the engine unchanged."""
 
 
 def engine_response(request: EngineRequest, output: RequestOutput, tokenizer: Any) -> dict[str, np.ndarray]:
@@ -125,7 +125,7 @@ def split_samples(inputs: Arrays, ids_name: str, lengths_name: str) -> list[list
 
 
 def text_response(engine_outputs: Arrays, tokenizer: Any, with_text: bool = True) -> dict[str, np.ndarray]:
-    """`llm`'s response: the text delta of each sample of an `llm_engine` response
+    """`llm`'s response: the text delta of each sample of an engine response
     (unless the client named outputs without `text_output`) plus the client-facing
     outputs it carries."""
     tensors = {n: engine_outputs[n] for n in CLIENT_OUTPUTS if n in engine_outputs}

@@ -140,10 +140,10 @@ def from_word_list(name: str, array: Any) -> list[list[int]]:
 
 @dataclass
 class TrtllmRequest:
-    """A TensorRT-LLM-contract request, read into what `llm_engine` takes."""
+    """A TensorRT-LLM-contract request, read into what the engine takes."""
 
     sampling: dict[str, Any]
-    """llm_engine's `sampling_parameters`."""
+    """the engine's `sampling_parameters`."""
     stream: bool
     exclude_input: bool
     with_logprobs: bool
@@ -190,7 +190,7 @@ def _name_of(names: Mapping[str, str], key: str) -> str:
 
 
 def engine_inputs(request: TrtllmRequest, prompt_ids: list[int]) -> dict[str, np.ndarray]:
-    """`llm_engine`'s inputs for a request: everything rides in sampling_parameters."""
+    """the engine's inputs for a request: everything rides in sampling_parameters."""
     return {
         "input_ids": np.asarray(prompt_ids, dtype=np.int32),
         "sampling_parameters": np.array([json.dumps(request.sampling)], dtype=np.object_),
@@ -231,7 +231,7 @@ def stop_words_of(inputs: Arrays, tokenizer: Any, token_level: bool) -> tuple[li
 
 
 def sample_outputs(engine_outputs: Arrays, index: int, new_ids: list[int]) -> dict[str, np.ndarray]:
-    """TensorRT-LLM's per-sequence outputs of sample `index` of an llm_engine response,
+    """TensorRT-LLM's per-sequence outputs of sample `index` of an engine response,
     each with its batch dimension (batch 1, beam 1). Log probs cover generated tokens
     only (zeros when not asked for), also when the prompt rides along in `new_ids`."""
     cumulative = engine_outputs.get("cumulative_logprob")
@@ -253,7 +253,7 @@ def sample_outputs(engine_outputs: Arrays, index: int, new_ids: list[int]) -> di
 
 
 def _sampled_logprobs(raw: Any) -> list[float]:
-    """The sampled token's logprob at each position of llm_engine's logprobs JSON (first entry)."""
+    """The sampled token's logprob at each position of the engine's logprobs JSON (first entry)."""
     text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
     positions = json.loads(text) if text and text != "null" else []
     return [float(next(iter(entry.values()))["logprob"]) for entry in positions or []]

@@ -330,11 +330,11 @@ def test_init_container_writes_engine_settings(manifests, tmp_path):
     assert init_container(documents)[1] == (CHART / "files" / "write_repository.py").read_text()
     result, written = run_init(documents, tmp_path)
     assert result.returncode == 0, result.stderr
-    parameters = pbtxt_parameters((written / "llm_engine" / "config.pbtxt").read_text())
+    parameters = pbtxt_parameters((written / "llm" / "config.pbtxt").read_text())
     assert {key: parameters[key] for key in ENGINE} == {
         "dtype": "bfloat16", "max_num_seqs": "128", "kv_cache_bytes": "1073741824",
         "gpu_memory_utilization": "0.85", "enable_prefix_caching": "false", "tensor_parallel_size": "2"}
-    source = pbtxt_parameters((ROOT / "model_repository" / "llm_engine" / "config.pbtxt").read_text())
+    source = pbtxt_parameters((ROOT / "model_repository" / "llm" / "config.pbtxt").read_text())
     assert parameters["model"] == source["model"]  # not named in `engine`: the repository's own
     assert {p.name for p in written.iterdir()} == {p.name for p in (ROOT / "model_repository").iterdir()
                                                    if p.name != "__pycache__"}
@@ -353,8 +353,8 @@ def test_init_container_refuses_bad_settings(tmp_path, engine, named):
 
 
 def exported_gauges() -> set[str]:
-    """The gauges llm_engine registers on Triton's metrics port (vLLM's families off, as by default)."""
-    metrics = EngineMetrics(FakePbUtils(), {"model": "llm_engine", "version": "1"}, vllm=False)
+    """The gauges the engine's model (`llm`) registers on Triton's metrics port (vLLM's families off, as by default)."""
+    metrics = EngineMetrics(FakePbUtils(), {"model": "llm", "version": "1"}, vllm=False)
     return {f.name for f in metrics.families if f.kind == MetricFamily.GAUGE}
 
 

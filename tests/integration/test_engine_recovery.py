@@ -15,16 +15,16 @@ from .conftest import llm_inputs, metric, stream_request, wait_idle
 
 FAULTY_MAX_TOKENS = 777  # a request asking for exactly this many tokens makes its step raise
 
-# llm_engine's model.py for this test only: the real adapter, with an engine whose
+# llm's model.py (the engine's model) for this test only: the real adapter, with an engine whose
 # forward raises while a request with the magic max_tokens is in the batch.
 FAULTY_ENGINE_MODEL = f'''
 import triton_python_backend_utils as pb_utils
 
-from pagedserve.backend.triton_adapter.engine_model import EngineModel
+from pagedserve.backend.triton_adapter.engine_model import TextEngineModel
 from pagedserve.backend.triton_adapter.python_model import triton_python_model
 
 
-class FaultyEngineModel(EngineModel):
+class FaultyEngineModel(TextEngineModel):
     @classmethod
     def from_args(cls, pb_utils, args):
         model = super().from_args(pb_utils, args)
@@ -46,7 +46,7 @@ TritonPythonModel = triton_python_model(pb_utils, FaultyEngineModel)
 
 def test_a_failed_step_errors_its_requests_and_the_server_serves_the_next(tmp_path):
     repository = write_repository(tmp_path / "repo", engine={"dtype": "float32"})
-    (repository / "llm_engine" / "1" / "model.py").write_text(FAULTY_ENGINE_MODEL)
+    (repository / "llm" / "1" / "model.py").write_text(FAULTY_ENGINE_MODEL)
     with TritonServer(repository, log_file=tmp_path / "server.log").start(timeout=300) as server:
         wait_idle(server)
         bystander: dict = {}

@@ -1,5 +1,5 @@
 """HTTP generate and generate_stream (SSE) with plain HTTP; TensorRT-LLM-style inputs;
-`llm_engine` called directly with token ids."""
+token ids straight to `llm` (the engine's model) and through its relay `llm_engine`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import urllib.request
 
 import numpy as np
+import pytest
 
 from pagedserve.backend import SamplingParams
 
@@ -72,12 +73,13 @@ def test_tensorrt_llm_sampling_with_a_seed_is_reproducible(server):
     assert run() == run()
 
 
-def test_llm_engine_directly_with_token_ids(server, engine):
+@pytest.mark.parametrize("model", ["llm", "llm_engine"])
+def test_token_ids_in_and_out(server, engine, model):
     ids = engine.encode(messages=[{"role": "user", "content": "What is the capital of France?"}])
     inputs = [tensor("input_ids", ids, "INT32"), tensor("stream", True),
               tensor("sampling_parameters", json.dumps({"max_tokens": 30, "temperature": 0})),
               tensor("return_num_input_tokens", True), tensor("return_num_output_tokens", True)]
-    results, error = stream_request(server, inputs, model="llm_engine")
+    results, error = stream_request(server, inputs, model=model)
     assert error is None
     generated = [int(t) for r in results for t in r.as_numpy("output_ids")]
     [offline] = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0), use_tqdm=False)

@@ -1,4 +1,4 @@
-"""A non-default model named once (llm_engine's `model`): every model that tokenizes
+"""A non-default model named once (`model` of llm, the engine's model): every model that tokenizes
 uses its tokenizer, so served text equals the engine's offline generation."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_served_text_uses_the_served_models_tokenizer(tmp_path, own_model, sente
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     offline = LLMEngine(model=own_model, dtype="float32").generate(PROMPTS, params, use_tqdm=False)
     repository = write_repository(tmp_path / "repo", model=own_model, engine={"dtype": "float32"})
-    for name in ("llm", "preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_bls"):  # one place names the model
+    for name in ("llm_engine", "preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_bls"):  # one place names the model
         assert 'key: "model"' not in (repository / name / "config.pbtxt").read_text()
     with TritonServer(repository, log_file=tmp_path / "server.log").start(timeout=300) as server:
         client = LLMClient(server.grpc_url)
@@ -53,4 +53,4 @@ def test_served_text_uses_the_served_models_tokenizer(tmp_path, own_model, sente
 def test_a_tokenizer_model_naming_another_model_fails_its_load(tmp_path, own_model):
     repository = write_repository(tmp_path / "repo", model=own_model)
     set_parameters(repository / "postprocessing" / "config.pbtxt", {"model": "/some/other/model"})
-    assert "set `model` only in llm_engine/config.pbtxt" in failed_load_log(repository, tmp_path / "server.log", timeout=300)
+    assert "set `model` only in llm/config.pbtxt" in failed_load_log(repository, tmp_path / "server.log", timeout=300)

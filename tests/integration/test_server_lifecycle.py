@@ -19,7 +19,7 @@ from .conftest import failed_load_log
 
 def test_unknown_engine_parameter_fails_the_load_naming_it(tmp_path):
     repository = write_repository(tmp_path / "repo")
-    set_parameters(repository / "llm_engine" / "config.pbtxt", {"max_batch_tokens": "99"})
+    set_parameters(repository / "llm" / "config.pbtxt", {"max_batch_tokens": "99"})
     assert "max_batch_tokens" in failed_load_log(repository, tmp_path / "server.log", timeout=120, lines=200)
 
 

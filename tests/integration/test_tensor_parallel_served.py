@@ -1,4 +1,4 @@
-"""tensor_parallel_size=2 through a real tritonserver: the llm_engine stub spawns its worker,
+"""tensor_parallel_size=2 through a real tritonserver: the llm stub (the engine's model) spawns its worker,
 greedy text equals the offline single-rank engine's, and stopping the server ends the
 worker through the engine's own shutdown (the log says so), leaving no process behind."""
 
@@ -36,7 +36,7 @@ def test_tensor_parallel_2_serves_the_single_rank_text_and_leaves_no_worker(tmp_
                                   engine={"dtype": "float32", "tensor_parallel_size": "2"})
     log_file = tmp_path / "server.log"
     with TritonServer(repository, log_file=log_file).start(timeout=300) as server:
-        (worker,) = worker_processes(psutil.Process(server.pid))  # below the llm_engine stub
+        (worker,) = worker_processes(psutil.Process(server.pid))  # below the llm stub
         client = LLMClient(server.grpc_url)
         served = [client.generate(p, max_tokens=16, temperature=0, ignore_eos=True) for p in PROMPTS]
         assert served == [c.text for c in offline]

@@ -17,9 +17,9 @@ def args_for(repository, name, parameters=None):
 
 @pytest.fixture
 def repository(tmp_path):
-    (tmp_path / "llm_engine").mkdir()
-    (tmp_path / "llm_engine" / "config.pbtxt").write_text(
-        'name: "llm_engine"\nparameters { key: "model" value: { string_value: "/models/x" } }\n'
+    (tmp_path / "llm").mkdir()
+    (tmp_path / "llm" / "config.pbtxt").write_text(
+        'name: "llm"\nparameters { key: "model" value: { string_value: "/models/x" } }\n'
         'parameters { key: "dtype" value: { string_value: "auto" } }\n'
     )
     (tmp_path / "my_engine").mkdir()
@@ -28,19 +28,19 @@ def repository(tmp_path):
 
 
 def test_tokenizer_models_learn_the_model_from_the_engine_config(repository):
-    assert served_model(args_for(repository, "llm")) == "/models/x"
+    assert served_model(args_for(repository, "llm_engine")) == "/models/x"
     assert served_model(args_for(repository, "postprocessing", {"engine_model": "my_engine"})) == "/models/y"
-    assert served_model(args_for(repository, "llm", {"model": "/models/x"})) == "/models/x"  # agreeing is fine
+    assert served_model(args_for(repository, "preprocessing", {"model": "/models/x"})) == "/models/x"  # agreeing is fine
 
 
 def test_a_disagreeing_model_parameter_fails_naming_the_one_place(repository):
-    with pytest.raises(ConfigError, match="set `model` only in llm_engine/config.pbtxt"):
-        served_model(args_for(repository, "llm", {"model": "/models/other"}))
+    with pytest.raises(ConfigError, match="set `model` only in llm/config.pbtxt"):
+        served_model(args_for(repository, "preprocessing", {"model": "/models/other"}))
 
 
 def test_a_missing_engine_config_names_the_parameter_to_fix(repository):
     with pytest.raises(ConfigError, match="engine_model"):
-        served_model(args_for(repository, "llm", {"engine_model": "nowhere"}))
+        served_model(args_for(repository, "llm_engine", {"engine_model": "nowhere"}))
 
 
 def test_pbtxt_parameters_reads_string_parameters():

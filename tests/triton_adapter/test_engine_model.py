@@ -1,4 +1,5 @@
-"""llm_engine's request lifecycle, driven by a fake engine thread (no model load)."""
+"""The engine's model's request lifecycle (`llm`: token ids, and text in-process),
+driven by a fake engine thread (no model load)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from pagedserve.backend.errors import EngineDeadError, QueueFullError
-from pagedserve.backend.triton_adapter.engine_model import EngineModel
+from pagedserve.backend.triton_adapter.engine_model import EngineModel, TextEngineModel
 from pagedserve.backend.triton_adapter.metrics import EngineMetrics
 
 from .conftest import STATS
@@ -222,3 +223,53 @@ def test_the_watcher_outlives_failures(engine_thread):
         assert model.watcher.is_alive()
     finally:
         model.finalize()
+
+
+@pytest.fixture
+def text_model(engine_thread):
+    model = TextEngineModel(FakePbUtils(), engine_thread, CharTokenizer(), lambda: STATS)
+    yield model
+    model.finalize()
+
+
+def text_of(response) -> str:
+    return b"".join(response.outputs()["text_output"]).decode()
+
+
+def test_text_requests_are_tokenized_and_answered_with_text_deltas_in_process(text_model, engine_thread):
+    request = Request({"text_input": "Hi", "stream": True, "sampling_parameters": '{"max_tokens": 4}'},
+                      request_id="t", outputs=["text_output"])
+    text_model.execute([request])
+    prompt, params = engine_thread.submitted["t"]
+    assert prompt == [ord("H"), ord("i")] and params.max_tokens == 4
+    engine_thread.emit("t", [ord("H"), ord("e")])
+    engine_thread.emit("t", [ord("y")], finished=True)
+    sent = request.sender.wait_final()
+    assert [text_of(r) for r, _ in sent] == ["He", "y"] and [f for _, f in sent] == [0, FINAL]
+    assert set(sent[0][0].outputs()) == {"text_output"}  # no token-level tensors reach a text client
+
+
+def test_token_requests_to_the_text_model_get_token_ids(text_model, engine_thread):
+    request = submit(text_model, engine_thread, stream=True)
+    engine_thread.emit("r1", [10], finished=True)
+    (response, flags), = request.sender.wait_final()
+    assert response.outputs()["output_ids"].tolist() == [10] and "text_output" not in response.outputs()
+
+
+def test_a_bad_text_request_names_the_field(text_model, engine_thread):
+    request = Request({"stream": True}, request_id="empty", outputs=["text_output"])
+    text_model.execute([request])
+    (response, flags), = request.sender.wait_final()
+    assert flags == FINAL and response.error().code() == TritonError.INVALID_ARG
+    assert "text_input" in response.error().message() and not engine_thread.submitted
+
+
+def test_a_cancelled_text_client_gets_a_final_without_outputs(text_model, engine_thread):
+    request = Request({"text_input": "Hi", "stream": True}, request_id="c", outputs=["text_output"])
+    text_model.execute([request])
+    engine_thread.emit("c", [ord("a")])
+    request.sender.cancelled = True
+    sent = request.sender.wait_final()
+    assert engine_thread.aborted == ["c"]
+    assert sent[-1] == (None, FINAL)  # as vLLM's backend ends a cancelled request
+    wait_until(lambda: not text_model.active)

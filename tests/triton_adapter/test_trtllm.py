@@ -1,5 +1,5 @@
 """TensorRT-LLM's contract: word lists, its inputs read into sampling settings, and the
-`tensorrt_llm` / `tensorrt_llm_bls` relays over llm_engine (fake BLS, as test_text_model)."""
+`tensorrt_llm` / `tensorrt_llm_bls` relays over llm_engine (fake BLS, as test_relay_model)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 
 from pagedserve.backend.errors import InvalidRequestError
 from pagedserve.backend.outputs import RequestOutput
-from pagedserve.backend.triton_adapter.text_model import TrtllmBlsModel, TrtllmEngineModel
+from pagedserve.backend.triton_adapter.relay_model import TrtllmBlsModel, TrtllmEngineModel
 from pagedserve.backend.triton_adapter.trtllm import TEXT_NAMES, TOKEN_NAMES, from_word_list, parse_trtllm_request, to_word_list
 
 from .fakes import FINAL, Request, TritonError, wait_until
-from .test_text_model import TOKENIZER, engine, short_grace  # noqa: F401 (fixtures)
+from .test_relay_model import TOKENIZER, engine, short_grace  # noqa: F401 (fixtures)
 
 
 def test_word_lists_round_trip_in_tensorrt_llms_format():

@@ -1,7 +1,7 @@
 """Init container of the pagedserve chart: write the model repository tritonserver serves.
 
 It copies the source repository (the image's, or a mounted one) with the chart's
-`engine` values set as parameters of llm_engine's config.pbtxt, through the same
+`engine` values set as parameters of the config.pbtxt of `llm` (the engine's model), through the same
 function `pagedserve serve --set` uses, so the settings are validated by EngineConfig
 before tritonserver starts: an unknown name, a bad value or a `model` path that does
 not exist fails this container with the parameter named.
@@ -35,7 +35,7 @@ def as_text(value: object) -> str:
 def main() -> int:
     engine = json.loads(os.environ.get("PAGEDSERVE_ENGINE") or "{}")
     if not isinstance(engine, dict):
-        print(f"pagedserve: `engine` must be a mapping of llm_engine parameters, got {engine!r}", file=sys.stderr)
+        print(f"pagedserve: `engine` must be a mapping of engine parameters, got {engine!r}", file=sys.stderr)
         return 2
     settings = {str(key): as_text(value) for key, value in engine.items()}
     try:
@@ -47,7 +47,7 @@ def main() -> int:
     except (ConfigError, FileNotFoundError) as error:
         print(f"pagedserve: cannot write the model repository: {error}", file=sys.stderr)
         return 2
-    print(f"pagedserve: wrote {written} from {source} with llm_engine parameters "
+    print(f"pagedserve: wrote {written} from {source} with engine parameters "
           f"{json.dumps({'model': model, **settings}, sort_keys=True)}", flush=True)
     return 0
 

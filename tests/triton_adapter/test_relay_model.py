@@ -11,10 +11,10 @@ import threading
 
 import pytest
 
-from pagedserve.backend.triton_adapter import contracts, text_model
+from pagedserve.backend.triton_adapter import contracts, relay_model
 from pagedserve.backend.triton_adapter.engine_model import EngineModel
 from pagedserve.backend.triton_adapter.requests import CORE_OUTPUTS
-from pagedserve.backend.triton_adapter.text_model import TextModel
+from pagedserve.backend.triton_adapter.relay_model import RelayModel
 
 from .fakes import FINAL, CharTokenizer, FakeEngineThread, FakePbUtils, Request, TritonError, wait_until
 
@@ -74,7 +74,7 @@ def texts(sender) -> list[str]:
 @pytest.fixture(autouse=True)
 def short_grace(monkeypatch):
     """finalize() waits until drained streams may be let go: not seconds, in tests."""
-    monkeypatch.setattr(text_model, "ITERATOR_GRACE_S", 0.05)
+    monkeypatch.setattr(relay_model, "ITERATOR_GRACE_S", 0.05)
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def engine():
 
 @pytest.fixture
 def model(engine):
-    model = TextModel(engine.pb_utils, TOKENIZER)
+    model = RelayModel(engine.pb_utils, TOKENIZER)
     yield model
     model.finalize()
 
@@ -96,9 +96,9 @@ def test_streams_text_deltas_with_the_final_flag_on_the_last(engine, model):
     model.execute([request])
     engine.emit(["Hel", "lo!"])
     sent = request.sender.wait_final()
-    assert texts(request.sender) == ["Hel", "lo!"] and [f for _, f in sent] == [0, FINAL]  # llm_engine's ack stays inside
+    assert texts(request.sender) == ["Hel", "lo!"] and [f for _, f in sent] == [0, FINAL]  # the engine's ack stays inside
     forwarded = engine.pb_utils.bls_requests[0]
-    assert forwarded.model_name == "llm_engine" and set(forwarded.requested_output_names) == {*CORE_OUTPUTS, "error"}
+    assert forwarded.model_name == "llm" and set(forwarded.requested_output_names) == {*CORE_OUTPUTS, "error"}
     assert forwarded.inputs["input_ids"].tolist() == [ord("H"), ord("i")] and "text_input" not in forwarded.inputs
     assert forwarded.inputs["max_tokens"].tolist() == [4] and forwarded.parameters == {"seed": 1}
     assert forwarded.inputs["bls_caller"].tolist() == [True]
@@ -183,7 +183,7 @@ def test_an_exception_in_the_relay_ends_the_request_cancels_and_drains(engine, m
 
 
 def test_drained_streams_are_kept_a_while_then_released_by_the_watcher(engine, model, monkeypatch):
-    monkeypatch.setattr(text_model, "ITERATOR_GRACE_S", 1.0)
+    monkeypatch.setattr(relay_model, "ITERATOR_GRACE_S", 1.0)
     request = Request({"text_input": "x", "stream": True})
     model.execute([request])
     engine.emit(["a"])
@@ -233,7 +233,7 @@ def test_output_values_follow_the_vllm_backend(engine, model):
 
 
 def test_finalize_cancels_in_flight_requests(engine):
-    model = TextModel(engine.pb_utils, TOKENIZER)
+    model = RelayModel(engine.pb_utils, TOKENIZER)
     request = Request({"text_input": "x", "stream": True})
     model.execute([request])
     request_id = engine.request_id()

@@ -1,10 +1,13 @@
-"""The relay models over `llm_engine`: `llm` (text in, text out, decoupled), and
-`tensorrt_llm_bls` / `tensorrt_llm` (TensorRT-LLM's contract; contracts.py).
+"""The relay models over the engine's model (`llm`, which hosts the engine):
+`llm_engine` (token ids in and out), `tensorrt_llm_bls` / `tensorrt_llm`
+(TensorRT-LLM's contract; contracts.py).
 
-Tokenizes in-process, streams the request through `llm_engine` over BLS, and
-turns each engine response into a text delta. It is a python model rather than
-an ensemble because Triton (2.51) does not pass a client's cancellation into an
-ensemble's steps: here the watcher sees it and tells llm_engine to abort.
+Each translates its client's request in-process (tokenizing where the contract is
+text), streams it through `llm` over BLS as token ids, and turns each engine
+response into its client's responses. They are python models rather than
+ensembles because Triton (2.51) does not pass a client's cancellation into an
+ensemble's steps: here the watcher sees it and tells the engine to abort.
+A relay costs a process hop per streamed token; `llm` itself has none.
 
 Triton (2.51) traps kept here:
 - `is_cancelled()` is asked only of senders still in `active` (a request leaves
@@ -13,7 +16,7 @@ Triton (2.51) traps kept here:
 - every BLS stream is read to its end, after an exception too, and its iterator
   is kept a while longer (`_drain` says why).
 - every client request gets exactly one final, also when a send fails.
-- only the outputs the client asked for are built, or requested from llm_engine.
+- only the outputs the client asked for are built, or requested from the engine.
 """
 
 from __future__ import annotations
@@ -32,23 +35,22 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from ..errors import InvalidRequestError
-from .arguments import model_parameters, tokenizer_from_args
+from .arguments import ENGINE_MODEL, model_parameters, tokenizer_from_args
 from .cancellation import WATCH_INTERVAL_S, Watcher, asked_cancelled
-from .contracts import Contract, RelayPlan, TrtllmText, TrtllmTokens, VllmText
+from .contracts import Contract, EngineTokens, RelayPlan, TrtllmText, TrtllmTokens, VllmText
 from .finals import ERROR_OUTPUT, Failure, send_final
 from .python_model import log_info
 from .requests import BLS_CALLER
 from .tensors import request_inputs, tensor_arrays, to_tensors
 
 logger = logging.getLogger("pagedserve")
-ENGINE_MODEL = "llm_engine"
 MAX_RELAYS = 1024
 ITERATOR_GRACE_S = 2.0
 
 
 @dataclass
 class Relay:
-    """One client request, from execute() until its relay has drained llm_engine's stream."""
+    """One client request, from execute() until its relay has drained the engine's stream."""
 
     request_id: str
     response_sender: Any
@@ -62,8 +64,9 @@ class Relay:
     """Its client cancelled: nothing more goes out but a flag-only final."""
 
 
-class TextModel:
-    """`llm`: one relay thread per request, plus a watcher for client cancellation."""
+class RelayModel:
+    """A relay: one thread per request, plus a watcher for client cancellation. The base speaks
+    the vLLM backend's text contract (as `llm` does in-process); subclasses name others."""
 
     contract: Contract = VllmText()
     """Which client contract this model speaks (subclasses name others)."""
@@ -80,7 +83,7 @@ class TextModel:
         self.watcher = Watcher("llm-watcher", self._watch, WATCH_INTERVAL_S)
 
     @classmethod
-    def from_args(cls, pb_utils: Any, args: Mapping[str, str]) -> TextModel:
+    def from_args(cls, pb_utils: Any, args: Mapping[str, str]) -> RelayModel:
         faulthandler.enable()  # a fatal error in the stub prints every thread's Python stack to the server log
         model = cls(pb_utils, tokenizer_from_args(args))
         model.contract = model.contract.configured(model_parameters(args))
@@ -104,7 +107,7 @@ class TextModel:
 
     def _prepare(self, request: Any, response_sender: Any) -> Relay | None:
         """The relay of a request (None: a control request, answered here): its inputs
-        for llm_engine, our own copies since the relay runs after execute() returns."""
+        for the engine, our own copies since the relay runs after execute() returns."""
         inputs = request_inputs(request)
         plan = self.contract.plan(inputs, set(request.requested_output_names()), self.tokenizer)
         client_id = request.request_id() or ""
@@ -131,7 +134,7 @@ class TextModel:
             self._cancel_in_engine(request_id)
 
     def _relay(self, relay: Relay) -> None:
-        """Stream llm_engine's responses back as text; the final flag rides on the last one."""
+        """Stream the engine's responses back in the client's contract; the final flag rides on the last one."""
         pb_utils = self.pb_utils
         responses, engine_done = None, False
         try:
@@ -160,11 +163,11 @@ class TextModel:
         finally:
             if responses is not None:
                 self._drain(responses)
-            self._close(relay, Failure("llm_engine ended the stream without a final response").response(pb_utils))
+            self._close(relay, Failure(f"{self.engine_model} ended the stream without a final response").response(pb_utils))
 
     def _reply(self, relay: Relay, response: Any) -> tuple[list[Any], bool] | None:
         """The client's responses for an engine response, and whether it is the last;
-        None for one without outputs (llm_engine's acknowledgement, a flag-only final)."""
+        None for one without outputs (the engine's acknowledgement, a flag-only final)."""
         pb_utils = self.pb_utils
         if response.has_error():
             return [Failure(response.error().message()).response(pb_utils)], True
@@ -220,14 +223,14 @@ class TextModel:
         except StopIteration:
             pass
         except Exception:
-            logger.exception("draining a stream from llm_engine failed")
+            logger.exception("draining a stream from %s failed", self.engine_model)
         self.drained.append((time.monotonic() + ITERATOR_GRACE_S, responses))
 
     def _watch(self) -> None:
-        """Forward client cancellations to llm_engine; let go of iterators drained long enough ago."""
+        """Forward client cancellations to the engine; let go of iterators drained long enough ago."""
         with self.lock:
             cancelled = [request_id for request_id, relay in self.active.items() if asked_cancelled(relay.response_sender)]
-            for request_id in cancelled:  # the relay still sends its final, when llm_engine has ended it
+            for request_id in cancelled:  # the relay still sends its final, when the engine has ended it
                 self.active.pop(request_id).cancelled = True
         for request_id in cancelled:
             log_info(self.pb_utils, f"[pagedserve] request {request_id} cancelled by its client; cancelling it in {self.engine_model}")
@@ -237,7 +240,7 @@ class TextModel:
             self.drained.popleft()
 
     def _cancel_in_engine(self, request_id: str) -> None:
-        """Ask llm_engine to abort `request_id` (a control request, drained like any stream);
+        """Ask the engine's model to abort `request_id` (a control request, drained like any stream);
         a request not there yet is refused when it arrives. Failures are logged."""
         pb_utils = self.pb_utils
         try:
@@ -249,7 +252,7 @@ class TextModel:
             )
             self._drain(cancel.exec(decoupled=True))
         except Exception:
-            logger.exception("cancelling %s in llm_engine failed", request_id)
+            logger.exception("cancelling %s in %s failed", request_id, self.engine_model)
 
     def finalize(self) -> None:
         """Abort in-flight requests in the engine so every relay ends, then join the threads."""
@@ -265,14 +268,20 @@ class TextModel:
             self.drained.clear()
 
 
-class TrtllmBlsModel(TextModel):
+class TrtllmBlsModel(RelayModel):
     """`tensorrt_llm_bls`: TensorRT-LLM's text-level contract over the same relay."""
 
     contract: Contract = TrtllmText()
 
 
-class TrtllmEngineModel(TextModel):
+class TrtllmEngineModel(RelayModel):
     """`tensorrt_llm`: TensorRT-LLM's token-level contract over the same relay (the
-    ensemble's middle step; our engine stays `llm_engine`, loaded once)."""
+    ensemble's middle step; the engine stays in `llm`, loaded once)."""
 
     contract: Contract = TrtllmTokens()
+
+
+class TokenRelayModel(RelayModel):
+    """`llm_engine`: the engine's token ids in and out, relayed to `llm` unchanged."""
+
+    contract: Contract = EngineTokens()
