@@ -148,13 +148,13 @@ def test_a_gguf_exact_layer_multiplies_its_blocks_at_every_row_count_and_keeps_n
     from pagedserve.backend.models.linear import Linear, WeightLayouts, pack_weights
     from pagedserve.kernels import block_matmul_cpu
 
-    from .kernels.test_block_matmul_cpu import q4_exact_weight
+    from pagedserve.kernels.block_matmul_cpu import grid_weight
 
     if block_matmul_cpu.LIBRARY.get() is None:
         pytest.skip("needs the C block matmul (a C compiler)")
     model = torch.nn.Sequential(Linear(128, 64, bias=True))
     with torch.no_grad():
-        model[0].weight.copy_(q4_exact_weight(64, 128, seed=3))
+        model[0].weight.copy_(grid_weight("q4_1", 64, 128, seed=3))
     weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
     assert pack_weights(model, WeightLayouts(layers=float32_layout)) == 1
     layer = model[0]

@@ -20,19 +20,8 @@ from pagedserve.kernels.block_matmul_cpu import as_blocks, block_matmul, grid_we
 built = pytest.mark.skipif(block_matmul_cpu.LIBRARY.get() is None, reason="the C matmul is not built here (no C compiler)")
 
 
-def q4_exact_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
-    return grid_weight("q4_1", out_features, in_features, seed)
-
-
-def q8_exact_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
-    return grid_weight("q8_0", out_features, in_features, seed)
-
-
-EXACT_WEIGHTS = {"q4_1": q4_exact_weight, "q8_0": q8_exact_weight}
-
-
 def test_q8_parts_rebuild_the_weight_bit_for_bit():
-    weight = q8_exact_weight(64, 96, seed=2)
+    weight = grid_weight("q8_0", 64, 96, seed=2)
     parts = as_blocks(weight)
     assert parts is not None and parts.kind == "q8_0" and parts.codes.numel() == 64 * 96
     q = parts.codes.view(torch.int8).float().view(64, 3, 32)
@@ -42,7 +31,7 @@ def test_q8_parts_rebuild_the_weight_bit_for_bit():
 
 
 def test_q4_parts_rebuild_the_weight_bit_for_bit_or_are_refused():
-    weight = q4_exact_weight(96, 128, seed=1)
+    weight = grid_weight("q4_1", 96, 128, seed=1)
     parts = as_blocks(weight)
     assert parts is not None and parts.kind == "q4_1" and parts.shape == (96, 128) and parts.codes.numel() == 96 * 64
     low, high = (parts.codes & 15).float(), (parts.codes >> 4).float()
@@ -68,7 +57,7 @@ def assert_matches_float32_weight(x: torch.Tensor, weight: torch.Tensor, bias: t
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_block_weights_multiply_like_their_float32_values(rows, bias, kind):
     """Up to GEMV_ROWS the few-row loop, beyond it the GEMM (131 rows: a pass of 128 and one of 3)."""
-    weight = EXACT_WEIGHTS[kind](200, 576, seed=rows)
+    weight = grid_weight(kind, 200, 576, seed=rows)
     assert as_blocks(weight).kind == kind
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=g)
@@ -82,7 +71,7 @@ def test_shapes_that_are_not_whole_tiles(in_features, out_features, rows):
     """Outputs not a multiple of six (the GEMM's tile), inputs in one, two or three chunks of its
     scratch (1,536 = 2 x 768; 1,600 = 3 uneven ones), a single block, a single output."""
     g = torch.Generator().manual_seed(in_features + out_features + rows)
-    weight = q4_exact_weight(out_features, in_features, seed=rows)
+    weight = grid_weight("q4_1", out_features, in_features, seed=rows)
     assert_matches_float32_weight(torch.randn(rows, in_features, generator=g), weight, torch.randn(out_features, generator=g))
 
 
@@ -104,8 +93,8 @@ def test_every_instruction_set_the_cpu_runs_computes_the_same_products(march, mo
     monkeypatch.setattr(block_matmul_cpu.LIBRARY, "get", lambda: library)
     g = torch.Generator().manual_seed(11)
     for rows in (1, 5, 9, 14, 33, 70):
-        for kind, make in EXACT_WEIGHTS.items():
-            weight = make(50, 1600, seed=rows)
+        for kind in block_matmul_cpu.BLOCK_KINDS:
+            weight = grid_weight(kind, 50, 1600, seed=rows)
             assert as_blocks(weight).kind == kind
             assert_matches_float32_weight(torch.randn(rows, 1600, generator=g), weight, torch.randn(50, generator=g))
 
@@ -114,7 +103,7 @@ def test_every_instruction_set_the_cpu_runs_computes_the_same_products(march, mo
 @pytest.mark.parametrize("rows", [1, 8, 32])
 def test_a_large_weight_splits_over_threads_with_the_same_result(rows):
     g = torch.Generator().manual_seed(7)
-    x, weight = torch.randn(rows, 576, generator=g), as_blocks(q8_exact_weight(3000, 576, seed=7))
+    x, weight = torch.randn(rows, 576, generator=g), as_blocks(grid_weight("q8_0", 3000, 576, seed=7))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -126,7 +115,7 @@ def test_a_large_weight_splits_over_threads_with_the_same_result(rows):
 
 @built
 def test_declines_what_it_does_not_compute():
-    weight = as_blocks(q4_exact_weight(8, 64, seed=0))
+    weight = as_blocks(grid_weight("q4_1", 8, 64, seed=0))
     assert block_matmul(torch.randn(2, 64).bfloat16(), weight) is None  # float32 only
     assert block_matmul(torch.randn(64, 2).T, weight) is None  # not contiguous
     assert block_matmul(torch.randn(1, 32), weight) is None  # sizes disagree
