@@ -8,7 +8,9 @@ them only if they rebuild every value bit for bit; `block_matmul` multiplies by 
 count: a few rows (decoding sequences) through a loop bound by how fast the blocks stream, more
 rows (batches, prefill chunks) through a register-tiled GEMM bound by the FMA units, 1.0-1.6x
 oneDNN's packed float32 kernel on a 2-core AVX2 EPYC (benchmarks/cpu_matmul.py). The weights are
-the float32 ones, so only the order of the sums differs from torch's.
+the float32 ones, so only the order of the sums differs from torch's. The blocks of 16
+consecutive outputs are kept interleaved (`BlockWeight`), so that both loops multiply a vector
+of 16 outputs' weights by one input value at a time and never sum across vector lanes.
 backend/models/linear.py sends every float32 step of such a layer here. Built at first use
 (kernels/native_build.py); returns None where it does not apply, and the caller runs torch.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .gemv_cpu import operands_fit
 from .native_build import NativeLibrary
@@ -36,15 +39,16 @@ LIBRARY = NativeLibrary(Path(__file__).with_name("block_matmul_cpu.c"), "CPU GGU
                         _declare)
 
 GEMV_ROWS = 8
-"""Up to this many rows (block_matmul_cpu.c's GEMV_UP_TO: 8 with AVX2, 2 where the GEMM has
-AVX-512 tiles) each output's blocks are expanded in registers and used by every row at once:
-the blocks stream once, and a few rows cost little more than one. More rows go through the
-GEMM, which expands them into L1 once per six outputs."""
+"""Up to this many rows (block_matmul_cpu.c's GEMV_UP_TO) each group's blocks are expanded in
+registers and used by every row at once: the blocks stream once, and a few rows cost little
+more than one. More rows go through the GEMM, which expands them into L1 once per panel."""
 
 BLOCK = 32
 """Inputs per block (one scale and one offset each), as in GGUF's Q4_1 and Q8_0."""
 BLOCK_KINDS = {"q4_1": 0, "q8_0": 1}
 """block_matmul_cpu.c's codes for the block formats."""
+GROUP = 16
+"""Outputs whose blocks are interleaved (block_matmul_cpu.c's GROUP): one AVX-512 vector."""
 
 
 @dataclass(frozen=True)
@@ -53,31 +57,38 @@ class BlockWeight:
     of fp16: q in 0..15 (GGUF Q4_1) or q in -127..127 and m = 0 (GGUF Q8_0), which is what a
     GGUF checkpoint of those formats dequantizes to (the bundled model's layers and its
     embedding). Kept as those parts it is the same weight, bit for bit, in 0.75 (Q4_1) or 1.25
-    bytes a value instead of 4: a single stream's decode streams a third to a sixth of the bytes."""
+    bytes a value instead of 4: a single stream's decode streams a third to a sixth of the bytes.
+
+    The parts of GROUP consecutive outputs are interleaved: for each block position, the bytes of
+    one input position for all GROUP outputs lie together, which the C loops expand into a
+    vector of GROUP outputs' weights at one input. Outputs are padded to a multiple of GROUP with
+    zero weights (d = m = q = 0)."""
 
     kind: str
     """"q4_1" or "q8_0"."""
     codes: torch.Tensor
-    """uint8 [out, in / 32 * bytes a block]: Q4_1's byte j of a block holds input j (low nibble)
-    and j + 16 (high); Q8_0's are the int8 q."""
+    """uint8 [groups, in / 32, bytes a block, GROUP]: a GGUF block's bytes, output by output along
+    the last axis. Q4_1: byte j holds input j (low nibble) and j + 16 (high); Q8_0: the int8 q."""
     scales: torch.Tensor
-    """float32 [out, in / 32]: d of each block."""
+    """float32 [groups, in / 32, GROUP]: d of each block."""
     offsets: torch.Tensor
-    """float32 [out, in / 32]: m of each block (zeros for Q8_0)."""
+    """float32 [groups, in / 32, GROUP]: m of each block (zeros for Q8_0)."""
+    out_features: int
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+        return self.out_features, self.scales.shape[1] * BLOCK
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in] the parts rebuild, bit for bit (for callers the C loops decline)."""
-        out_features, blocks = self.scales.shape
+        groups, blocks, _ = self.scales.shape
+        codes = self.codes.permute(0, 3, 1, 2)  # [groups, GROUP, blocks, bytes]
         if self.kind == "q8_0":
-            q = self.codes.view(torch.int8).float().view(out_features, blocks, BLOCK)
+            q = codes.view(torch.int8).float()
         else:
-            packed = self.codes.view(out_features, blocks, BLOCK // 2)
-            q = torch.cat([packed & 15, packed >> 4], dim=-1).float()
-        return torch.addcmul(self.offsets[..., None], self.scales[..., None], q).reshape(out_features, -1)
+            q = torch.cat([codes & 15, codes >> 4], dim=-1).float()
+        weight = torch.addcmul(self.offsets.transpose(1, 2)[..., None], self.scales.transpose(1, 2)[..., None], q)
+        return weight.reshape(groups * GROUP, blocks * BLOCK)[: self.out_features]
 
 
 def grid_weight(kind: str, out_features: int, in_features: int, seed: int) -> torch.Tensor:
@@ -137,7 +148,19 @@ def _exact_codes(blocks: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
 
 
 def _block_weight(kind: str, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> BlockWeight:
-    return BlockWeight(kind, codes.reshape(codes.shape[0], -1).contiguous(), scale.contiguous(), offset.contiguous())
+    """Interleave GROUP outputs' parts: codes [out, blocks, bytes], scale and offset [out, blocks]."""
+    out_features = codes.shape[0]
+    pad = -out_features % GROUP
+    if pad:
+        codes, scale, offset = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (codes, scale, offset))
+    groups = codes.shape[0] // GROUP
+    return BlockWeight(
+        kind,
+        codes.view(groups, GROUP, *codes.shape[1:]).permute(0, 2, 3, 1).contiguous(),
+        scale.view(groups, GROUP, -1).transpose(1, 2).contiguous(),
+        offset.view(groups, GROUP, -1).transpose(1, 2).contiguous(),
+        out_features,
+    )
 
 
 def block_matmul(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -149,11 +172,15 @@ def block_matmul(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
     library = LIBRARY.get()
     if library is None:
         return None
-    out = x.new_empty((x.shape[0], out_features))
+    groups = weight.scales.shape[0]
+    padded = groups * GROUP
+    if bias is not None and padded != out_features:
+        bias = F.pad(bias, (0, padded - out_features))
+    out = x.new_empty((x.shape[0], padded))
     library.block_matmul_f32(x.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(), weight.offsets.data_ptr(),
                              None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], in_features,
-                             out_features, BLOCK_KINDS[weight.kind], torch.get_num_threads())
-    return out
+                             groups, BLOCK_KINDS[weight.kind], torch.get_num_threads())
+    return out if padded == out_features else out[:, :out_features].contiguous()
 
 
-__all__ = ["GEMV_ROWS", "LIBRARY", "BlockWeight", "as_blocks", "block_matmul", "grid_weight"]
+__all__ = ["GEMV_ROWS", "GROUP", "LIBRARY", "BlockWeight", "as_blocks", "block_matmul", "grid_weight"]

@@ -3,7 +3,7 @@ the float32 weight the blocks rebuild.
 
 The weights are the same float32 values, so only the order of the additions differs: within
 1e-5 relative to the sum of |x_i w_i| of each output, at every row count (the few-row loop and
-the tiled GEMM), for shapes that are not whole tiles (outputs not a multiple of six, inputs in
+the tiled GEMM), for shapes that are not whole tiles (outputs not a multiple of 16, inputs in
 several chunks, rows in several passes)."""
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ def test_q8_parts_rebuild_the_weight_bit_for_bit():
     weight = grid_weight("q8_0", 64, 96, seed=2)
     parts = as_blocks(weight)
     assert parts is not None and parts.kind == "q8_0" and parts.codes.numel() == 64 * 96
-    q = parts.codes.view(torch.int8).float().view(64, 3, 32)
-    assert torch.equal(parts.scales[..., None] * q, weight.view(64, 3, 32))
+    # output 16 g + n's block b is codes[g, b, :, n]: 16 outputs' bytes of one input lie together
+    q = parts.codes.view(torch.int8).float().permute(0, 3, 1, 2).reshape(64, 3, 32)
+    scales = parts.scales.transpose(1, 2).reshape(64, 3)
+    assert torch.equal(scales[..., None] * q, weight.view(64, 3, 32))
     assert torch.equal(parts.dequantize(), weight)
     assert as_blocks(weight * 1.0001) is None
 
@@ -34,13 +36,22 @@ def test_q4_parts_rebuild_the_weight_bit_for_bit_or_are_refused():
     weight = grid_weight("q4_1", 96, 128, seed=1)
     parts = as_blocks(weight)
     assert parts is not None and parts.kind == "q4_1" and parts.shape == (96, 128) and parts.codes.numel() == 96 * 64
-    low, high = (parts.codes & 15).float(), (parts.codes >> 4).float()
-    q = torch.cat([low.view(96, 4, 16), high.view(96, 4, 16)], dim=-1)
-    assert torch.equal(parts.scales[..., None] * q + parts.offsets[..., None], weight.view(96, 4, 32))
+    codes = parts.codes.permute(0, 3, 1, 2).reshape(96, 4, 16)
+    q = torch.cat([(codes & 15).float(), (codes >> 4).float()], dim=-1)
+    scales, offsets = (t.transpose(1, 2).reshape(96, 4) for t in (parts.scales, parts.offsets))
+    assert torch.equal(scales[..., None] * q + offsets[..., None], weight.view(96, 4, 32))
     assert torch.equal(parts.dequantize(), weight)
     assert as_blocks(weight + 1e-6) is None  # off the grid: refused, never approximated
     assert as_blocks(torch.randn(96, 128)) is None
     assert as_blocks(weight[:, :100].contiguous()) is None  # not whole blocks
+
+
+def test_outputs_are_padded_to_whole_groups_with_zero_weights():
+    weight = grid_weight("q4_1", 21, 64, seed=3)
+    parts = as_blocks(weight)
+    assert parts.shape == (21, 64) and parts.scales.shape == (2, 2, 16)  # 21 outputs in two groups of 16
+    assert torch.equal(parts.dequantize(), weight)
+    assert not parts.scales[1, :, 5:].any() and not parts.codes[1, ..., 5:].any()
 
 
 def assert_matches_float32_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -68,8 +79,9 @@ def test_block_weights_multiply_like_their_float32_values(rows, bias, kind):
 @pytest.mark.parametrize("in_features, out_features", [(1536, 576), (1600, 7), (32, 13), (800, 1), (64, 49152 // 64)])
 @pytest.mark.parametrize("rows", [3, 9, 40])
 def test_shapes_that_are_not_whole_tiles(in_features, out_features, rows):
-    """Outputs not a multiple of six (the GEMM's tile), inputs in one, two or three chunks of its
-    scratch (1,536 = 2 x 768; 1,600 = 3 uneven ones), a single block, a single output."""
+    """Outputs not a multiple of 16 (a group) or 48 (the GEMM's panel), inputs in one or several
+    chunks of its scratch (160 inputs with AVX-512, 256 with AVX2; 1,600 = 10 even ones), a
+    single block, a single output."""
     g = torch.Generator().manual_seed(in_features + out_features + rows)
     weight = grid_weight("q4_1", out_features, in_features, seed=rows)
     assert_matches_float32_weight(torch.randn(rows, in_features, generator=g), weight, torch.randn(out_features, generator=g))
