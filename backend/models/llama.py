@@ -164,7 +164,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [rows, intermediate] pass and buffer fewer
 
 
 class LlamaDecoderLayer(nn.Module):
