@@ -155,6 +155,8 @@ static inline Work work_parts(float* work, int count, int group, int len, int di
 #endif
 
 #if defined(__AVX512F__)
+#include "cpu_avx512.h"
+
 /* The same item with AVX-512: a key row is read as dim/16 fp32 vectors (bf16 widened, or
  * with AVX512_BF16 multiplied as bf16 pairs by vdpbf16ps, products and sums in fp32),
  * each query head's 16-lane partial dot products are kept for 16 keys and summed across
@@ -167,23 +169,6 @@ static inline __m512 widen_bf16(const uint16_t* p) {
 
 static inline __m512 load16(const void* base, int64_t index, int dtype) {
     return dtype == DTYPE_BF16 ? widen_bf16((const uint16_t*)base + index) : _mm512_loadu_ps((const float*)base + index);
-}
-
-/* exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) split into an integer power
- * (scalef) and 2^f, f in [-0.5, 0.5], by a degree-6 polynomial; relative error ~2e-7. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f));
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
 }
 
 static inline __mmask16 tail_mask(int remaining) {

@@ -74,7 +74,7 @@ def batch(kind: str, heads: str, head_dim: int, block_size: int, dtype: torch.dt
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("kind", ["decode", "prefill", "prefix", "mixed"])
-@pytest.mark.parametrize("native", [True, False], ids=["c-decode", "torch-op-decode"])
+@pytest.mark.parametrize("native", [True, False], ids=["c-loops", "torch-ops"])
 def test_matches_reference(kind, heads, head_dim, block_size, dtype, native):
     b = batch(kind, heads, head_dim, block_size, dtype)
     assert rel_err(b.run(paged_attention_cpu, native=native), b.reference()) < TOL[dtype]

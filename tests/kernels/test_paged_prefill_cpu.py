@@ -1,0 +1,57 @@
+"""The C prefill attention (kernels/paged_prefill_cpu.py) against the torch reference.
+
+Prefill chunks of every kind a step holds (a fresh prompt, the rest of a prompt after its
+cached prefix, one token past a prefix, whole and partial 16-key tiles) over NaN-poisoned
+caches (tests/kernels/paged_batch.py: a read past a sequence's end shows as NaN), float32,
+within paged_batch.TOL (1e-4; measured ~3e-7). Runs where the C loop is built with AVX-512;
+elsewhere it declines and the tests check that SDPA took over.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import paged_prefill_cpu
+from pagedserve.kernels.paged_attention_cpu import NATIVE_PREFILL_MAX_KEYS, build_plan, paged_attention_cpu
+
+from .paged_batch import TOL, Batch, rel_err
+
+CPU = torch.device("cpu")
+
+
+def prefill_batch(heads: int, kv_heads: int, head_dim: int, seed: int = 0) -> Batch:
+    q_lens = [1, 17, 16, 130, 40, 7, 300]
+    seq_lens = [1, 17, 48, 130, 333, 1000, NATIVE_PREFILL_MAX_KEYS + 200]  # the last goes to SDPA
+    return Batch(q_lens, seq_lens, heads, kv_heads, head_dim, seed=seed, device=CPU)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (4, 4), (32, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_chunks_match_the_reference(heads, kv_heads, head_dim):
+    b = prefill_batch(heads, kv_heads, head_dim, seed=heads + head_dim)
+    assert rel_err(b.run(paged_attention_cpu), b.reference()) < TOL[torch.float32]
+
+
+def test_the_c_loop_computes_the_short_chunks_and_leaves_long_ones():
+    b = prefill_batch(9, 3, 64)
+    plan = build_plan(b.block_tables, b.seq_lens, b.query_start_loc, 16)
+    chunks, rest = plan.native_prefills()
+    assert chunks.q_lens.tolist() == [17, 16, 130, 40, 7] and [p.end - p.start for p in rest] == [300]
+    function = paged_prefill_cpu.native_prefill()
+    if function is None:
+        pytest.skip("the C prefill is not built here (no C compiler)")
+    out = torch.full_like(b.query, float("nan"))
+    if not paged_prefill_cpu.paged_prefill(function, b.query, b.key_cache, b.value_cache, out, chunks, b.scale):
+        pytest.skip("the C prefill needs AVX-512; SDPA runs here (the test above checks its results)")
+    reference = b.reference()
+    for start, length in zip(chunks.q_starts.tolist(), chunks.q_lens.tolist()):
+        rows = slice(start, start + length)
+        assert rel_err(out[rows], reference[rows]) < TOL[torch.float32]
+    assert out[-300:].isnan().all()  # the long chunk is not the C loop's
+
+
+def test_declines_what_it_does_not_compute():
+    b = prefill_batch(9, 3, 64)
+    assert not paged_prefill_cpu.supports(b.query.bfloat16(), b.key_cache.bfloat16())
+    assert not paged_prefill_cpu.supports(b.query, b.key_cache.transpose(1, 2))  # not contiguous
