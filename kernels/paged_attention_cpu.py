@@ -55,10 +55,14 @@ from .paged_prefill_cpu import supports as prefill_supports
 
 CHUNK_KEYS = 128
 """Keys per decode split: measured best of 64/128/256 on SmolLM2 shapes."""
-NATIVE_PREFILL_MAX_KEYS = 1024
-"""Sequences up to this long go to the C prefill: 1.7-1.8x SDPA's speed for 16 chunks of 128
-tokens, level at 512 new tokens after 512 cached, 0.77x for one 2,048-token chunk (float32,
-SmolLM2's heads, 2-core Xeon), where SDPA's blocking wins."""
+def native_prefill_max_keys(head_dim: int) -> int:
+    """Sequences up to this long go to the C prefill: 1024 keys at head dim 64, 256 at 128.
+    Measured against SDPA (float32, 2-core Xeon): head dim 64 (9 / 3 heads) 2.1 vs 4.8 ms for
+    16 fresh chunks of 128 tokens, 6.0 vs 9.1 for 2 x 512 after 512 cached, 24 vs 27 for one
+    of 2,048, but 131 vs 95 for one of 4,096 and 404 vs 182 for 2,048 after 6,144; head dim 128
+    (32 / 8 heads) 37 vs 52 for 8 x 256, 41 vs 25 for 4 x 128 after 384, 119 vs 52 at 1,024."""
+    return 1024 * 64 * 64 // (head_dim * head_dim)
+
 SPLIT_MIN_SAVING = 1.25
 """Split only when padding every decode to the longest context would read this many times
 the keys of the split layout; below it the merge costs more than the padding saves."""
@@ -118,15 +122,18 @@ class PrefillPlan:
 class StepPlan:
     decode: DecodePlan | None
     prefills: list[PrefillPlan]
-    chunks: PrefillChunks | None = None
+    chunks: tuple[int, PrefillChunks | None, list[PrefillPlan]] | None = None
+    """(head dim, the C prefill's chunks, the rest) once `native_prefills` built them."""
 
-    def native_prefills(self) -> tuple[PrefillChunks, list[PrefillPlan]]:
+    def native_prefills(self, head_dim: int) -> tuple[PrefillChunks | None, list[PrefillPlan]]:
         """The prefills the C loop takes, in its layout (built once a step, on first use), and
-        those it does not: sequences longer than NATIVE_PREFILL_MAX_KEYS, where SDPA is faster."""
-        short = [p for p in self.prefills if p.slots.numel() <= NATIVE_PREFILL_MAX_KEYS]
-        if self.chunks is None and short:
-            self.chunks = PrefillChunks.of([p.start for p in short], [p.end for p in short], [p.slots for p in short])
-        return self.chunks, [p for p in self.prefills if p.slots.numel() > NATIVE_PREFILL_MAX_KEYS]
+        those it leaves to SDPA (sequences longer than native_prefill_max_keys)."""
+        if self.chunks is None or self.chunks[0] != head_dim:
+            limit = native_prefill_max_keys(head_dim)
+            short = [p for p in self.prefills if p.slots.numel() <= limit]
+            chunks = PrefillChunks.of([p.start for p in short], [p.end for p in short], [p.slots for p in short]) if short else None
+            self.chunks = (head_dim, chunks, [p for p in self.prefills if p.slots.numel() > limit])
+        return self.chunks[1], self.chunks[2]
 
 
 def paged_attention_cpu(
@@ -203,7 +210,7 @@ def _native_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     function = native_prefill() if prefill_supports(query, key_cache) else None
     if function is None:
         return plan.prefills
-    chunks, rest = plan.native_prefills()
+    chunks, rest = plan.native_prefills(query.shape[-1])
     if chunks is not None and not paged_prefill(function, query, key_cache, value_cache, out, chunks, scale):
         return plan.prefills
     return rest

@@ -9,9 +9,12 @@
  * A work item is (sequence, KV head, 16 query positions): the query rows of that head's group
  * at those positions, against the keys up to the last position's, 16 keys at a time. Each key
  * tile is transposed once into dim-major order, so a query row's 16 scores are one vector
- * accumulated by broadcasting each of its elements (no sums across lanes); then an online
- * softmax (running maximum and total per row, as flash attention) and the value rows added
- * into 4 rows' outputs at once. Built at first use by kernels/native_build.py
+ * accumulated by broadcasting each of its elements (no sums across lanes), two tiles a step;
+ * then an online softmax (running maximum and total per row, as flash attention) and the value
+ * rows added into 4 rows' outputs at once (2 with head dim 128). Short sequences only
+ * (kernels/paged_attention_cpu.py's native_prefill_max_keys): every item reads all the keys
+ * its rows see, so long contexts, which SDPA's larger query blocks read fewer times, are
+ * left to SDPA. Built at first use by kernels/native_build.py
  * (-O3 -march=native -fopenmp) and called through ctypes from kernels/paged_prefill_cpu.py;
  * AVX-512 only (elsewhere paged_prefill returns -1 and the caller runs torch's SDPA).
  */
@@ -24,7 +27,7 @@
 #include "cpu_avx512.h"
 
 #define TILE 16     /* keys a step, query positions an item */
-#define ROWS 4      /* query rows multiplied at once */
+#define MAX_ROWS 4  /* query rows multiplied at once: 4 (head dim 64), 2 (128): 16 accumulators of the output */
 #define MAX_DIM 128 /* head dims taken: 64 and 128 (dim / 16 vectors a row) */
 
 /* kt[d * TILE + i] = key row i's element d (rows past `count` zero): a key tile dim-major. */
@@ -53,8 +56,8 @@ static inline __attribute__((always_inline)) void attend_rows(const Row* rows, c
                                                               int64_t token_stride, int64_t head_at, const int dim,
                                                               int keys) {
     const int nv = dim / 16;
-    __m512 acc[ROWS][MAX_DIM / 16];
-    float top[ROWS], total[ROWS];
+    __m512 acc[MAX_ROWS][MAX_DIM / 16];
+    float top[MAX_ROWS], total[MAX_ROWS];
     for (int r = 0; r < n; ++r) {
         top[r] = -INFINITY, total[r] = 0.f;
         for (int j = 0; j < nv; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -62,33 +65,54 @@ static inline __attribute__((always_inline)) void attend_rows(const Row* rows, c
     int last = 0;
     for (int r = 0; r < n; ++r) last = rows[r].last > last ? rows[r].last : last;
     const int end = last + 1 < keys ? last + 1 : keys;
-    for (int t0 = 0; t0 < end; t0 += TILE) {
+    for (int t0 = 0; t0 < end; t0 += 2 * TILE) { /* two key tiles a step: each broadcast query value feeds 2 FMAs */
         const float* kt = kt_all + (int64_t)(t0 / TILE) * dim * TILE;
-        __m512 s[ROWS];
-        for (int r = 0; r < n; ++r) s[r] = _mm512_setzero_ps();
-        for (int d = 0; d < dim; ++d) {
-            const __m512 k = _mm512_loadu_ps(kt + d * TILE);
-            for (int r = 0; r < n; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(rows[r].q[d]), k, s[r]);
+        const int two = end - t0 > TILE;
+        __m512 s[MAX_ROWS][2];
+        for (int r = 0; r < n; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+        if (two) {
+            for (int d = 0; d < dim; ++d) {
+                const __m512 k0 = _mm512_loadu_ps(kt + d * TILE), k1 = _mm512_loadu_ps(kt + (dim + d) * TILE);
+                for (int r = 0; r < n; ++r) {
+                    const __m512 q = _mm512_set1_ps(rows[r].q[d]);
+                    s[r][0] = _mm512_fmadd_ps(q, k0, s[r][0]);
+                    s[r][1] = _mm512_fmadd_ps(q, k1, s[r][1]);
+                }
+            }
+        } else {
+            for (int d = 0; d < dim; ++d) {
+                const __m512 k0 = _mm512_loadu_ps(kt + d * TILE);
+                for (int r = 0; r < n; ++r) s[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(rows[r].q[d]), k0, s[r][0]);
+            }
         }
-        float p[ROWS][TILE];
+        float p[MAX_ROWS][2 * TILE];
         for (int r = 0; r < n; ++r) {
-            const int visible = rows[r].last - t0 + 1; /* keys of this tile the row sees */
+            const int visible = rows[r].last - t0 + 1; /* keys of this step the row sees */
             if (visible <= 0) {
                 memset(p[r], 0, sizeof(p[r]));
                 continue;
             }
-            const __mmask16 seen = visible >= TILE ? (__mmask16)0xffff : (__mmask16)((1u << visible) - 1u);
-            const float tile_top = _mm512_mask_reduce_max_ps(seen, s[r]);
-            const float new_top = tile_top > top[r] ? tile_top : top[r];
-            const __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(s[r], _mm512_set1_ps(new_top))));
-            const float shrink = expf(top[r] - new_top); /* 0 for the first tile (top -inf) */
-            total[r] = total[r] * shrink + _mm512_reduce_add_ps(e);
+            const __mmask16 seen0 = visible >= TILE ? (__mmask16)0xffff : (__mmask16)((1u << visible) - 1u);
+            const __mmask16 seen1 = visible >= 2 * TILE ? (__mmask16)0xffff
+                                    : visible > TILE  ? (__mmask16)((1u << (visible - TILE)) - 1u) : (__mmask16)0;
+            float step_top = _mm512_mask_reduce_max_ps(seen0, s[r][0]);
+            if (seen1) {
+                const float top1 = _mm512_mask_reduce_max_ps(seen1, s[r][1]);
+                step_top = top1 > step_top ? top1 : step_top;
+            }
+            const float new_top = step_top > top[r] ? step_top : top[r];
+            const __m512 m = _mm512_set1_ps(new_top);
+            const __m512 e0 = _mm512_maskz_mov_ps(seen0, exp_nonpositive(_mm512_sub_ps(s[r][0], m)));
+            const __m512 e1 = _mm512_maskz_mov_ps(seen1, exp_nonpositive(_mm512_sub_ps(s[r][1], m)));
+            const float shrink = expf(top[r] - new_top); /* 0 for the first step (top -inf) */
+            total[r] = total[r] * shrink + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
             top[r] = new_top;
             const __m512 shrink_v = _mm512_set1_ps(shrink);
             for (int j = 0; j < nv; ++j) acc[r][j] = _mm512_mul_ps(acc[r][j], shrink_v);
-            _mm512_storeu_ps(p[r], e);
+            _mm512_storeu_ps(p[r], e0);
+            _mm512_storeu_ps(p[r] + TILE, e1);
         }
-        const int count = end - t0 < TILE ? end - t0 : TILE;
+        const int count = end - t0 < 2 * TILE ? end - t0 : 2 * TILE;
         for (int i = 0; i < count; ++i) {
             const float* v = value_cache + slots[t0 + i] * token_stride + head_at;
             __m512 vv[MAX_DIM / 16];
@@ -105,11 +129,7 @@ static inline __attribute__((always_inline)) void attend_rows(const Row* rows, c
     }
 }
 
-#define ATTEND_ROWS(N)                                                                                       \
-    if (dim == 64)                                                                                           \
-        attend_rows(rows + r, N, kt, value_cache, slots, token_stride, head_at, 64, keys);                   \
-    else                                                                                                     \
-        attend_rows(rows + r, N, kt, value_cache, slots, token_stride, head_at, 128, keys);
+#define ATTEND_ROWS(N, DIM) attend_rows(rows + r, N, kt, value_cache, slots, token_stride, head_at, DIM, keys)
 
 /* query: [tokens, heads, dim] float32 with rows q_stride elements apart; out: [tokens, heads, dim]
  * contiguous; caches: [blocks, block_size, kv_heads, dim] float32. Chunk c: query rows
@@ -133,7 +153,7 @@ int paged_prefill(const float* query, int64_t q_stride, const float* key_cache, 
     const int64_t token_stride = (int64_t)kv_heads * dim;
 #pragma omp parallel num_threads(num_threads)
     {
-        float* kt = (float*)aligned_alloc(64, sizeof(float) * (size_t)((longest + TILE - 1) / TILE) * TILE * dim);
+        float* kt = (float*)aligned_alloc(64, sizeof(float) * (size_t)((longest + 2 * TILE - 1) / (2 * TILE)) * 2 * TILE * dim);
         float* qs = (float*)aligned_alloc(64, sizeof(float) * (size_t)group * TILE * dim);
         Row rows[1024];
         int kt_chunk = -1, kt_head = -1, kt_keys = 0;
@@ -170,12 +190,17 @@ int paged_prefill(const float* query, int64_t q_stride, const float* key_cache, 
                 }
             const int keys = keys_seen;
             int r = 0;
-            for (; r + ROWS <= n; r += ROWS) { ATTEND_ROWS(ROWS) }
-            switch (n - r) {
-                case 3: ATTEND_ROWS(3) break;
-                case 2: ATTEND_ROWS(2) break;
-                case 1: ATTEND_ROWS(1) break;
-                default: break;
+            if (dim == 64) {
+                for (; r + 4 <= n; r += 4) ATTEND_ROWS(4, 64);
+                switch (n - r) {
+                    case 3: ATTEND_ROWS(3, 64); break;
+                    case 2: ATTEND_ROWS(2, 64); break;
+                    case 1: ATTEND_ROWS(1, 64); break;
+                    default: break;
+                }
+            } else {
+                for (; r + 2 <= n; r += 2) ATTEND_ROWS(2, 128);
+                if (r < n) ATTEND_ROWS(1, 128);
             }
         }
         free(kt);

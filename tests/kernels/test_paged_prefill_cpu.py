@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import paged_prefill_cpu
-from pagedserve.kernels.paged_attention_cpu import NATIVE_PREFILL_MAX_KEYS, build_plan, paged_attention_cpu
+from pagedserve.kernels.paged_attention_cpu import build_plan, native_prefill_max_keys, paged_attention_cpu
 
 from .paged_batch import TOL, Batch, rel_err
 
@@ -21,8 +21,9 @@ CPU = torch.device("cpu")
 
 
 def prefill_batch(heads: int, kv_heads: int, head_dim: int, seed: int = 0) -> Batch:
+    limit = native_prefill_max_keys(head_dim)
     q_lens = [1, 17, 16, 130, 40, 7, 300]
-    seq_lens = [1, 17, 48, 130, 333, 1000, NATIVE_PREFILL_MAX_KEYS + 200]  # the last goes to SDPA
+    seq_lens = [1, 17, 48, 130, min(333, limit), limit, limit + 200]  # the last goes to SDPA
     return Batch(q_lens, seq_lens, heads, kv_heads, head_dim, seed=seed, device=CPU)
 
 
@@ -36,7 +37,7 @@ def test_prefill_chunks_match_the_reference(heads, kv_heads, head_dim):
 def test_the_c_loop_computes_the_short_chunks_and_leaves_long_ones():
     b = prefill_batch(9, 3, 64)
     plan = build_plan(b.block_tables, b.seq_lens, b.query_start_loc, 16)
-    chunks, rest = plan.native_prefills()
+    chunks, rest = plan.native_prefills(64)
     assert chunks.q_lens.tolist() == [17, 16, 130, 40, 7] and [p.end - p.start for p in rest] == [300]
     function = paged_prefill_cpu.native_prefill()
     if function is None:
