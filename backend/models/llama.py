@@ -20,6 +20,7 @@ from torch import nn
 from pagedserve.kernels.rms_norm_cpu import add_rms_norm as add_rms_norm_cpu
 from pagedserve.kernels.rms_norm_cpu import rms_norm as rms_norm_cpu
 from pagedserve.kernels.rotary_cpu import rotary as rotary_cpu
+from pagedserve.kernels.silu_mul_cpu import silu_mul as silu_mul_cpu
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache, attention
 from ..model_config import ModelConfig
@@ -163,8 +164,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [rows, intermediate] pass and buffer fewer
+        gate_up = self.gate_up_proj(x)
+        activated = silu_mul_cpu(gate_up)  # one C pass on CPU float32 where it is built
+        if activated is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            activated = F.silu(gate).mul_(up)  # in place: one [rows, intermediate] pass and buffer fewer
+        return self.down_proj(activated)
 
 
 class LlamaDecoderLayer(nn.Module):

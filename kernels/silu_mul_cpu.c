@@ -1,0 +1,37 @@
+/* SiLU(gate) * up for CPU float32 rows in one pass: out[r, j] = g / (1 + exp(-g)) * u with
+ * g = x[r, j], u = x[r, n + j], x the fused gate_up projection's output [rows, 2n].
+ *
+ * Why: torch runs SiLU over the gate half (a strided view) and then the product, two passes
+ * and ~3.2 ms per layer at 2,048 rows x 1,536 (SmolLM2, 2-core Xeon): ~95 ms of a ~1.8 s
+ * prefill step. The same formula here, the division exact, exp by cpu_avx512.h's polynomial
+ * (relative error ~2e-7, where torch's is ~1 ulp). Built at first use by
+ * kernels/native_build.py (-O3 -march=native -fopenmp); AVX-512 only (elsewhere silu_mul
+ * returns -1 and the caller runs torch).
+ */
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#include "cpu_avx512.h"
+
+int silu_mul(const float* x, float* out, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= 65536) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* gate = x + r * 2 * n;
+        const float* up = gate + n;
+        float* o = out + r * n;
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+            const __m512 g = _mm512_maskz_loadu_ps(k, gate + j), u = _mm512_maskz_loadu_ps(k, up + j);
+            const __m512 e = exp_clamped(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+            _mm512_mask_storeu_ps(o + j, k, _mm512_mul_ps(s, u));
+        }
+    }
+    return 0;
+}
+#else
+int silu_mul(const float* x, float* out, int64_t rows, int64_t n, int num_threads) {
+    (void)x, (void)out, (void)rows, (void)n, (void)num_threads;
+    return -1;
+}
+#endif
