@@ -55,6 +55,13 @@ from .paged_prefill_cpu import supports as prefill_supports
 
 CHUNK_KEYS = 128
 """Keys per decode split: measured best of 64/128/256 on SmolLM2 shapes."""
+SPLIT_MIN_SAVING = 1.25
+"""Split only when padding every decode to the longest context would read this many times
+the keys of the split layout; below it the merge costs more than the padding saves."""
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
 def native_prefill_max_keys(head_dim: int) -> int:
     """Sequences up to this long go to the C prefill: 1024 keys at head dim 64, 256 at 128.
     Measured against SDPA (float32, 2-core Xeon): head dim 64 (9 / 3 heads) 2.1 vs 4.8 ms for
@@ -62,12 +69,6 @@ def native_prefill_max_keys(head_dim: int) -> int:
     of 2,048, but 131 vs 95 for one of 4,096 and 404 vs 182 for 2,048 after 6,144; head dim 128
     (32 / 8 heads) 37 vs 52 for 8 x 256, 41 vs 25 for 4 x 128 after 384, 119 vs 52 at 1,024."""
     return 1024 * 64 * 64 // (head_dim * head_dim)
-
-SPLIT_MIN_SAVING = 1.25
-"""Split only when padding every decode to the longest context would read this many times
-the keys of the split layout; below it the merge costs more than the padding saves."""
-
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @dataclass
@@ -131,7 +132,8 @@ class StepPlan:
         if self.chunks is None or self.chunks[0] != head_dim:
             limit = native_prefill_max_keys(head_dim)
             short = [p for p in self.prefills if p.slots.numel() <= limit]
-            chunks = PrefillChunks.of([p.start for p in short], [p.end for p in short], [p.slots for p in short]) if short else None
+            chunks = (PrefillChunks.of([p.start for p in short], [p.end for p in short], [p.slots for p in short])
+                      if short else None)
             self.chunks = (head_dim, chunks, [p for p in self.prefills if p.slots.numel() > limit])
         return self.chunks[1], self.chunks[2]
 

@@ -153,7 +153,8 @@ int paged_prefill(const float* query, int64_t q_stride, const float* key_cache, 
     const int64_t token_stride = (int64_t)kv_heads * dim;
 #pragma omp parallel num_threads(num_threads)
     {
-        float* kt = (float*)aligned_alloc(64, sizeof(float) * (size_t)((longest + 2 * TILE - 1) / (2 * TILE)) * 2 * TILE * dim);
+        const size_t key_steps = (size_t)(longest + 2 * TILE - 1) / (2 * TILE); /* attend_rows reads two tiles a step */
+        float* kt = (float*)aligned_alloc(64, sizeof(float) * key_steps * 2 * TILE * dim);
         float* qs = (float*)aligned_alloc(64, sizeof(float) * (size_t)group * TILE * dim);
         Row rows[1024];
         int kt_chunk = -1, kt_head = -1, kt_keys = 0;
@@ -170,7 +171,8 @@ int paged_prefill(const float* query, int64_t q_stride, const float* key_cache, 
             const int64_t head_at = (int64_t)h * dim;
             /* The key tiles, dim-major: kept while the next item reads the same (chunk, head). */
             if (kt_chunk != c || kt_head != h || kt_keys < keys_seen) {
-                const int from = kt_chunk == c && kt_head == h ? kt_keys / TILE * TILE : 0; /* the rest of a partial tile on */
+                /* the same (chunk, head) with more keys: from its last, partial tile on */
+                const int from = kt_chunk == c && kt_head == h ? kt_keys / TILE * TILE : 0;
                 for (int t0 = from; t0 < keys_seen; t0 += TILE) {
                     const int count = keys_seen - t0 < TILE ? keys_seen - t0 : TILE;
                     transpose_tile(key_cache, slots, t0, count, token_stride, head_at, dim, kt + (int64_t)t0 * dim);

@@ -62,8 +62,9 @@ class PrefillChunks:
         offsets = [0]
         for n in lens[:-1]:
             offsets.append(offsets[-1] + n)
+        q_lens = [e - s for s, e in zip(starts, ends)]
         return cls(torch.cat(slots).long().contiguous(), torch.tensor(offsets, dtype=torch.int64),
-                   torch.tensor(starts, dtype=torch.int32), torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.int32),
+                   torch.tensor(starts, dtype=torch.int32), torch.tensor(q_lens, dtype=torch.int32),
                    torch.tensor(lens, dtype=torch.int32))
 
 
