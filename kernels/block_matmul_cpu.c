@@ -29,7 +29,6 @@
  * outputs.
  */
 #include <stdint.h>
-#include <string.h>
 
 #define GROUP 16   /* outputs interleaved in the layout: kernels/block_matmul_cpu.py's GROUP */
 #define GEMV_ROWS 8 /* kernels/block_matmul_cpu.py's GEMV_ROWS */

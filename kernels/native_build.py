@@ -83,9 +83,11 @@ def build(source: Path, cc: str, march: str = "native") -> Path:
 
 class NativeLibrary:
     """One C source, built and loaded once per process on first `get()`; `declare` sets its
-    functions' ctypes signatures once, after loading."""
+    functions' ctypes signatures once, after loading, and returns False where the library has
+    nothing for this CPU (code for an instruction set it lacks): `get()` is None there, as
+    without a compiler, so callers fall back once instead of being declined on every call."""
 
-    def __init__(self, source: Path, what: str, fallback: str, declare: Callable[[ctypes.CDLL], None]):
+    def __init__(self, source: Path, what: str, fallback: str, declare: Callable[[ctypes.CDLL], bool | None]):
         self.source, self.what, self.fallback, self.declare = source, what, fallback, declare
         self._lock = threading.Lock()
         self._loaded: list[ctypes.CDLL | None] = []
@@ -111,7 +113,9 @@ class NativeLibrary:
         except (OSError, RuntimeError) as exc:
             logger.warning("%s: build failed, using %s: %s", self.what, self.fallback, exc)
             return None
-        self.declare(library)
+        if self.declare(library) is False:
+            logger.info("%s: no code for this CPU's instruction set; using %s", self.what, self.fallback)
+            return None
         return library
 
 

@@ -16,7 +16,8 @@
  * its rows see, so long contexts, which SDPA's larger query blocks read fewer times, are
  * left to SDPA. Built at first use by kernels/native_build.py
  * (-O3 -march=native -fopenmp) and called through ctypes from kernels/paged_prefill_cpu.py;
- * AVX-512 only (elsewhere paged_prefill returns -1 and the caller runs torch's SDPA).
+ * AVX-512 only (elsewhere paged_prefill_available says 0, the library is not used and the
+ * caller runs torch's SDPA).
  */
 #include <math.h>
 #include <stdint.h>
@@ -129,7 +130,9 @@ static inline __attribute__((always_inline)) void attend_rows(const Row* rows, c
     }
 }
 
-#define ATTEND_ROWS(N, DIM) attend_rows(rows + r, N, kt, value_cache, slots, token_stride, head_at, DIM, keys)
+#define ATTEND_ROWS(N, DIM) attend_rows(rows + r, N, kt, value_cache, slots, token_stride, head_at, DIM, keys_seen)
+
+int paged_prefill_available(void) { return 1; }
 
 /* query: [tokens, heads, dim] float32 with rows q_stride elements apart; out: [tokens, heads, dim]
  * contiguous; caches: [blocks, block_size, kv_heads, dim] float32. Chunk c: query rows
@@ -190,7 +193,6 @@ int paged_prefill(const float* query, int64_t q_stride, const float* key_cache, 
                     rows[n].out = out + (token * heads + head) * dim;
                     rows[n].last = seq_lens[c] - q_lens[c] + p0 + i;
                 }
-            const int keys = keys_seen;
             int r = 0;
             if (dim == 64) {
                 for (; r + 4 <= n; r += 4) ATTEND_ROWS(4, 64);
@@ -212,13 +214,5 @@ int paged_prefill(const float* query, int64_t q_stride, const float* key_cache, 
     return 0;
 }
 #else
-int paged_prefill(const float* query, int64_t q_stride, const float* key_cache, const float* value_cache, float* out,
-                  const int64_t* all_slots, const int64_t* slot_starts, const int32_t* q_starts, const int32_t* q_lens,
-                  const int32_t* seq_lens, int num_chunks, int heads, int kv_heads, int dim, float scale,
-                  int num_threads) {
-    (void)query, (void)q_stride, (void)key_cache, (void)value_cache, (void)out, (void)all_slots, (void)slot_starts;
-    (void)q_starts, (void)q_lens, (void)seq_lens, (void)num_chunks, (void)heads, (void)kv_heads, (void)dim;
-    (void)scale, (void)num_threads;
-    return -1;
-}
+int paged_prefill_available(void) { return 0; }
 #endif

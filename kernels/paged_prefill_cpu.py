@@ -3,8 +3,8 @@
 Why C: torch has no CPU attention that reads through a block table or takes chunks of
 different lengths at once, so each prefill chunk gathered its keys and values and ran its
 own flash SDPA call, per layer: ~70 GFLOP/s on the short prompts of a serving burst, ~11%
-of a 2,048-token step. The C loop takes every chunk of the step in one call (float32, AVX-512;
-elsewhere, or for other dtypes, `native_prefill()` or `paged_prefill` says no and SDPA runs).
+of a 2,048-token step. The C loop takes every chunk of the step in one call (float32, AVX-512:
+without it `native_prefill()` is None; other dtypes or shapes are declined; SDPA runs there).
 The torch reference (kernels/paged_attention.py) is the test oracle.
 """
 
@@ -18,14 +18,18 @@ from typing import Callable
 import torch
 
 from .native_build import NativeLibrary
+from .paged_decode_cpu import supports as decode_supports
 
 NativePrefill = Callable[..., int]
 
 
-def _declare(library: ctypes.CDLL) -> None:
+def _declare(library: ctypes.CDLL) -> bool:
+    if not library.paged_prefill_available():  # built without AVX-512: nothing here
+        return False
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.paged_prefill.argtypes = [p, i64, p, p, p, p, p, p, p, p, i32, i32, i32, i32, ctypes.c_float, i32]
     library.paged_prefill.restype = i32
+    return True
 
 
 LIBRARY = NativeLibrary(Path(__file__).with_name("paged_prefill_cpu.c"), "CPU prefill attention",
@@ -39,10 +43,8 @@ def native_prefill() -> NativePrefill | None:
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """float32 query and cache, the cache contiguous, query heads contiguous within a token
-    (its rows may be a view's)."""
-    return (query.dtype == torch.float32 and key_cache.dtype == torch.float32 and key_cache.is_contiguous()
-            and query.stride(-1) == 1 and query.stride(-2) == query.shape[-1])
+    """What the C decode takes (paged_decode_cpu.supports: the layout), in float32 only."""
+    return query.dtype == torch.float32 and decode_supports(query, key_cache)
 
 
 @dataclass(frozen=True)

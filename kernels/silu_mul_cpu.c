@@ -5,15 +5,17 @@
  * and ~3.2 ms per layer at 2,048 rows x 1,536 (SmolLM2, 2-core Xeon): ~95 ms of a ~1.8 s
  * prefill step. The same formula here, the division exact, exp by cpu_avx512.h's polynomial
  * (relative error ~2e-7, where torch's is ~1 ulp). Built at first use by
- * kernels/native_build.py (-O3 -march=native -fopenmp); AVX-512 only (elsewhere silu_mul
- * returns -1 and the caller runs torch).
+ * kernels/native_build.py (-O3 -march=native -fopenmp); AVX-512 only (elsewhere
+ * silu_mul_available says 0, the library is not used and the caller runs torch).
  */
 #include <stdint.h>
 
 #if defined(__AVX512F__)
 #include "cpu_avx512.h"
 
-int silu_mul(const float* x, float* out, int64_t rows, int64_t n, int num_threads) {
+int silu_mul_available(void) { return 1; }
+
+void silu_mul(const float* x, float* out, int64_t rows, int64_t n, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * n >= 65536) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         const float* gate = x + r * 2 * n;
@@ -27,11 +29,7 @@ int silu_mul(const float* x, float* out, int64_t rows, int64_t n, int num_thread
             _mm512_mask_storeu_ps(o + j, k, _mm512_mul_ps(s, u));
         }
     }
-    return 0;
 }
 #else
-int silu_mul(const float* x, float* out, int64_t rows, int64_t n, int num_threads) {
-    (void)x, (void)out, (void)rows, (void)n, (void)num_threads;
-    return -1;
-}
+int silu_mul_available(void) { return 0; }
 #endif

@@ -17,9 +17,12 @@ import torch
 from .native_build import NativeLibrary
 
 
-def _declare(library: ctypes.CDLL) -> None:
+def _declare(library: ctypes.CDLL) -> bool:
+    if not library.silu_mul_available():  # built without AVX-512: nothing here
+        return False
     library.silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    library.silu_mul.restype = ctypes.c_int
+    library.silu_mul.restype = None
+    return True
 
 
 LIBRARY = NativeLibrary(Path(__file__).with_name("silu_mul_cpu.c"), "CPU SiLU x up", "torch ops", _declare)
@@ -35,8 +38,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty((rows, n))
-    if library.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads()) != 0:
-        return None
+    library.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
     return out
 
 

@@ -9,7 +9,9 @@ import pytest
 
 from pagedserve.kernels import native_build
 from pagedserve.kernels.paged_decode_cpu import LIBRARY as DECODE
+from pagedserve.kernels.paged_prefill_cpu import LIBRARY as PREFILL
 from pagedserve.kernels.rms_norm_cpu import LIBRARY as RMS_NORM
+from pagedserve.kernels.silu_mul_cpu import LIBRARY as SILU_MUL
 
 
 @pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler here")
@@ -34,3 +36,12 @@ def test_no_compiler_a_failed_build_or_switched_off_means_torch_ops(tmp_path, mo
     assert "CPU RMSNorm: no C compiler (set CC or install gcc); using torch ops" in caplog.text
     monkeypatch.setenv(native_build.DISABLE_ENV, "0")
     assert DECODE.load() is None and RMS_NORM.load() is None
+
+
+@pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler here")
+@pytest.mark.parametrize("library", [PREFILL, SILU_MUL], ids=["paged_prefill_cpu", "silu_mul_cpu"])
+def test_a_library_without_code_for_the_cpu_is_not_used(library, caplog):
+    """AVX-512-only kernels built for AVX2 load as None (torch runs), once, not declined per call."""
+    caplog.set_level(logging.INFO, logger="pagedserve")
+    assert library.load(march="haswell") is None
+    assert f"{library.what}: no code for this CPU's instruction set; using {library.fallback}" in caplog.text
