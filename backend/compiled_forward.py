@@ -15,15 +15,18 @@ request pays compilation. Where a shape-keyed cache sits under the graph (oneDNN
 kernels on CPU; CUDA graphs), the runner pads the step's rows to `row_bucket` sizes first
 and the warm-up covers every bucket up to the step's token budget.
 
-On CUDA the pieces are compiled with inductor's CUDA graphs ("reduce-overhead"): each
-bucket's pieces are captured on first use (at warm-up) and replayed after, the eager
-attention launching between them. That branch has not run on a GPU here.
+On CUDA the pieces are compiled with inductor's CUDA graphs (its "cudagraph trees"): each
+bucket's chain of pieces (first, every middle layer in turn, last) is captured on first
+use (at warm-up) and replayed after, the eager attention launching between them. A step
+tells torch where it begins (`begin_step`): a graph's outputs live until the next step,
+so the chain may feed one piece's outputs to the next without copies.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Callable
 
@@ -57,7 +60,24 @@ class CompiledForward:
         """Rows padded to buckets: CUDA graphs and oneDNN's kernels are keyed by shape."""
         self.options = {"triton.cudagraphs": device.type == "cuda", "emulate_precision_casts": True}
         self.compilations = 0
+        self.max_tokens = 0
+        self.this_thread = threading.local()
+        """`warmed` on a thread that ran the warm-up (torch's CUDA graph trees are thread-local too)."""
         self.pieces = ForwardPieces(self._compile(first_piece), self._compile(middle_piece), self._compile(last_piece))
+
+    def begin_step(self) -> None:
+        """A new step: on CUDA the previous step's graph outputs may now be overwritten
+        (the caller has read its logits); without this mark, torch would take the next
+        step's first piece for part of the last one and refuse to replay. torch keeps CUDA
+        graphs per thread: a step on another thread than the warm-up's (an engine built on
+        one thread and stepped on another) captures that thread's graphs first."""
+        if self.device.type != "cuda":
+            return
+        if not getattr(self.this_thread, "warmed", False):
+            logger.info("compiled step: stepping on a new thread; capturing its CUDA graphs")
+            torch.cuda.current_blas_handle()  # cuBLAS makes a handle per thread, never inside a capture
+            self.warm_up(self.max_tokens)
+        torch.compiler.cudagraph_mark_step_begin()
 
     def _compile(self, function: Callable) -> Callable:
         return torch.compile(function, backend=self._inductor, dynamic=True, fullgraph=True)
@@ -75,22 +95,34 @@ class CompiledForward:
     def warm_up(self, max_tokens: int) -> None:
         """Compile (and on CUDA capture) every shape a step of up to max_tokens tokens can take."""
         started = time.perf_counter()
+        self.max_tokens = max_tokens
+        self.this_thread.warmed = True
         sizes = sorted({self.rows(n) for n in range(1, max_tokens + 1)}) if self.pads_rows else [1, 2]
+        # torch runs a CUDA graph's function eagerly on its first call and captures it on the next
+        passes = 2 if self.device.type == "cuda" else 1
         with torch.inference_mode():
             for rows in sizes:
-                self._run_pieces(rows)
+                for _ in range(passes):
+                    self._run_pieces(rows)
         logger.info("compiled step ready in %.1fs: %d graphs, %d row counts warmed",
                     time.perf_counter() - started, self.compilations, len(sizes))
 
     def _run_pieces(self, rows: int) -> None:
-        """Each piece once at `rows` rows, on placeholder inputs (the KV cache is not touched)."""
+        """The step's chain of pieces at `rows` rows, on placeholder inputs (the KV cache is
+        not touched): on CUDA every layer's place in the chain is a graph of its own; on CPU
+        one middle piece compiles the graph all layers share."""
         model, layers = self.model, self.model.layers
+        if self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
         input_ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        positions = torch.arange(rows, dtype=torch.int64, device=self.device)
+        # position 0 for every row: a bucket may hold more rows than the model has positions
+        # (CUDA checks the rotary table's index; the CPU read past it unchecked)
+        positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
         h, q, _, _ = self.pieces.first(model, input_ids, positions)
         attn = torch.zeros_like(q)
-        if len(layers) > 1:
-            h, *_ = self.pieces.middle(model, layers[0], layers[1], h, attn, positions)
+        chain = len(layers) - 1 if self.device.type == "cuda" else min(1, len(layers) - 1)
+        for i in range(chain):
+            h, *_ = self.pieces.middle(model, layers[i], layers[i + 1], h, attn, positions)
         self.pieces.last(model, layers[-1], h, attn)
 
 

@@ -93,6 +93,13 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, device: torch
     else:
         budget = config.kv_cache_bytes
     blocks = int(budget // per_block)
+    if blocks < 1 and device.type == "cuda":
+        raise ConfigError(
+            "gpu_memory_utilization",
+            f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free on {device}, under the "
+            f"{1 - config.gpu_memory_utilization:.0%} kept back: no KV block of {per_block} bytes fits; raise "
+            "gpu_memory_utilization, free the GPU (another engine or process holds it), or set num_kv_blocks",
+        )
     if blocks < 1:
         raise ConfigError("kv_cache_bytes", f"the KV budget holds no block of {per_block} bytes; raise it")
     return blocks

@@ -132,6 +132,7 @@ class ModelRunner:
         [len(logits_indices), vocab] float32 (the one call a tensor-parallel worker makes per step)."""
         input_ids, positions, pieces = inputs.input_ids, inputs.positions, None
         if self.compiled:
+            self.compiled.begin_step()
             pad = self.compiled.rows(len(input_ids)) - len(input_ids)
             input_ids, positions, pieces = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad)), self.compiled.pieces
         hidden = self.model(

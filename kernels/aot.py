@@ -536,7 +536,8 @@ def _compile_here(cfg: KernelConfig, target: Target) -> CompileResult:
     kwargs = dict(launch.kwargs)
     kwargs["debug"] = kwargs.get("debug", jit.debug) or knobs.runtime.debug
     kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # triton >= 3.7
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
     binder = create_function_from_signature(jit.signature, jit.params, backend)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, options)

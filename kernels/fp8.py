@@ -48,7 +48,10 @@ class Fp8Weight:
 
 def _quantize_rows(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     t = t.to(torch.float32)
-    scale = t.abs().amax(dim=-1).clamp(min=AMAX_EPS) / FP8_MAX
+    amax = t.abs().amax(dim=-1).clamp(min=AMAX_EPS)
+    # a tensor divisor: torch on CUDA multiplies by a scalar divisor's reciprocal, which
+    # can differ from amax / 448 in the last bit (the Triton twin divides exactly)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (t / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

@@ -82,7 +82,9 @@ def _fp8_gemm_kernel(
         b = tl.load(b_ptr + offs_n[None, :] * stride_bn + kk[:, None] * stride_bk,
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         if A_FP8:
-            acc = tl.dot(a, b, acc)
+            # Hopper's FP8 tensor cores sum with reduced precision; a fresh partial sum
+            # per K tile, added to acc in float32, keeps the error within fp16's
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             bf = decode_e4m3(b)
             if DOT_F32:

@@ -323,6 +323,8 @@ def paged_attention_triton(
     block_n = block_n or auto_n
     if block_m & (block_m - 1) or block_n & (block_n - 1):
         raise ValueError("block_m and block_n must be powers of two")
+    if block_n < 16:
+        raise ValueError(f"block_n={block_n}: at least 16 keys a tile (a GPU's smallest tl.dot K)")
     block_q = block_m // group_pad
     num_q_blocks = num_tokens // block_q + num_seqs
 

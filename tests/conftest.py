@@ -61,6 +61,10 @@ RAW = [
 ]
 MAX_TOKENS = [24, 32, 40, 28, 12, 36, 20, 16, 30]
 
+GPU_SHARE = {"num_kv_blocks": 1024} if torch.cuda.is_available() else {}
+"""Settings for engines a test builds beside others in one process: on CUDA an engine's KV
+cache takes the GPU memory left under gpu_memory_utilization, leaving none for the next."""
+
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
@@ -99,7 +103,7 @@ def sentencepiece_tokenizer():
 @pytest.fixture(scope="session")
 def engine() -> LLMEngine:
     """The default model in float32 with default settings, shared by tests that leave it clean."""
-    return LLMEngine(dtype="float32")
+    return LLMEngine(dtype="float32", **GPU_SHARE)
 
 
 @pytest.fixture(scope="session")

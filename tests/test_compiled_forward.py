@@ -11,7 +11,7 @@ import torch
 from pagedserve.backend import ConfigError, EngineConfig, LLMEngine, SamplingParams
 from pagedserve.backend.models.linear import Linear
 
-from .conftest import assert_engine_idle, onednn_packs
+from .conftest import GPU_SHARE, assert_engine_idle, onednn_packs
 from .tensor_parallel_checks import full_logits
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def engines(small_llama):
     def get(compile: str, dtype: str = "float32", **settings) -> LLMEngine:
         key = (compile, dtype, *sorted(settings.items()))
         if key not in built:
-            built[key] = LLMEngine(model=small_llama, dtype=dtype, compile=compile, **settings)
+            built[key] = LLMEngine(model=small_llama, dtype=dtype, compile=compile, **{**GPU_SHARE, **settings})
         return built[key]
 
     return get
@@ -86,14 +86,16 @@ def test_bfloat16_pads_rows_to_buckets_warms_every_one_and_stays_close(engines, 
 
 
 def test_the_bundled_model_compiled_matches_eager(prompts, engine):
-    compiled = LLMEngine(dtype="float32", compile="on")
+    compiled = LLMEngine(dtype="float32", compile="on", **GPU_SHARE)
+    eager = engine if engine.runner.compiled is None else LLMEngine(dtype="float32", compile="off", **GPU_SHARE)
     params = [SamplingParams(max_tokens=16, **GREEDY) for _ in prompts]
-    expected = [r.token_ids for r in engine.generate(prompts, params, use_tqdm=False)]
+    expected = [r.token_ids for r in eager.generate(prompts, params, use_tqdm=False)]
     warmed = compiled.runner.compiled.compilations
     assert [r.token_ids for r in compiled.generate(prompts, params, use_tqdm=False)] == expected
     assert compiled.runner.compiled.compilations == warmed
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto compiles on CUDA (the tests above run that)")
 def test_auto_runs_eagerly_on_cpu_with_packed_half_precision_weights(small_llama):
     eager = LLMEngine(model=small_llama, dtype="bfloat16")
     assert eager.runner.compiled is None

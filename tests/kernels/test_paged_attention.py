@@ -85,7 +85,7 @@ def test_mixed_batch(dtype, num_heads, num_kv_heads, head_dim):
 
 @pytest.mark.parametrize(
     "block_size,block_m,block_n",
-    [(16, 16, 16), (16, 16, 64), (16, 64, 8), (32, 32, 16), (8, 16, 128)],
+    [(16, 16, 16), (16, 16, 64), (32, 64, 16), (32, 32, 16), (8, 16, 128)],
     ids=lambda v: str(v),
 )
 def test_tiles_and_block_tables(block_size, block_m, block_n):
