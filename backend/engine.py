@@ -63,8 +63,11 @@ class LLMEngine:
         started = time.perf_counter()
         self.workers = start_workers(config, self.model_path, self.dtype, self.device)
         """Ranks 1..N-1 with tensor_parallel_size N > 1 (this engine is rank 0), else None."""
-        loaded = load_model(self.model_path, self.dtype, self.device, self.workers.parallel if self.workers else SINGLE_RANK)
         compiled = compile_wanted(config, self.device)
+        few_row_blocks = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+                          and not compiled and config.quantization == "none" and not self.workers)
+        loaded = load_model(self.model_path, self.dtype, self.device, self.workers.parallel if self.workers else SINGLE_RANK,
+                            few_row_blocks)
         if config.quantization != "none":
             quantize_model(loaded.model, config.quantization)
         elif not compiled:

@@ -22,6 +22,7 @@ from .checkpoints.packed_int4 import PackedInt4Loader
 from .errors import ConfigError
 from .model_config import ModelConfig
 from .model_files import is_gguf, resolve_model_path
+from .models.linear import Linear, keep_exact_blocks
 from .models.llama import LlamaForCausalLM, RotaryEmbedding
 from .models.parallel import SINGLE_RANK, TensorParallel, take_shard
 from .tokenizer import load_tokenizer
@@ -40,17 +41,20 @@ def read_checkpoint(path: str) -> Checkpoint:
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: torch.device, parallel: TensorParallel = SINGLE_RANK
+    path: str, dtype: torch.dtype, device: torch.device, parallel: TensorParallel = SINGLE_RANK,
+    few_row_blocks: bool = False,
 ) -> LoadedModel:
-    """The model (this rank's share of it with tensor parallelism) and its tokenizer."""
+    """The model (this rank's share of it with tensor parallelism) and its tokenizer;
+    few_row_blocks: keep each linear's exact GGUF blocks too (`Linear.few_row_blocks`)."""
     path = resolve_model_path(path)
     checkpoint = read_checkpoint(path)
-    model = load_checkpoint(checkpoint, dtype, device, parallel)
+    model = load_checkpoint(checkpoint, dtype, device, parallel, few_row_blocks)
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer(path))
 
 
 def load_checkpoint(
-    checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, parallel: TensorParallel = SINGLE_RANK
+    checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, parallel: TensorParallel = SINGLE_RANK,
+    few_row_blocks: bool = False,
 ) -> LlamaForCausalLM:
     """The checkpoint's weights in a model (this rank's slices of them), in eval mode."""
     config = checkpoint.config
@@ -58,7 +62,7 @@ def load_checkpoint(
     packed = None
     if config.packed_int4:
         packed = PackedInt4Loader(model.packed_modules, config.packed_int4, config.source_group_size)
-    load_weights(model, checkpoint.tensors, checkpoint.num_tensors, packed)
+    load_weights(model, checkpoint.tensors, checkpoint.num_tensors, packed, few_row_blocks)
     if packed is not None:
         packed.install(model.layers, device, dtype)
     return model.eval()
@@ -95,6 +99,7 @@ def load_weights(
     tensors: Iterator[tuple[str, torch.Tensor]],
     total: int,
     packed: PackedInt4Loader | None = None,
+    few_row_blocks: bool = False,
 ) -> None:
     """Copy Hugging Face-named tensors into the model. The projections of a packed
     module are stacked into its rows once all of them have arrived (they may come in
@@ -122,11 +127,24 @@ def load_weights(
         parts = pending.setdefault(target, [None] * count)
         parts[index] = (name, take_shard(model.get_submodule(target.rpartition(".")[0]), index, tensor))
         if all(part is not None for part in parts):
-            _copy_rows(params[target], pending.pop(target))
+            rows = pending.pop(target)
+            _copy_rows(params[target], rows)
             loaded.add(target)
+            if few_row_blocks:
+                _keep_exact_blocks(model, target, rows)
     missing = sorted(expected - loaded)
     if missing:
         raise ConfigError("model", f"checkpoint lacks tensors for {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+
+
+def _keep_exact_blocks(model: LlamaForCausalLM, target: str, parts: list[tuple[str, torch.Tensor]]) -> None:
+    """The checkpoint's own values of a linear weight (the embedding, for a tied LM head),
+    before the copy rounded them: `keep_exact_blocks` finds their GGUF blocks."""
+    owner, _, kind = target.rpartition(".")
+    tied = owner == "embed_tokens" and model.config.tie_word_embeddings
+    linear = model.lm_head if tied else model.get_submodule(owner)
+    if kind == "weight" and isinstance(linear, Linear):
+        keep_exact_blocks(linear, torch.cat([tensor for _, tensor in parts]))
 
 
 @torch.no_grad()

@@ -104,6 +104,38 @@ def test_a_packed_linear_computes_what_the_plain_one_does(dtype, float32_layout)
         torch.testing.assert_close(layer(x).float(), expected, **tolerance)
 
 
+def test_a_half_precision_linear_multiplies_a_few_rows_by_its_exact_blocks():
+    """A bf16 layer given its checkpoint's Q4_1 blocks: up to FEW_ROWS rows get the product
+    with the exact weight (float32 sums, rounded once to bf16), more rows the product with
+    the bf16-rounded weight (oneDNN); the bundled model's bf16 engine keeps the blocks of
+    every linear, its tied LM head's too (from the embedding)."""
+    import torch.nn.functional as F
+
+    from pagedserve.backend.models.linear import FEW_ROWS, Linear, keep_exact_blocks
+    from pagedserve.kernels import block_matmul_cpu
+
+    if block_matmul_cpu.LIBRARY.get() is None:
+        pytest.skip("no C compiler: the blocks are not kept")
+    exact = block_matmul_cpu.grid_weight("q4_1", 96, 128, seed=3)
+    layer = Linear(128, 96, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(exact)
+    keep_exact_blocks(layer, exact)
+    assert layer.few_row_blocks is not None
+    layer.pack()
+    for rows in (1, 3, FEW_ROWS, FEW_ROWS + 1, 40):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        weight = exact if rows <= FEW_ROWS else exact.to(torch.bfloat16).float()
+        expected = F.linear(x.float(), weight).to(torch.bfloat16)
+        torch.testing.assert_close(layer(x), expected, rtol=1e-2, atol=1e-3)
+
+    engine = LLMEngine(dtype="bfloat16", num_kv_blocks=64)
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * engine.model_config.num_layers + 1
+    assert all(m.few_row_blocks is not None for m in linears)
+    assert engine.runner.model.lm_head.few_row_blocks.kind == "q8_0"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packing_releases_the_plain_weights_but_keeps_a_tied_embedding(dtype):
     from pagedserve.backend.model_config import ModelConfig
