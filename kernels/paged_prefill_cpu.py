@@ -3,7 +3,7 @@
 Why C: torch has no CPU attention that reads through a block table or takes chunks of
 different lengths at once, so each prefill chunk gathered its keys and values and ran its
 own flash SDPA call, per layer: ~70 GFLOP/s on the short prompts of a serving burst, ~11%
-of a 2,048-token step. The C loop takes every chunk of the step in one call (float32, AVX-512:
+of a 2,048-token step. The C loop takes every chunk of the step in one call (float32 or bfloat16, AVX-512:
 without it `native_prefill()` is None; other dtypes or shapes are declined; SDPA runs there).
 The torch reference (kernels/paged_attention.py) is the test oracle.
 """
@@ -27,7 +27,7 @@ def _declare(library: ctypes.CDLL) -> bool:
     if not library.paged_prefill_available():  # built without AVX-512: nothing here
         return False
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.paged_prefill.argtypes = [p, i64, p, p, p, p, p, p, p, p, i32, i32, i32, i32, ctypes.c_float, i32]
+    library.paged_prefill.argtypes = [p, i64, p, p, p, p, p, p, p, p, i32, i32, i32, i32, ctypes.c_float, i32, i32]
     library.paged_prefill.restype = i32
     return True
 
@@ -43,8 +43,9 @@ def native_prefill() -> NativePrefill | None:
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """What the C decode takes (paged_decode_cpu.supports: the layout), in float32 only."""
-    return query.dtype == torch.float32 and decode_supports(query, key_cache)
+    """What the C decode takes (paged_decode_cpu.supports: float32 or bfloat16 query and
+    cache alike, the layout)."""
+    return decode_supports(query, key_cache)
 
 
 @dataclass(frozen=True)
@@ -72,14 +73,14 @@ class PrefillChunks:
 
 def paged_prefill(function: NativePrefill, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   out: torch.Tensor, chunks: PrefillChunks, scale: float) -> bool:
-    """Write every chunk's attention into out's rows (out contiguous [tokens, heads, dim]);
+    """Write every chunk's attention into out's rows (out contiguous [tokens, heads, dim], the query's dtype);
     False where the C loop does not take the shapes (the caller falls back)."""
     _, _, kv_heads, head_dim = key_cache.shape
     status = function(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
         chunks.slots.data_ptr(), chunks.slot_starts.data_ptr(), chunks.q_starts.data_ptr(), chunks.q_lens.data_ptr(),
         chunks.seq_lens.data_ptr(), chunks.q_lens.numel(), query.shape[1], kv_heads, head_dim, scale,
-        torch.get_num_threads(),
+        torch.get_num_threads(), int(query.dtype == torch.bfloat16),
     )
     return status == 0
 

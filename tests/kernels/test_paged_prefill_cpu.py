@@ -2,8 +2,8 @@
 
 Prefill chunks of every kind a step holds (a fresh prompt, the rest of a prompt after its
 cached prefix, one token past a prefix, whole and partial 16-key tiles) over NaN-poisoned
-caches (tests/kernels/paged_batch.py: a read past a sequence's end shows as NaN), float32,
-within paged_batch.TOL (1e-4; measured ~3e-7). Runs where the C loop is built with AVX-512;
+caches (tests/kernels/paged_batch.py: a read past a sequence's end shows as NaN), float32
+and bfloat16, within paged_batch.TOL (float32 1e-4; measured ~3e-7). Runs where the C loop is built with AVX-512;
 elsewhere the library is not used (tests/kernels/test_native_build.py) and SDPA's results are
 checked instead.
 """
@@ -21,11 +21,11 @@ from .paged_batch import TOL, Batch, rel_err
 CPU = torch.device("cpu")
 
 
-def prefill_batch(heads: int, kv_heads: int, head_dim: int, seed: int = 0) -> Batch:
+def prefill_batch(heads: int, kv_heads: int, head_dim: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> Batch:
     limit = native_prefill_max_keys(head_dim)
     q_lens = [1, 17, 16, 130, 40, 7, 300]
     seq_lens = [1, 17, 48, 130, min(333, limit), limit, limit + 200]  # the last goes to SDPA
-    return Batch(q_lens, seq_lens, heads, kv_heads, head_dim, seed=seed, device=CPU)
+    return Batch(q_lens, seq_lens, heads, kv_heads, head_dim, seed=seed, device=CPU, dtype=dtype)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (4, 4), (32, 4)])
@@ -33,6 +33,14 @@ def prefill_batch(heads: int, kv_heads: int, head_dim: int, seed: int = 0) -> Ba
 def test_prefill_chunks_match_the_reference(heads, kv_heads, head_dim):
     b = prefill_batch(heads, kv_heads, head_dim, seed=heads + head_dim)
     assert rel_err(b.run(paged_attention_cpu), b.reference()) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (32, 4, 128)])
+def test_bfloat16_chunks_match_the_reference(heads, kv_heads, head_dim):
+    """bf16 queries and caches: read as float32, summed in float32, rounded once on output."""
+    b = prefill_batch(heads, kv_heads, head_dim, seed=heads, dtype=torch.bfloat16)
+    out = b.run(paged_attention_cpu)
+    assert out.dtype == torch.bfloat16 and rel_err(out, b.reference()) < TOL[torch.bfloat16]
 
 
 def test_the_c_loop_computes_the_short_chunks_and_leaves_long_ones():
@@ -54,5 +62,7 @@ def test_the_c_loop_computes_the_short_chunks_and_leaves_long_ones():
 
 def test_declines_what_it_does_not_compute():
     b = prefill_batch(9, 3, 64)
-    assert not paged_prefill_cpu.supports(b.query.bfloat16(), b.key_cache.bfloat16())
+    assert paged_prefill_cpu.supports(b.query.bfloat16(), b.key_cache.bfloat16())
+    assert not paged_prefill_cpu.supports(b.query.half(), b.key_cache.half())
+    assert not paged_prefill_cpu.supports(b.query, b.key_cache.bfloat16())
     assert not paged_prefill_cpu.supports(b.query, b.key_cache.transpose(1, 2))  # not contiguous
