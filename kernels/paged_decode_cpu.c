@@ -163,14 +163,6 @@ static inline Work work_parts(float* work, int count, int group, int len, int di
  * lanes together (a transpose-add: ~3 instructions per score, not ~8), and the value pass
  * keeps the group's accumulators in registers. group and dim are constants at each call. */
 
-static inline __m512 widen_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-static inline __m512 load16(const void* base, int64_t index, int dtype) {
-    return dtype == DTYPE_BF16 ? widen_bf16((const uint16_t*)base + index) : _mm512_loadu_ps((const float*)base + index);
-}
-
 static inline __mmask16 tail_mask(int remaining) {
     return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1u);
 }
@@ -222,7 +214,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
             const int64_t head_at = (int64_t)(first + c) * dim, q_at = q_row * q_stride + (first + c) * (int64_t)group * dim;
             __m512 q[MAX_FAST_GROUP][MAX_FAST_DIM / 16];
             for (int g = 0; g < group; ++g)
-                for (int j = 0; j < n; ++j) q[g][j] = load16(query, q_at + (int64_t)g * dim + 16 * j, dtype);
+                for (int j = 0; j < n; ++j) q[g][j] = load16(query, q_at + (int64_t)g * dim + 16 * j, 0xffff, dtype);
             for (int i = 0; i < 16; ++i) {
                 int t = t0 + i;
                 if (t >= len) {
@@ -247,7 +239,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
                 }
 #endif
                 __m512 k[MAX_FAST_DIM / 16];
-                for (int j = 0; j < n; ++j) k[j] = load16(key_cache, at + 16 * j, dtype);
+                for (int j = 0; j < n; ++j) k[j] = load16(key_cache, at + 16 * j, 0xffff, dtype);
                 for (int g = 0; g < group; ++g) {
                     __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
                     for (int j = 1; j < n; ++j) acc = _mm512_fmadd_ps(q[g][j], k[j], acc);
@@ -277,7 +269,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
                 int64_t at = token_row(table, t, block_size, token_stride) + head_at;
                 prefetch_part(value_cache, table, t + PREFETCH_AHEAD, len, block_size, token_stride, head_at, dim, dtype);
                 __m512 v[MAX_FAST_DIM / 16];
-                for (int j = 0; j < n; ++j) v[j] = load16(value_cache, at + 16 * j, dtype);
+                for (int j = 0; j < n; ++j) v[j] = load16(value_cache, at + 16 * j, 0xffff, dtype);
                 for (int g = 0; g < group; ++g) {
                     __m512 weight = _mm512_set1_ps(p[(int64_t)g * len + t]);
                     for (int j = 0; j < n; ++j) acc[g][j] = _mm512_fmadd_ps(weight, v[j], acc[g][j]);

@@ -32,41 +32,13 @@
 #define MAX_ROWS 4  /* query rows multiplied at once: 4 (head dim 64), 2 (128): 16 accumulators of the output */
 #define MAX_DIM 128 /* head dims taken: 64 and 128 (dim / 16 vectors a row) */
 
-/* Element i of a float32 (bf16 0) or bfloat16 (bf16 1) array, as float32. */
-static inline float element(const void* base, int64_t i, const int bf16) {
-    if (!bf16) return ((const float*)base)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t*)base)[i] << 16;
-    float value;
-    memcpy(&value, &bits, sizeof(value));
-    return value;
-}
-
-/* 16 elements from base[at], as float32. */
-static inline __m512 load16(const void* base, int64_t at, const int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float*)base + at);
-    const __m256i half = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + at));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-/* 16 float32 values to base[at], rounded to the nearest bfloat16 (ties to even) where bf16. */
-static inline void store16(void* base, int64_t at, __m512 values, const int bf16) {
-    if (!bf16) {
-        _mm512_storeu_ps((float*)base + at, values);
-        return;
-    }
-    const __m512i bits = _mm512_castps_si512(values);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256((__m256i*)((uint16_t*)base + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
 /* kt[d * TILE + i] = key row i's element d (rows past `count` zero): a key tile dim-major. */
 static inline void transpose_tile(const void* cache, const int64_t* slots, int t0, int count, int64_t token_stride,
-                                  int64_t head_at, int dim, float* restrict kt, const int bf16) {
+                                  int64_t head_at, int dim, float* restrict kt, const int dtype) {
     for (int i = 0; i < TILE; ++i) {
         if (i < count) {
             const int64_t row = slots[t0 + i] * token_stride + head_at;
-            for (int d = 0; d < dim; ++d) kt[d * TILE + i] = element(cache, row + d, bf16);
+            for (int d = 0; d < dim; ++d) kt[d * TILE + i] = load_f32(cache, row + d, dtype);
         } else {
             for (int d = 0; d < dim; ++d) kt[d * TILE + i] = 0.f;
         }
@@ -84,7 +56,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void attend_rows(const Row* rows, const int n, const float* kt_all,
                                                               const void* value_cache, const int64_t* slots,
                                                               int64_t token_stride, int64_t head_at, const int dim,
-                                                              int keys, void* out, const int bf16) {
+                                                              int keys, void* out, const int dtype) {
     const int nv = dim / 16;
     __m512 acc[MAX_ROWS][MAX_DIM / 16];
     float top[MAX_ROWS], total[MAX_ROWS];
@@ -146,7 +118,7 @@ static inline __attribute__((always_inline)) void attend_rows(const Row* rows, c
         for (int i = 0; i < count; ++i) {
             const int64_t v = slots[t0 + i] * token_stride + head_at;
             __m512 vv[MAX_DIM / 16];
-            for (int j = 0; j < nv; ++j) vv[j] = load16(value_cache, v + 16 * j, bf16);
+            for (int j = 0; j < nv; ++j) vv[j] = load16(value_cache, v + 16 * j, 0xffff, dtype);
             for (int r = 0; r < n; ++r) {
                 const __m512 w = _mm512_set1_ps(p[r][i]);
                 for (int j = 0; j < nv; ++j) acc[r][j] = _mm512_fmadd_ps(w, vv[j], acc[r][j]);
@@ -155,25 +127,26 @@ static inline __attribute__((always_inline)) void attend_rows(const Row* rows, c
     }
     for (int r = 0; r < n; ++r) {
         const __m512 inv = _mm512_set1_ps(1.f / total[r]);
-        for (int j = 0; j < nv; ++j) store16(out, rows[r].out + 16 * j, _mm512_mul_ps(acc[r][j], inv), bf16);
+        for (int j = 0; j < nv; ++j) store16(out, rows[r].out + 16 * j, _mm512_mul_ps(acc[r][j], inv), 0xffff, dtype);
     }
 }
 
-/* bf16 as a constant in each call, so every inlined copy has its own loads and stores */
-#define ATTEND_ROWS(N, DIM)                                                                                  \
-    (bf16 ? attend_rows(rows + r, N, kt, value_cache, slots, token_stride, head_at, DIM, keys_seen, out, 1) \
-          : attend_rows(rows + r, N, kt, value_cache, slots, token_stride, head_at, DIM, keys_seen, out, 0))
+/* the dtype as a constant in each call, so every inlined copy has its own loads and stores */
+#define ATTEND_ROWS(N, DIM)                                                                                      \
+    (dtype == DTYPE_BF16                                                                                         \
+         ? attend_rows(rows + r, N, kt, value_cache, slots, token_stride, head_at, DIM, keys_seen, out, DTYPE_BF16) \
+         : attend_rows(rows + r, N, kt, value_cache, slots, token_stride, head_at, DIM, keys_seen, out, DTYPE_F32))
 
 int paged_prefill_available(void) { return 1; }
 
 /* query: [tokens, heads, dim] with rows q_stride elements apart; out: [tokens, heads, dim]
- * contiguous; caches: [blocks, block_size, kv_heads, dim]; all float32 (bf16 0) or all bfloat16 (1). Chunk c: query rows
+ * contiguous; caches: [blocks, block_size, kv_heads, dim]; all float32 or all bfloat16 (dtype, cpu_dtypes.h). Chunk c: query rows
  * q_starts[c] .. + q_lens[c], keys at slots[slot_starts[c] .. + seq_lens[c]] (cache rows).
  * Returns 0, or -1 where the shapes are not taken (the caller falls back). */
 int paged_prefill(const void* query, int64_t q_stride, const void* key_cache, const void* value_cache, void* out,
                   const int64_t* all_slots, const int64_t* slot_starts, const int32_t* q_starts, const int32_t* q_lens,
                   const int32_t* seq_lens, int num_chunks, int heads, int kv_heads, int dim, float scale,
-                  int num_threads, int bf16) {
+                  int num_threads, int dtype) {
     const int group = heads / kv_heads;
     if ((dim != 64 && dim != 128) || heads % kv_heads || group * TILE > 1024) return -1;
     int64_t items = 0;
@@ -211,7 +184,7 @@ int paged_prefill(const void* query, int64_t q_stride, const void* key_cache, co
                 for (int t0 = from; t0 < keys_seen; t0 += TILE) {
                     const int count = keys_seen - t0 < TILE ? keys_seen - t0 : TILE;
                     transpose_tile(key_cache, slots, t0, count, token_stride, head_at, dim, kt + (int64_t)t0 * dim,
-                                   bf16);
+                                   dtype);
                 }
                 kt_chunk = c, kt_head = h, kt_keys = keys_seen;
             }
@@ -221,7 +194,7 @@ int paged_prefill(const void* query, int64_t q_stride, const void* key_cache, co
                     const int64_t token = q_starts[c] + p0 + i, head = (int64_t)h * group + g;
                     float* q = qs + (int64_t)n * dim;
                     const int64_t src = token * q_stride + head * dim;
-                    for (int d = 0; d < dim; ++d) q[d] = element(query, src + d, bf16) * scale;
+                    for (int d = 0; d < dim; ++d) q[d] = load_f32(query, src + d, dtype) * scale;
                     rows[n].q = q;
                     rows[n].out = (token * heads + head) * dim;
                     rows[n].last = seq_lens[c] - q_lens[c] + p0 + i;

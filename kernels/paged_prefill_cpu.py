@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .native_build import NativeLibrary
+from .native_build import C_DTYPES, NativeLibrary
 from .paged_decode_cpu import supports as decode_supports
 
 NativePrefill = Callable[..., int]
@@ -80,7 +80,7 @@ def paged_prefill(function: NativePrefill, query: torch.Tensor, key_cache: torch
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
         chunks.slots.data_ptr(), chunks.slot_starts.data_ptr(), chunks.q_starts.data_ptr(), chunks.q_lens.data_ptr(),
         chunks.seq_lens.data_ptr(), chunks.q_lens.numel(), query.shape[1], kv_heads, head_dim, scale,
-        torch.get_num_threads(), int(query.dtype == torch.bfloat16),
+        torch.get_num_threads(), C_DTYPES[query.dtype],
     )
     return status == 0
 

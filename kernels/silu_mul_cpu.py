@@ -1,9 +1,9 @@
-"""SiLU(gate) * up for CPU float32 in one C pass (kernels/silu_mul_cpu.c).
+"""SiLU(gate) * up for CPU float32 or bfloat16 in one C pass (kernels/silu_mul_cpu.c).
 
 The MLP's activation after the fused gate_up projection: torch's SiLU over the gate half and
 the product with the up half were ~5% of a 2,048-token prefill step on a 2-core Xeon; one
 pass over both halves takes ~a third of that. Built at first use (kernels/native_build.py);
-`silu_mul` returns None where it does not apply (not float32 / contiguous / CPU, inside a
+`silu_mul` returns None where it does not apply (not float32 or bfloat16 / contiguous / CPU, inside a
 compiled graph, no AVX-512, no compiler) and the caller runs torch.
 """
 
@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
-from .native_build import NativeLibrary
+from .native_build import C_DTYPES, NativeLibrary
 
 
 def _declare(library: ctypes.CDLL) -> bool:
     if not library.silu_mul_available():  # built without AVX-512: nothing here
         return False
-    library.silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    library.silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     library.silu_mul.restype = None
     return True
 
@@ -30,7 +30,7 @@ LIBRARY = NativeLibrary(Path(__file__).with_name("silu_mul_cpu.c"), "CPU SiLU x 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for gate_up [rows, 2n] (gate first), [rows, n]; None where it does not apply."""
-    if (gate_up.device.type != "cpu" or gate_up.dtype != torch.float32 or gate_up.dim() != 2 or gate_up.shape[1] % 2
+    if (gate_up.device.type != "cpu" or gate_up.dtype not in C_DTYPES or gate_up.dim() != 2 or gate_up.shape[1] % 2
             or not gate_up.is_contiguous() or torch.compiler.is_compiling()):
         return None
     library = LIBRARY.get()
@@ -38,7 +38,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty((rows, n))
-    library.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+    library.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads(),
+                     C_DTYPES[gate_up.dtype])
     return out
 
 
