@@ -28,7 +28,9 @@ embedding) keeps none of these: every step multiplies those blocks (`blocks`,
 kernels/block_matmul_cpu.py), the same values in a sixth or a third of the bytes, faster
 than oneDNN's float32 kernel at every row count measured (1-512 rows, 2-core AVX2 EPYC).
 All only reorder the weight or the additions: the product is the same up to the order of
-additions. A oneDNN-packed weight of any dtype builds a kernel per row count, so its rows
+additions. Half-precision weights rounded from such blocks keep the blocks too
+(`few_row_blocks`, given at load): up to FEW_ROWS rows multiply them in float32, since a few
+rows are bound by streaming the weight and the blocks are a third of bf16's bytes. A oneDNN-packed weight of any dtype builds a kernel per row count, so its rows
 take the buckets above.
 The compiled step keeps the plain weights (inductor cannot take a packed one as input),
 so an engine packs only when it runs eagerly.
