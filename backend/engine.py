@@ -66,8 +66,8 @@ class LLMEngine:
         compiled = compile_wanted(config, self.device)
         few_row_blocks = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
                           and not compiled and config.quantization == "none" and not self.workers)
-        loaded = load_model(self.model_path, self.dtype, self.device, self.workers.parallel if self.workers else SINGLE_RANK,
-                            few_row_blocks)
+        parallel = self.workers.parallel if self.workers else SINGLE_RANK
+        loaded = load_model(self.model_path, self.dtype, self.device, parallel, few_row_blocks)
         if config.quantization != "none":
             quantize_model(loaded.model, config.quantization)
         elif not compiled:

@@ -15,7 +15,8 @@
  * (kernels/paged_attention_cpu.py's native_prefill_max_keys): every item reads all the keys
  * its rows see, so long contexts, which SDPA's larger query blocks read fewer times, are
  * left to SDPA. bfloat16 queries and caches are widened to float32 as they are read (the
- * sums in float32) and the output rounded to nearest-even once. Built at first use by kernels/native_build.py
+ * sums in float32) and the output rounded to nearest-even once. Built at first use by
+ * kernels/native_build.py
  * (-O3 -march=native -fopenmp) and called through ctypes from kernels/paged_prefill_cpu.py;
  * AVX-512 only (elsewhere paged_prefill_available says 0, the library is not used and the
  * caller runs torch's SDPA).
@@ -140,7 +141,8 @@ static inline __attribute__((always_inline)) void attend_rows(const Row* rows, c
 int paged_prefill_available(void) { return 1; }
 
 /* query: [tokens, heads, dim] with rows q_stride elements apart; out: [tokens, heads, dim]
- * contiguous; caches: [blocks, block_size, kv_heads, dim]; all float32 or all bfloat16 (dtype, cpu_dtypes.h). Chunk c: query rows
+ * contiguous; caches: [blocks, block_size, kv_heads, dim]; all float32 or all bfloat16 (dtype,
+ * cpu_dtypes.h's codes). Chunk c: query rows
  * q_starts[c] .. + q_lens[c], keys at slots[slot_starts[c] .. + seq_lens[c]] (cache rows).
  * Returns 0, or -1 where the shapes are not taken (the caller falls back). */
 int paged_prefill(const void* query, int64_t q_stride, const void* key_cache, const void* value_cache, void* out,

@@ -3,8 +3,8 @@
 The MLP's activation after the fused gate_up projection: torch's SiLU over the gate half and
 the product with the up half were ~5% of a 2,048-token prefill step on a 2-core Xeon; one
 pass over both halves takes ~a third of that. Built at first use (kernels/native_build.py);
-`silu_mul` returns None where it does not apply (not float32 or bfloat16 / contiguous / CPU, inside a
-compiled graph, no AVX-512, no compiler) and the caller runs torch.
+`silu_mul` returns None where it does not apply (not float32 or bfloat16 / contiguous / CPU,
+inside a compiled graph, no AVX-512, no compiler) and the caller runs torch.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from .native_build import C_DTYPES, NativeLibrary
 def _declare(library: ctypes.CDLL) -> bool:
     if not library.silu_mul_available():  # built without AVX-512: nothing here
         return False
-    library.silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.silu_mul.argtypes = [p, p, i64, i64, i32, i32]
     library.silu_mul.restype = None
     return True
 

@@ -30,7 +30,8 @@ than oneDNN's float32 kernel at every row count measured (1-512 rows, 2-core AVX
 All only reorder the weight or the additions: the product is the same up to the order of
 additions. Half-precision weights rounded from such blocks keep the blocks too
 (`few_row_blocks`, given at load): up to FEW_ROWS rows multiply them in float32, since a few
-rows are bound by streaming the weight and the blocks are a third of bf16's bytes. A oneDNN-packed weight of any dtype builds a kernel per row count, so its rows
+rows are bound by streaming the weight and the blocks are a third of bf16's bytes. A
+oneDNN-packed weight of any dtype builds a kernel per row count, so its rows
 take the buckets above.
 The compiled step keeps the plain weights (inductor cannot take a packed one as input),
 so an engine packs only when it runs eagerly.
@@ -117,7 +118,8 @@ class Linear(nn.Linear):
             return self._block_matmul(x)
         rows = x.shape[0]
         if self.few_row_blocks is not None and x.dim() == 2 and rows <= FEW_ROWS:
-            out = block_matmul(x.float().contiguous(), self.few_row_blocks, None if self.bias is None else self.bias.float())
+            bias = None if self.bias is None else self.bias.float()
+            out = block_matmul(x.float().contiguous(), self.few_row_blocks, bias)
             if out is not None:
                 return out.to(x.dtype)
         # Inside the compiled step (plain weights) the rows are padded to a bucket already.

@@ -165,7 +165,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        activated = silu_mul_cpu(gate_up)  # one C pass on CPU float32 where it is built
+        activated = silu_mul_cpu(gate_up)  # one C pass on CPU (float32, bfloat16) where it is built
         if activated is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             activated = F.silu(gate).mul_(up)  # in place: one [rows, intermediate] pass and buffer fewer
