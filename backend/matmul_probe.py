@@ -24,7 +24,8 @@ oneDNN's the bundled model's rose 2.04% on one EPYC (1.32% with MKL's; 1.80% vs 
 another). The LM head writes no cache, so it takes oneDNN's layout there too.
 
 The probe times the model's gate/up projection (its largest matmul per layer) as the
-engine runs it (backend/models/linear.py), at one row (a single stream's decode) and 32
+engine runs it (backend/models/linear.py: bf16 through the C AVX512-BF16 kernel where the
+CPU has that instruction, else oneDNN's), at one row (a single stream's decode) and 32
 rows (a batch's), in each candidate; under a second for a small model. The verdict
 is kept in the cache directory, keyed by CPU, torch version, threads and shape, so a
 restart reads it instead of measuring again.
@@ -41,7 +42,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pagedserve.kernels import gemv_cpu
+from pagedserve.kernels import bf16_matmul_cpu, gemv_cpu
 from pagedserve.kernels.block_matmul_cpu import grid_weight
 from pagedserve.kernels.native_build import cache_root, cpu_signature
 
@@ -84,8 +85,10 @@ class MatmulTimes:
 
     def summary(self) -> str:
         blocks = "" if self.float32_blocks is None else f" / {self.float32_blocks * 1e3:.2f} ms GGUF blocks (C)"
+        bf16 = "C, AVX512-BF16" if bf16_matmul_cpu.native() else "oneDNN"
         return (f"[{self.in_features} -> {self.out_features}] matmul at {' and '.join(map(str, PROBE_ROWS))} rows: "
-                f"bfloat16 {self.bfloat16 * 1e3:.2f} ms, float32 {self.float32_transposed * 1e3:.2f} ms transposed "
+                f"bfloat16 {self.bfloat16 * 1e3:.2f} ms ({bf16}), "
+                f"float32 {self.float32_transposed * 1e3:.2f} ms transposed "
                 f"(MKL) / {self.float32_onednn * 1e3:.2f} ms packed (oneDNN){blocks}")
 
 
@@ -194,8 +197,9 @@ def _packed_linear(weight: torch.Tensor, dtype: torch.dtype, float32_layout: str
 def _cache_key(in_features: int, out_features: int, block_format: str | None) -> str:
     cpu = hashlib.sha256(cpu_signature().encode()).hexdigest()[:16]
     blocks = f" blocks {block_format}" if block_format else ""
+    pairs = " bf16 C kernel" if bf16_matmul_cpu.native() else ""  # a verdict on oneDNN's bf16 does not hold for it
     return (f"cpu {cpu} torch {torch.__version__} threads {torch.get_num_threads()} "
-            f"shape {in_features}x{out_features} rows {','.join(map(str, PROBE_ROWS))}{blocks}")
+            f"shape {in_features}x{out_features} rows {','.join(map(str, PROBE_ROWS))}{blocks}{pairs}")
 
 
 def _read_cache() -> dict:

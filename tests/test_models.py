@@ -86,6 +86,7 @@ def test_a_packed_linear_computes_what_the_plain_one_does(dtype, float32_layout)
     import torch.nn.functional as F
 
     from pagedserve.backend.models.linear import Linear
+    from pagedserve.kernels import bf16_matmul_cpu
 
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).to(dtype)
@@ -93,7 +94,9 @@ def test_a_packed_linear_computes_what_the_plain_one_does(dtype, float32_layout)
     packed = layer.pack(float32_layout or "transposed")
     assert (layer.transposed is not None) == (float32_layout == "transposed")
     assert bool(layer.gemv_rows) == (float32_layout == "both")
-    assert (layer.packed is not None) == (float32_layout != "transposed" and packed)
+    # bf16 where the CPU has AVX512-BF16: packed in pairs for the C kernel, no oneDNN copy
+    assert (layer.pairs is not None) == (dtype == torch.bfloat16 and bf16_matmul_cpu.native())
+    assert (layer.packed is not None) == (float32_layout != "transposed" and packed and layer.pairs is None)
     # oneDNN packs half precision only where the CPU has its instructions (avx512_bf16 /
     # avx512_fp16 or avx_ne_convert); such a layer stays unpacked and plain
     assert packed or dtype != torch.float32
@@ -105,13 +108,14 @@ def test_a_packed_linear_computes_what_the_plain_one_does(dtype, float32_layout)
 
 
 def test_a_half_precision_linear_multiplies_a_few_rows_by_its_exact_blocks():
-    """A bf16 layer given its checkpoint's Q4_1 blocks: up to FEW_ROWS rows get the product
-    with the exact weight (float32 sums, rounded once to bf16), more rows the product with
-    the bf16-rounded weight (oneDNN); the bundled model's bf16 engine keeps the blocks of
-    every linear, its tied LM head's too (from the embedding)."""
+    """A bf16 layer given its checkpoint's Q4_1 blocks: up to a few rows (FEW_ROWS, fewer
+    beside the C bf16 kernel) get the product with the exact weight (float32 sums, rounded
+    once to bf16), more rows the product with the bf16-rounded weight (oneDNN or the C
+    kernel); the bundled model's bf16 engine keeps the blocks of every linear, its tied LM
+    head's too (from the embedding)."""
     import torch.nn.functional as F
 
-    from pagedserve.backend.models.linear import FEW_ROWS, Linear, keep_exact_blocks
+    from pagedserve.backend.models.linear import Linear, keep_exact_blocks
     from pagedserve.kernels import block_matmul_cpu
 
     if block_matmul_cpu.LIBRARY.get() is None:
@@ -123,9 +127,10 @@ def test_a_half_precision_linear_multiplies_a_few_rows_by_its_exact_blocks():
     keep_exact_blocks(layer, exact)
     assert layer.few_row_blocks is not None
     layer.pack()
-    for rows in (1, 3, FEW_ROWS, FEW_ROWS + 1, 40):
+    few = layer.few_block_rows
+    for rows in (1, 3, few, few + 1, 40):
         x = torch.randn(rows, 128).to(torch.bfloat16)
-        weight = exact if rows <= FEW_ROWS else exact.to(torch.bfloat16).float()
+        weight = exact if rows <= few else exact.to(torch.bfloat16).float()
         expected = F.linear(x.float(), weight).to(torch.bfloat16)
         torch.testing.assert_close(layer(x), expected, rtol=1e-2, atol=1e-3)
 

@@ -12,10 +12,13 @@ much as a real one: 17 sequences padded to 32 took 1.8x the time of 17. Rows are
 independent in a matmul, so the padding rows (zeros) change nothing in the real ones.
 float32 laid out for MKL and CUDA need no buckets and take the plain path.
 
-The same half-precision weights are also packed once, at load, into oneDNN's blocked
-layout (`pack_weights`): an unpacked weight is re-laid-out by oneDNN on every call,
-which made the matmuls of a decode step 1.4-1.6x slower (AMX Xeon, 2 cores; measured
-in benchmarks/RESULTS.md). float32 weights are stored transposed, [in, out]: MKL
+Where the CPU has AVX512-BF16 but no AMX, a bf16 weight goes to neither: it is packed once,
+at load, in pairs of inputs for the C kernel of kernels/bf16_matmul_cpu.py (`pairs`),
+1.1-1.5x oneDNN's speed at the 6-128 rows of decode steps (every decoder linear, 2-core Zen
+4), with no kernel per shape and so no buckets. Otherwise the same half-precision weights are
+packed once, at load, into oneDNN's blocked layout (`pack_weights`): an unpacked weight is
+re-laid-out by oneDNN on every call, which made the matmuls of a decode step 1.4-1.6x slower
+(AMX Xeon, 2 cores; measured in benchmarks/RESULTS.md). float32 weights are stored transposed, [in, out]: MKL
 multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than x @ (that copy) on a Xeon with
 AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faster from
 8 rows on AMD EPYCs, where MKL is slow; or kept in "both" layouts: the plain [out, in]
@@ -46,7 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import block_matmul_cpu
+from pagedserve.kernels import bf16_matmul_cpu, block_matmul_cpu
+from pagedserve.kernels.bf16_matmul_cpu import PairWeight, pack_pairs, pair_matmul
 from pagedserve.kernels.block_matmul_cpu import BlockWeight, as_blocks, block_matmul
 from pagedserve.kernels.gemv_cpu import GEMV_MAX_ROWS, gemv
 
@@ -62,6 +66,11 @@ float32 (`few_row_blocks`), more take oneDNN's packed kernel. A few rows are bou
 streaming the weight (a third of bf16's bytes in Q4_1 blocks); many by arithmetic, where
 AVX512-BF16 doubles float32's rate (2-core Zen 4, every decoder linear: 1 row 5.3 vs 12.2
 ms, 8 rows 11.7 vs 12.6, 32 rows 43 vs 24)."""
+
+FEW_ROWS_BESIDE_PAIRS = 4
+"""FEW_ROWS where the layer has `pairs` (the C AVX512-BF16 kernel, from 5 rows faster than the
+blocks: every decoder linear on a 2-core Zen 4, 4 rows 7.7 vs 8.6 ms, 6 rows 10.0 vs 8.7, 8
+rows 12.5 vs 9.1)."""
 
 
 def row_bucket(rows: int, exact: int = 16) -> int:
@@ -108,6 +117,10 @@ class Linear(nn.Linear):
     `pack_weights`): every step multiplies them, in a sixth or a third of the bytes, and the
     layer keeps no other copy."""
 
+    pairs: PairWeight | None = None
+    """A bf16 weight packed for the C AVX512-BF16 kernel (kernels/bf16_matmul_cpu.py, after
+    `pack_weights`, where the CPU has the instruction): every step of more than
+    FEW_ROWS_BESIDE_PAIRS rows multiplies it, and the layer keeps no oneDNN copy."""
     few_row_blocks: BlockWeight | None = None
     """Half precision on CPU: the GGUF blocks the weight was rounded from (set at load), which
     up to FEW_ROWS rows multiply in float32; the rounded weight, packed, takes more rows.
@@ -117,11 +130,13 @@ class Linear(nn.Linear):
         if self.blocks is not None:
             return self._block_matmul(x)
         rows = x.shape[0]
-        if self.few_row_blocks is not None and x.dim() == 2 and rows <= FEW_ROWS:
+        if self.few_row_blocks is not None and x.dim() == 2 and rows <= self.few_block_rows:
             bias = None if self.bias is None else self.bias.float()
             out = block_matmul(x.float().contiguous(), self.few_row_blocks, bias)
             if out is not None:
                 return out.to(x.dtype)
+        if self.pairs is not None:
+            return self._pair_matmul(x)
         # Inside the compiled step (plain weights) the rows are padded to a bucket already.
         bucket = row_bucket(rows, EXACT_ROWS) if self.packed is not None and x.dim() == 2 else rows
         if bucket != rows:
@@ -136,6 +151,18 @@ class Linear(nn.Linear):
         if out is None:  # not float32 rows (or none): through the weight the blocks rebuild
             bias = None if self.bias is None else self.bias.to(x.dtype)
             out = F.linear(flat, self.blocks.dequantize().to(x.dtype), bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def few_block_rows(self) -> int:
+        """Row counts up to this multiply `few_row_blocks` (where the layer has them)."""
+        return FEW_ROWS if self.pairs is None else FEW_ROWS_BESIDE_PAIRS
+
+    def _pair_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()
+        out = pair_matmul(flat, self.pairs)
+        if out is None:  # not bf16 rows (or none): through the weight the pairs hold
+            out = F.linear(flat, self.pairs.unpack().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +180,8 @@ class Linear(nn.Linear):
     @property
     def reads_plain_weight(self) -> bool:
         """Whether the layer still multiplies by `weight` after packing (so it must stay)."""
-        return (self.packed is None and self.transposed is None and self.blocks is None) or self.gemv_rows > 0
+        return (self.packed is None and self.transposed is None and self.blocks is None
+                and self.pairs is None) or self.gemv_rows > 0
 
     def pack(self, float32_layout: str = "transposed") -> bool:
         """Lay a CPU weight out as its matmul reads it fastest: half precision packed for
@@ -166,6 +194,10 @@ class Linear(nn.Linear):
         if weight.dtype == torch.float32 and block_matmul_cpu.LIBRARY.get() is not None:
             self.blocks = as_blocks(weight)  # whatever the layout: exact GGUF blocks serve every step
             if self.blocks is not None:
+                return True
+        if weight.dtype == torch.bfloat16 and bf16_matmul_cpu.native():
+            self.pairs = pack_pairs(weight, self.bias)
+            if self.pairs is not None:
                 return True
         onednn = torch.backends.mkldnn.is_available()
         if weight.dtype == torch.float32 and (float32_layout == "transposed" or not onednn):

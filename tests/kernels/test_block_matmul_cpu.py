@@ -16,6 +16,7 @@ import torch
 
 from pagedserve.kernels import block_matmul_cpu
 from pagedserve.kernels.block_matmul_cpu import as_blocks, block_matmul, grid_weight
+from .threads import same_on_one_thread
 
 built = pytest.mark.skipif(block_matmul_cpu.LIBRARY.get() is None, reason="the C matmul is not built here (no C compiler)")
 
@@ -116,13 +117,7 @@ def test_every_instruction_set_the_cpu_runs_computes_the_same_products(march, mo
 def test_a_large_weight_splits_over_threads_with_the_same_result(rows):
     g = torch.Generator().manual_seed(7)
     x, weight = torch.randn(rows, 576, generator=g), as_blocks(grid_weight("q8_0", 3000, 576, seed=7))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = block_matmul(x, weight)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(block_matmul(x, weight), alone)  # each output's sum does not depend on the split
+    assert same_on_one_thread(lambda: block_matmul(x, weight))
 
 
 @built

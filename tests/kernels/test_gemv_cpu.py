@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import gemv_cpu
+from .threads import same_on_one_thread
 
 built = pytest.mark.skipif(gemv_cpu.LIBRARY.get() is None, reason="the C GEMV is not built here (no C compiler)")
 
@@ -44,10 +45,4 @@ def test_declines_what_it_does_not_compute():
 def test_a_large_weight_splits_over_threads_with_the_same_result():
     g = torch.Generator().manual_seed(7)
     x, weight = torch.randn(1, 576, generator=g), torch.randn(49152 // 8, 576, generator=g)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = gemv_cpu.gemv(x, weight)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(gemv_cpu.gemv(x, weight), alone)  # each output's sum does not depend on the split
+    assert same_on_one_thread(lambda: gemv_cpu.gemv(x, weight))

@@ -1,0 +1,129 @@
+/* bf16 matmuls on CPU: y = x @ W^T (+ bias), bf16 in and out, sums in float32.
+ *
+ * Why our own: on a CPU with AVX512-BF16 (no AMX) one VDPBF16PS does 32 bf16 products into 16
+ * float32 sums, twice an FMA's work; oneDNN's bf16 kernel reaches ~62% of that peak at 32 rows
+ * and ~90% from 512 (2-core Zen 4), and splits each matmul between threads up front, so on a
+ * 2-core machine serving requests a core taken by the server or the client for a moment leaves
+ * the other thread waiting. This loop reaches ~95% at every row count from 16 on and hands the
+ * work out a panel at a time (benchmarks/RESULTS.md: 1.2-1.5x oneDNN's at 1-128 rows, level at
+ * 2,048, over a whole model's decoder layers).
+ *
+ * Layout (kernels/bf16_matmul_cpu.py's PairWeight): outputs in groups of GROUP (16), and within
+ * a group, for each pair of inputs (2k, 2k + 1), the 16 outputs' two weights side by side:
+ * [groups][in / 2][GROUP][2] bf16. One 64-byte load is then 16 outputs' weights at two inputs,
+ * what VDPBF16PS multiplies by one row's two inputs broadcast: each lane is one output's running
+ * sum, no lane sums. Outputs padded to whole groups with zero weights.
+ *
+ * The tile is MR (8) rows x PANEL (3) groups = 48 outputs: 24 accumulators, 3 weight loads and 8
+ * broadcasts feed 24 dot products per pair of inputs. A panel's weights (in x 48 x 2 bytes, 55 KB
+ * at in = 576) stay in L2 while its rows pass MR at a time; rows go MC at a time so those stay
+ * in cache as the panels go by. Threads take panels one at a time (schedule(dynamic)).
+ *
+ * Without AVX512-BF16 a plain loop over the same layout computes the same sums (in another
+ * order): tests check the layout and the leftovers with it on any CPU; engines use this kernel
+ * only where bf16_matmul_native() and the CPU has no AMX (kernels/bf16_matmul_cpu.py's native()).
+ * Built at first use by kernels/native_build.py (-O3 -march=native -fopenmp).
+ */
+#include <stdint.h>
+
+#include "cpu_dtypes.h"
+
+#define GROUP 16 /* kernels/bf16_matmul_cpu.py's GROUP */
+#define PANEL 3  /* groups a tile covers */
+#define MR 8     /* rows a tile covers */
+#define MC 128   /* rows per pass over the weights */
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+int bf16_matmul_native(void) { return 1; }
+
+/* ROWS rows of x (row stride `in`) times NV groups of w (group stride gstride pairs x GROUP),
+ * rounded to bf16 into y (row stride `out`). ROWS and NV constants at each call. */
+static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_t in, const uint32_t* w,
+                                                       int64_t gstride, const float* bias, uint16_t* y, int64_t out,
+                                                       const int ROWS, const int NV) {
+    __m512 acc[MR][PANEL];
+    for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    const uint32_t* xp = (const uint32_t*)x; /* a row's inputs 2k, 2k + 1 as one 32-bit value */
+    const int64_t pairs = in / 2;
+    for (int64_t k = 0; k < pairs; ++k) {
+        __m512bh b[PANEL];
+        for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(w + v * gstride + k * GROUP);
+        for (int r = 0; r < ROWS; ++r) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[r * pairs + k]);
+            for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+        }
+    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < NV; ++v) {
+            __m512 s = acc[r][v];
+            if (bias) s = _mm512_add_ps(s, _mm512_loadu_ps(bias + GROUP * v));
+            _mm256_storeu_si256((__m256i*)(y + r * out + GROUP * v), (__m256i)_mm512_cvtneps_pbh(s));
+        }
+}
+#else
+int bf16_matmul_native(void) { return 0; }
+
+static inline void tile(const uint16_t* x, int64_t in, const uint32_t* w, int64_t gstride, const float* bias,
+                        uint16_t* y, int64_t out, const int ROWS, const int NV) {
+    const uint16_t* wh = (const uint16_t*)w; /* [pairs][GROUP][2] per group */
+    for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < NV; ++v)
+            for (int n = 0; n < GROUP; ++n) {
+                float s = 0.0f;
+                for (int64_t k = 0; k < in; ++k)
+                    s += bf16_to_f32(x[r * in + k]) * bf16_to_f32(wh[2 * (v * gstride + (k / 2) * GROUP + n) + k % 2]);
+                if (bias) s += bias[GROUP * v + n];
+                y[r * out + GROUP * v + n] = f32_to_bf16(s);
+            }
+}
+#endif
+
+/* Every row of x times one panel of NV groups (a constant). */
+static inline __attribute__((always_inline)) void panel_rows(const uint16_t* x, int64_t in, int rows,
+                                                             const uint32_t* w, int64_t gstride, const float* bias,
+                                                             uint16_t* y, int64_t out, const int NV) {
+    int r = 0;
+    for (; r + MR <= rows; r += MR) tile(x + r * in, in, w, gstride, bias, y + r * out, out, MR, NV);
+    x += r * in, y += r * out;
+    switch (rows - r) { /* the last few rows: one tile of their number */
+        case 0: break;
+        case 7: tile(x, in, w, gstride, bias, y, out, 7, NV); break;
+        case 6: tile(x, in, w, gstride, bias, y, out, 6, NV); break;
+        case 5: tile(x, in, w, gstride, bias, y, out, 5, NV); break;
+        case 4: tile(x, in, w, gstride, bias, y, out, 4, NV); break;
+        case 3: tile(x, in, w, gstride, bias, y, out, 3, NV); break;
+        case 2: tile(x, in, w, gstride, bias, y, out, 2, NV); break;
+        default: tile(x, in, w, gstride, bias, y, out, 1, NV); break;
+    }
+}
+
+/* y[r, o] = sum_i x[r, i] * W[o, i] (+ bias[o]): x [rows, in] and y [rows, groups * GROUP]
+ * contiguous bf16; w the pairs above, [groups, in / 2, GROUP] 32-bit values; bias float32
+ * [groups * GROUP] or NULL; `in` even. */
+void bf16_matmul(const uint16_t* x, const uint32_t* w, const float* bias, uint16_t* y, int rows, int64_t in,
+                 int64_t groups, int num_threads) {
+    const int64_t out = groups * GROUP, gstride = in / 2 * GROUP;
+    const int64_t panels = (groups + PANEL - 1) / PANEL;
+#pragma omp parallel num_threads(num_threads) if (out * in >= 65536)
+    for (int r0 = 0; r0 < rows; r0 += MC) {
+        const int pass_rows = rows - r0 < MC ? rows - r0 : MC;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < panels; ++p) {
+            const int64_t g0 = p * PANEL;
+            const int ng = groups - g0 < PANEL ? (int)(groups - g0) : PANEL;
+            const uint16_t* xs = x + (int64_t)r0 * in;
+            const uint32_t* ws = w + g0 * gstride;
+            const float* bs = bias ? bias + g0 * GROUP : 0;
+            uint16_t* ys = y + (int64_t)r0 * out + g0 * GROUP;
+            if (ng == 3)
+                panel_rows(xs, in, pass_rows, ws, gstride, bs, ys, out, 3);
+            else if (ng == 2)
+                panel_rows(xs, in, pass_rows, ws, gstride, bs, ys, out, 2);
+            else
+                panel_rows(xs, in, pass_rows, ws, gstride, bs, ys, out, 1);
+        }
+    }
+}

@@ -1,0 +1,100 @@
+"""The C bf16 matmul (kernels/bf16_matmul_cpu.py) against a float64 product of the same bf16
+values.
+
+Sums are float32 and the result is rounded once to bf16, so each output is within half a bf16
+step (2**-9 relative) of the exact sum plus the float32 sums' error: 2**-8 of the sum of
+|x_i w_i| (and |bias|) bounds it, at every row count (whole tiles, leftover rows, several passes
+of rows) and for output counts that are not whole panels or groups. Run on every instruction
+set the CPU has: its plain loop (any CPU) and, where the CPU has AVX512-BF16, the VDPBF16PS
+tiles engines use."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.kernels import bf16_matmul_cpu
+from pagedserve.kernels.bf16_matmul_cpu import pack_pairs, pair_matmul
+from .threads import same_on_one_thread
+
+built = pytest.mark.skipif(bf16_matmul_cpu.LIBRARY.get() is None,
+                           reason="the C matmul is not built here (no C compiler)")
+
+
+def test_pairs_hold_the_weight_bit_for_bit_padded_with_zeros():
+    weight = torch.randn(21, 64).bfloat16()
+    packed = pack_pairs(weight, torch.randn(21))
+    assert packed.pairs.shape == (2, 32, 16) and packed.shape == (21, 64)  # 21 outputs in two groups of 16
+    assert torch.equal(packed.unpack(), weight)
+    # output 16 g + n's inputs 2k, 2k + 1 are pairs[g, k, n]'s low and high halves
+    halves = packed.pairs.view(torch.bfloat16).view(2, 32, 16, 2)
+    assert torch.equal(halves[0, 5, 3], weight[3, 10:12])
+    assert not halves[1, :, 5:].view(torch.int16).any() and not packed.bias[21:].any()
+    assert pack_pairs(torch.randn(16, 63).bfloat16()) is None  # an odd number of inputs
+    assert pack_pairs(torch.randn(16, 64)) is None  # not bf16
+
+
+def assert_matches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    out = pair_matmul(x, pack_pairs(weight, bias))
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == (x.shape[0], weight.shape[0])
+    b = None if bias is None else bias.double()
+    exact = torch.nn.functional.linear(x.double(), weight.double(), b)
+    scale = x.double().abs() @ weight.double().abs().T + (0 if b is None else b.abs())
+    error = (out.double() - exact).abs() / scale
+    assert error.max().item() <= 2**-8, error.max().item()
+
+
+@built
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 33, 130])
+@pytest.mark.parametrize("out_features", [16, 50, 96])
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_within_one_bf16_rounding(rows, out_features, bias):
+    g = torch.Generator().manual_seed(rows * out_features + bias)
+    x = torch.randn(rows, 192, generator=g).bfloat16()
+    weight = torch.randn(out_features, 192, generator=g).bfloat16()
+    assert_matches(x, weight, torch.randn(out_features, generator=g) if bias else None)
+
+
+def instruction_sets_here() -> list[str]:
+    """-march levels whose code this CPU runs: the plain loop (x86-64) and -march=native (the
+    AVX512-BF16 tiles where the CPU has them)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["native"]
+    return ["x86-64", "native"]
+
+
+@built
+@pytest.mark.parametrize("march", instruction_sets_here())
+def test_every_instruction_set_the_cpu_runs_computes_the_same_products(march, monkeypatch):
+    library = bf16_matmul_cpu.LIBRARY.load(march=march)
+    monkeypatch.setattr(bf16_matmul_cpu.LIBRARY, "get", lambda: library)
+    if march == "x86-64":
+        assert not library.bf16_matmul_native()
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if march == "native" and "avx512_bf16" in flags:
+        assert library.bf16_matmul_native()
+    g = torch.Generator().manual_seed(5)
+    for rows in (1, 5, 14, 70):
+        x, weight = torch.randn(rows, 320, generator=g).bfloat16(), torch.randn(40, 320, generator=g).bfloat16()
+        assert_matches(x, weight, torch.randn(40, generator=g))
+
+
+@built
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_a_large_weight_splits_over_threads_with_the_same_result(rows):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    weight = pack_pairs(torch.randn(3000, 576, generator=g).bfloat16())
+    assert same_on_one_thread(lambda: pair_matmul(x, weight))
+
+
+@built
+def test_declines_what_it_does_not_compute():
+    weight = pack_pairs(torch.randn(16, 64).bfloat16())
+    assert pair_matmul(torch.randn(2, 64), weight) is None  # float32 rows
+    assert pair_matmul(torch.randn(64, 2).bfloat16().T, weight) is None  # not contiguous
+    assert pair_matmul(torch.randn(2, 32).bfloat16(), weight) is None  # the wrong number of inputs
+    assert pair_matmul(torch.randn(0, 64).bfloat16(), weight) is None  # no rows
