@@ -23,7 +23,14 @@ from ..tokenizer import encode_prompt
 from ..values import to_bool
 from .finals import ERROR_OUTPUT
 from .requests import CORE_OUTPUTS, parse_prompt, requested_returns, select_outputs
-from .responses import ENGINE_OUTPUTS, TEXT_LEVEL_INPUTS, postprocess_texts, split_samples, text_response
+from .responses import (
+    ENGINE_OUTPUTS,
+    TEXT_LEVEL_INPUTS,
+    client_response,
+    postprocess_texts,
+    split_samples,
+    text_response,
+)
 from .tensors import Arrays, flag, scalar, token_ids
 from .trtllm import (
     TEXT_NAMES,
@@ -39,6 +46,7 @@ from .trtllm import (
 )
 
 Reply = Callable[[Arrays], list[dict[str, np.ndarray]]]
+RenderedReply = Callable[[Arrays, list[str]], list[dict[str, np.ndarray]]]
 
 
 @dataclass
@@ -49,6 +57,10 @@ class RelayPlan:
     engine_inputs: dict[str, np.ndarray] = field(default_factory=dict)
     engine_outputs: list[str] = field(default_factory=list)
     reply: Reply = lambda outputs: []
+    rendered_reply: RenderedReply | None = None
+    """In the engine's own process: the client's responses from an engine response's client-level
+    outputs and each sample's text as the engine rendered it (the same text `reply` decodes again
+    from the token ids), where the request's text excludes its prompt; None: `reply` only."""
     stops: bool = False
     """A TensorRT-LLM `stop` request: end the client's request of the same id; nothing to relay."""
 
@@ -77,6 +89,7 @@ class VllmText:
             engine_inputs=forwarded,
             engine_outputs=[name for name in ENGINE_OUTPUTS if name in needed],
             reply=lambda outputs: [text_response(outputs, tokenizer, with_text)],
+            rendered_reply=lambda outputs, texts: [client_response(outputs, texts if with_text else None)],
         )
 
 

@@ -42,13 +42,13 @@ from ..errors import InvalidRequestError
 from ..outputs import EngineStats, RequestOutput
 from ..values import to_bool
 from .arguments import model_parameters
-from .cancellation import WATCH_INTERVAL_S, RecentIds, Watcher, asked_cancelled
-from .contracts import Contract, Reply, VllmText
+from .cancellation import WATCH_INTERVAL_S, AskRotation, RecentIds, Watcher, asked_cancelled
+from .contracts import Contract, RenderedReply, Reply, VllmText
 from .finals import CANCELLED, Failure, send_final
 from .metrics import EngineMetrics, RequestTiming
 from .python_model import log_info
 from .requests import BLS_CALLER, EngineRequest, parse_engine_request
-from .responses import engine_response, merge_outputs
+from .responses import CLIENT_OUTPUTS, engine_response, merge_outputs
 from .tensors import flag, request_inputs, scalar, to_tensors
 
 logger = logging.getLogger("pagedserve")
@@ -69,6 +69,8 @@ class ActiveRequest:
     """Why we aborted it ourselves (a failed send); None: its client cancelled."""
     reply: Reply | None = None
     """The client contract's responses for an engine response; None: the client reads token ids."""
+    rendered_reply: RenderedReply | None = None
+    """The same from the engine's rendered text, where the contract has it (contracts.RelayPlan)."""
 
 
 class EngineModel:
@@ -104,6 +106,7 @@ class EngineModel:
         self.next_gauges = 0.0
         self.response_thread = threading.Thread(target=self._response_loop, name="pagedserve-responses", daemon=True)
         self.response_thread.start()
+        self.asks = AskRotation()
         self.watcher = Watcher("pagedserve-watcher", self._watch, WATCH_INTERVAL_S)
 
     @classmethod
@@ -144,10 +147,11 @@ class EngineModel:
                 self._cancel(scalar(inputs, "cancel_request_id"))
                 response_sender.send(flags=self.final_flag)
                 return
-            requested, reply = request.requested_output_names(), None
+            requested, reply, rendered_reply = request.requested_output_names(), None, None
             if self.contract is not None and "input_ids" not in inputs:
                 plan = self.contract.plan(inputs, set(requested), self.tokenizer)
                 inputs, requested, reply = plan.engine_inputs, plan.engine_outputs, plan.reply
+                rendered_reply = plan.rendered_reply
             parsed = parse_engine_request(inputs, self.tokenizer, request.parameters(), requested)
             parsed.bls_caller = bls_caller
             request_id = request.request_id()
@@ -159,7 +163,8 @@ class EngineModel:
             if bls_caller:  # frees the BLS thread the caller holds until a first response
                 response_sender.send(self.pb_utils.InferenceResponse(output_tensors=[]))
             with self.lock:
-                self.active[request_id] = ActiveRequest(response_sender, parsed, RequestTiming(time.monotonic()), reply=reply)
+                self.active[request_id] = ActiveRequest(response_sender, parsed, RequestTiming(time.monotonic()),
+                                                        reply=reply, rendered_reply=rendered_reply)
             submitted = request_id
             self.engine_thread.submit(request_id, parsed.prompt_token_ids, parsed.params, self.outbox.put)
         except Exception as error:
@@ -229,8 +234,7 @@ class EngineModel:
             if not output.finished:
                 return
             output = active.pending
-        tensors = engine_response(active.request, output, self.tokenizer)
-        replies = [tensors] if active.reply is None else active.reply(tensors)
+        replies = self._replies(active, output)
         responses = [self.pb_utils.InferenceResponse(output_tensors=to_tensors(self.pb_utils, t)) for t in replies]
         last = responses.pop() if responses else None
         for response in responses:
@@ -239,6 +243,17 @@ class EngineModel:
             send_final(active.response_sender, last, self.final_flag)
         elif last is not None:
             active.response_sender.send(last)
+
+    def _replies(self, active: ActiveRequest, output: RequestOutput) -> list[dict[str, Any]]:
+        """The client's responses' tensors for an output. A text client whose text leaves out
+        the prompt (every streaming one) gets the text the engine rendered: building a streamed
+        token's response by decoding its ids again took 37 us of the GIL, this 3 us."""
+        request = active.request
+        if active.rendered_reply is not None and request.exclude_input:
+            tensors = engine_response(request, output, self.tokenizer, only=CLIENT_OUTPUTS)
+            return active.rendered_reply(tensors, [sample.text for sample in output.per_sample()])
+        tensors = engine_response(request, output, self.tokenizer)
+        return [tensors] if active.reply is None else active.reply(tensors)
 
     def _count(self, active: ActiveRequest, output: RequestOutput) -> None:
         """Metrics of an output; a failure here is logged, never the request's end."""
@@ -261,10 +276,13 @@ class EngineModel:
     def _watch(self) -> None:
         """Abort what clients cancelled (BLS callers send cancel requests instead), refresh the gauges."""
         with self.lock:
-            cancelled = [(request_id, active) for request_id, active in self.active.items()
-                         if not active.abort_sent and not active.request.bls_caller
-                         and asked_cancelled(active.response_sender)]
-        for request_id, active in cancelled:
+            watched = [request_id for request_id, active in self.active.items()
+                       if not active.abort_sent and not active.request.bls_caller]
+        for request_id in self.asks.pick(watched):
+            with self.lock:  # one ask at a time: the response thread waits for one round trip at most
+                active = self.active.get(request_id)
+                if active is None or not asked_cancelled(active.response_sender):
+                    continue
             self._abort(request_id, active, None)
         if self.metrics is not None and time.monotonic() >= self.next_gauges:
             self.next_gauges = time.monotonic() + GAUGE_INTERVAL_S

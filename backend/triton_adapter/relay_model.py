@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import InvalidRequestError
 from .arguments import ENGINE_MODEL, model_parameters, tokenizer_from_args
-from .cancellation import WATCH_INTERVAL_S, Watcher, asked_cancelled
+from .cancellation import WATCH_INTERVAL_S, AskRotation, Watcher, asked_cancelled
 from .contracts import Contract, EngineTokens, RelayPlan, TrtllmText, TrtllmTokens, VllmText
 from .finals import ERROR_OUTPUT, Failure, send_final
 from .python_model import log_info
@@ -80,6 +80,7 @@ class RelayModel:
         self.active: dict[str, Relay] = {}  # until its final response
         self.lock = threading.Lock()  # a sender's factory is gone once its final response is sent
         self.drained: deque[tuple[float, Any]] = deque()  # (when to let go, drained BLS iterator)
+        self.asks = AskRotation()
         self.watcher = Watcher("llm-watcher", self._watch, WATCH_INTERVAL_S)
 
     @classmethod
@@ -229,9 +230,16 @@ class RelayModel:
     def _watch(self) -> None:
         """Forward client cancellations to the engine; let go of iterators drained long enough ago."""
         with self.lock:
-            cancelled = [request_id for request_id, relay in self.active.items() if asked_cancelled(relay.response_sender)]
-            for request_id in cancelled:  # the relay still sends its final, when the engine has ended it
+            watched = list(self.active)
+        cancelled = []
+        for request_id in self.asks.pick(watched):
+            with self.lock:  # one ask at a time, on a sender whose final has not gone out
+                relay = self.active.get(request_id)
+                if relay is None or not asked_cancelled(relay.response_sender):
+                    continue
+                # the relay still sends its final, when the engine has ended it
                 self.active.pop(request_id).cancelled = True
+            cancelled.append(request_id)
         for request_id in cancelled:
             log_info(self.pb_utils, f"[pagedserve] request {request_id} cancelled by its client; cancelling it in {self.engine_model}")
             self._cancel_in_engine(request_id)

@@ -26,8 +26,10 @@ TEXT_LEVEL_INPUTS = ("text_input", "messages", "apply_chat_template")
 """`llm` inputs it consumes itself; the rest go on to the engine unchanged."""
 
 
-def engine_response(request: EngineRequest, output: RequestOutput, tokenizer: Any) -> dict[str, np.ndarray]:
-    """The outputs of `request.outputs` (only those: see requests.select_outputs).
+def engine_response(request: EngineRequest, output: RequestOutput, tokenizer: Any,
+                    only: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+    """The outputs of `request.outputs` (only those: see requests.select_outputs), and of
+    those only the ones named in `only` where given.
 
     Per-sample outputs hold one entry per sample, in sample order (vLLM's backend
     with `n`); the token ids of all samples travel concatenated, split by
@@ -58,7 +60,8 @@ def engine_response(request: EngineRequest, output: RequestOutput, tokenizer: An
         "num_input_tokens": lambda: np.array([len(request.prompt_token_ids)], dtype=np.uint32),
         "num_output_tokens": lambda: np.array([len(s.new_token_ids) for s in samples], dtype=np.uint32),
     }
-    return {name: make() for name, make in build.items() if name in request.outputs}
+    wanted = request.outputs if only is None else request.outputs.intersection(only)
+    return {name: make() for name, make in build.items() if name in wanted}
 
 
 def _concat(id_lists: list[list[int]]) -> np.ndarray:
@@ -128,7 +131,13 @@ def text_response(engine_outputs: Arrays, tokenizer: Any, with_text: bool = True
     """`llm`'s response: the text delta of each sample of an engine response
     (unless the client named outputs without `text_output`) plus the client-facing
     outputs it carries."""
+    return client_response(engine_outputs, postprocess_texts(engine_outputs, tokenizer) if with_text else None)
+
+
+def client_response(engine_outputs: Arrays, texts: list[str] | None) -> dict[str, np.ndarray]:
+    """`llm`'s response: each sample's text delta (`texts`; None: the client named outputs
+    without `text_output`) plus the client-facing outputs the engine response carries."""
     tensors = {n: engine_outputs[n] for n in CLIENT_OUTPUTS if n in engine_outputs}
-    if with_text:
-        tensors = {"text_output": np.array(postprocess_texts(engine_outputs, tokenizer), dtype=np.object_), **tensors}
+    if texts is not None:
+        tensors = {"text_output": np.array(texts, dtype=np.object_), **tensors}
     return tensors

@@ -265,7 +265,8 @@ class FakeEngineThread:
         callback = self.callbacks.pop(request_id) if finished else self.callbacks[request_id]
         prompt = self.submitted[request_id][0]
         fields.setdefault("finish_reason", "length" if finished else None)
-        callback(RequestOutput(request_id=request_id, new_token_ids=new_ids, context_token_ids=[], text="",
+        fields.setdefault("text", "".join(map(chr, new_ids)))  # rendered as the engine would, by CharTokenizer
+        callback(RequestOutput(request_id=request_id, new_token_ids=new_ids, context_token_ids=[],
                                finished=finished, num_prompt_tokens=len(prompt), **fields))
 
     def abort(self, request_id: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from pagedserve.backend.triton_adapter.cancellation import RecentIds, Watcher, asked_cancelled
+from pagedserve.backend.triton_adapter.cancellation import AskRotation, RecentIds, Watcher, asked_cancelled
 
 from .fakes import wait_until
 
@@ -44,3 +44,16 @@ def test_recent_ids_are_taken_once_expire_and_stay_bounded():
     for name in ("x", "y", "z"):
         ids.add(name)
     assert not ids.take("x") and ids.take("y") and ids.take("z")  # the oldest went first
+
+
+def test_every_request_is_asked_in_turn_a_few_per_tick():
+    """32 requests, 8 asks a tick: each asked once in 4 ticks; a new request is asked at its
+    first tick, a finished one no more."""
+    asks = AskRotation(per_tick=8)
+    ids = [f"r{i}" for i in range(32)]
+    asked = [asks.pick(ids) for _ in range(4)]
+    assert all(len(tick) == 8 for tick in asked) and sorted(sum(asked, [])) == sorted(ids)
+    assert "new" in asks.pick(ids[1:] + ["new"])
+    assert all("r0" not in asks.pick(ids[1:]) for _ in range(8))
+    assert asks.pick(["a", "b"]) == ["a", "b"]  # fewer than a tick's budget: all of them, every tick
+    assert asks.pick(["a", "b"]) == ["a", "b"]
