@@ -197,7 +197,7 @@ def _packed_linear(weight: torch.Tensor, dtype: torch.dtype, float32_layout: str
 def _cache_key(in_features: int, out_features: int, block_format: str | None) -> str:
     cpu = hashlib.sha256(cpu_signature().encode()).hexdigest()[:16]
     blocks = f" blocks {block_format}" if block_format else ""
-    pairs = " bf16 C kernel" if bf16_matmul_cpu.native() else ""  # a verdict on oneDNN's bf16 does not hold for it
+    pairs = " bf16 C kernel" if bf16_matmul_cpu.native() else ""  # oneDNN's bf16 verdict does not hold for it
     return (f"cpu {cpu} torch {torch.__version__} threads {torch.get_num_threads()} "
             f"shape {in_features}x{out_features} rows {','.join(map(str, PROBE_ROWS))}{blocks}{pairs}")
 

@@ -18,9 +18,9 @@ at load, in pairs of inputs for the C kernel of kernels/bf16_matmul_cpu.py (`pai
 4), with no kernel per shape and so no buckets. Otherwise the same half-precision weights are
 packed once, at load, into oneDNN's blocked layout (`pack_weights`): an unpacked weight is
 re-laid-out by oneDNN on every call, which made the matmuls of a decode step 1.4-1.6x slower
-(AMX Xeon, 2 cores; measured in benchmarks/RESULTS.md). float32 weights are stored transposed, [in, out]: MKL
-multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than x @ (that copy) on a Xeon with
-AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faster from
+(AMX Xeon, 2 cores; measured in benchmarks/RESULTS.md). float32 weights are stored
+transposed, [in, out]: MKL multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than x @ (that
+copy) on a Xeon with AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faster from
 8 rows on AMD EPYCs, where MKL is slow; or kept in "both" layouts: the plain [out, in]
 weight for up to GEMV_MAX_ROWS rows, through the C matrix-vector loop of
 kernels/gemv_cpu.py (a single stream's decode, bound by streaming the weights: ~25 GB/s
@@ -119,7 +119,7 @@ class Linear(nn.Linear):
 
     pairs: PairWeight | None = None
     """A bf16 weight packed for the C AVX512-BF16 kernel (kernels/bf16_matmul_cpu.py, after
-    `pack_weights`, where the CPU has the instruction): every step of more than
+    `pack_weights`, where the CPU has the instruction and no AMX): every step of more than
     FEW_ROWS_BESIDE_PAIRS rows multiplies it, and the layer keeps no oneDNN copy."""
     few_row_blocks: BlockWeight | None = None
     """Half precision on CPU: the GGUF blocks the weight was rounded from (set at load), which
