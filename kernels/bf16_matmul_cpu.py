@@ -14,6 +14,7 @@ oneDNN's; only their order differs. Built at first use (kernels/native_build.py)
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,13 @@ def native() -> bool:
     AMX, whose tiles oneDNN uses for bf16 at several times VDPBF16PS's rate. Elsewhere its
     plain loop serves the tests."""
     library = LIBRARY.get()
-    return library is not None and bool(library.bf16_matmul_native()) and "amx_bf16" not in cpu_signature().split()
+    return library is not None and bool(library.bf16_matmul_native()) and not _has_amx()
+
+
+@functools.cache
+def _has_amx() -> bool:
+    """Read once: every bf16 layer asks at load (`Linear.pack`), and /proc/cpuinfo does not change."""
+    return "amx_bf16" in cpu_signature().split()
 
 
 @dataclass(frozen=True)
