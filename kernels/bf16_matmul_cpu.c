@@ -4,7 +4,8 @@
  * float32 sums, twice an FMA's work; oneDNN's bf16 kernel reaches ~62% of that peak at 32 rows
  * and ~90% from 512 (2-core Zen 4), and splits each matmul between threads up front, so on a
  * 2-core machine serving requests a core taken by the server or the client for a moment leaves
- * the other thread waiting. This loop reaches ~95% at every row count from 16 on and hands the
+ * the other thread waiting. This loop reaches 80% at 32 rows and ~90% from 64 on (weights
+ * streamed from memory as in a decode step; ~88% at 16 rows on weights in cache) and hands the
  * work out a panel at a time (benchmarks/RESULTS.md: 1.2-1.5x oneDNN's at 1-128 rows, level at
  * 2,048, over a whole model's decoder layers).
  *
