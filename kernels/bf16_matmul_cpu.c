@@ -75,7 +75,8 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
     for (int64_t k = 0; k < pairs; ++k) {
         __m512bh b[PANEL];
         for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(w + v * gstride + k * GROUP);
-        for (int v = 0; v < ahead.groups; ++v) _mm_prefetch((const char*)(ahead.w + v * gstride + k * GROUP), _MM_HINT_T1);
+        for (int v = 0; v < ahead.groups; ++v)
+            _mm_prefetch((const char*)(ahead.w + v * gstride + k * GROUP), _MM_HINT_T1);
         for (int r = 0; r < ROWS; ++r) {
             const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[r * pairs + k]);
             for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);

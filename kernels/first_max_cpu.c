@@ -20,7 +20,8 @@ int first_max_available(void) { return 1; }
 static int64_t row_first_max(const float* x, int64_t n) {
     const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
     __m512 best = minus_inf;
-    __m512i at = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i at = _mm512_setzero_si512();
+    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i step = _mm512_set1_epi32(16);
     __mmask16 nan = 0;
     for (int64_t j = 0; j < n; j += 16) {

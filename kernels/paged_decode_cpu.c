@@ -229,8 +229,8 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
                 int64_t at = token_row(table, t, block_size, token_stride) + head_at;
                 prefetch_part(key_cache, table, t + PREFETCH_AHEAD, len, block_size, token_stride, head_at, dim, dtype);
                 if (t + PREFETCH_AHEAD >= len) /* the value pass's first rows */
-                    prefetch_part(value_cache, table, t + PREFETCH_AHEAD - len, len, block_size, token_stride, head_at, dim,
-                                  dtype);
+                    prefetch_part(value_cache, table, t + PREFETCH_AHEAD - len, len, block_size, token_stride, head_at,
+                                  dim, dtype);
 #if defined(__AVX512BF16__)
                 if (pairs) {
                     const uint16_t* k = (const uint16_t*)key_cache + at;
@@ -507,7 +507,8 @@ int paged_decode(
         int item = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
         while (item < items) {
             const int next = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
-            if (next < items) lead_in(key_cache, tables, table_width, lens, next, per_item, kv_heads, dim, block_size, dtype);
+            if (next < items)
+                lead_in(key_cache, tables, table_width, lens, next, per_item, kv_heads, dim, block_size, dtype);
             int i = item * per_item / kv_heads, len = lens[i], first = item * per_item % kv_heads;
             int64_t need = (int64_t)per_item * group * (len + dim + 1);
             if (need > capacity) {
@@ -516,11 +517,11 @@ int paged_decode(
                 work = (float*)malloc(sizeof(float) * capacity);
             }
             const int32_t* table = tables + (int64_t)i * table_width;
-            if (!attend_item_fast(query, key_cache, value_cache, out, table, len, rows[i], q_stride, first, per_item, heads,
-                                  kv_heads, dim, block_size, group, scale, dtype, work))
+            if (!attend_item_fast(query, key_cache, value_cache, out, table, len, rows[i], q_stride, first, per_item,
+                                  heads, kv_heads, dim, block_size, group, scale, dtype, work))
                 for (int h = first; h < first + per_item; ++h)
-                    attend_item(query, key_cache, value_cache, out, table, len, rows[i], q_stride, h, heads, kv_heads, dim,
-                                block_size, group, scale, dtype, work);
+                    attend_item(query, key_cache, value_cache, out, table, len, rows[i], q_stride, h, heads, kv_heads,
+                                dim, block_size, group, scale, dtype, work);
             item = next;
         }
         free(work);

@@ -165,9 +165,9 @@ static inline void pair_tiles(const uint16_t* key_cache, const uint16_t* value_c
 
 /* attend_rows over the pair layouts: rows' q point at bf16 query rows (unscaled: `scale`
  * multiplies the scores). */
-static inline __attribute__((always_inline)) void attend_rows_pairs(const Row* rows, const int n, const uint32_t* kp_all,
-                                                                    const uint16_t* vp_all, const int dim, int keys,
-                                                                    float scale, void* out) {
+static inline __attribute__((always_inline)) void attend_rows_pairs(const Row* rows, const int n,
+                                                                    const uint32_t* kp_all, const uint16_t* vp_all,
+                                                                    const int dim, int keys, float scale, void* out) {
     const int nv = dim / 16, half = dim / 2;
     __m512 acc[MAX_ROWS][MAX_DIM / 16];
     float top[MAX_ROWS], total[MAX_ROWS];
@@ -187,7 +187,8 @@ static inline __attribute__((always_inline)) void attend_rows_pairs(const Row* r
         for (int r = 0; r < n; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
         if (two) {
             for (int p = 0; p < half; ++p) {
-                const __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + p * TILE), b = (__m512bh)_mm512_loadu_si512(k1 + p * TILE);
+                const __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + p * TILE);
+                const __m512bh b = (__m512bh)_mm512_loadu_si512(k1 + p * TILE);
                 for (int r = 0; r < n; ++r) {
                     const __m512bh q = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)rows[r].q)[p]);
                     s[r][0] = _mm512_dpbf16_ps(s[r][0], q, a);
@@ -197,8 +198,10 @@ static inline __attribute__((always_inline)) void attend_rows_pairs(const Row* r
         } else {
             for (int p = 0; p < half; ++p) {
                 const __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + p * TILE);
-                for (int r = 0; r < n; ++r)
-                    s[r][0] = _mm512_dpbf16_ps(s[r][0], (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)rows[r].q)[p]), a);
+                for (int r = 0; r < n; ++r) {
+                    const __m512bh q = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)rows[r].q)[p]);
+                    s[r][0] = _mm512_dpbf16_ps(s[r][0], q, a);
+                }
             }
         }
         uint32_t pw[MAX_ROWS][TILE]; /* a row's probabilities of keys 2i, 2i + 1 as a bf16 pair */
@@ -241,7 +244,8 @@ static inline __attribute__((always_inline)) void attend_rows_pairs(const Row* r
     }
     for (int r = 0; r < n; ++r) {
         const __m512 inv = _mm512_set1_ps(1.f / total[r]);
-        for (int j = 0; j < nv; ++j) store16(out, rows[r].out + 16 * j, _mm512_mul_ps(acc[r][j], inv), 0xffff, DTYPE_BF16);
+        for (int j = 0; j < nv; ++j)
+            store16(out, rows[r].out + 16 * j, _mm512_mul_ps(acc[r][j], inv), 0xffff, DTYPE_BF16);
     }
 }
 #define PAIRS 1
@@ -306,8 +310,8 @@ int paged_prefill(const void* query, int64_t q_stride, const void* key_cache, co
                     const int count = keys_seen - t0 < TILE ? keys_seen - t0 : TILE;
 #if PAIRS
                     if (pairs) {
-                        pair_tiles((const uint16_t*)key_cache, (const uint16_t*)value_cache, slots, t0, count, token_stride,
-                                   head_at, dim, (uint32_t*)kt + (int64_t)t0 * dim / 2, vp);
+                        pair_tiles((const uint16_t*)key_cache, (const uint16_t*)value_cache, slots, t0, count,
+                                   token_stride, head_at, dim, (uint32_t*)kt + (int64_t)t0 * dim / 2, vp);
                         continue;
                     }
 #endif

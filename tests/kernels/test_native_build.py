@@ -40,7 +40,8 @@ def test_no_compiler_a_failed_build_or_switched_off_means_torch_ops(tmp_path, mo
 
 
 @pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler here")
-@pytest.mark.parametrize("library", [PREFILL, SILU_MUL, FIRST_MAX], ids=["paged_prefill_cpu", "silu_mul_cpu", "first_max_cpu"])
+@pytest.mark.parametrize("library", [PREFILL, SILU_MUL, FIRST_MAX],
+                         ids=["paged_prefill_cpu", "silu_mul_cpu", "first_max_cpu"])
 def test_a_library_without_code_for_the_cpu_is_not_used(library, caplog):
     """AVX-512-only kernels built for AVX2 load as None (torch runs), once, not declined per call."""
     caplog.set_level(logging.INFO, logger="pagedserve")
