@@ -57,6 +57,59 @@ typedef struct {
     int last;
 } Row;
 
+/* A call's rows' running state, as flash attention keeps it: per row the largest score so far,
+ * the total of exp(score - that), and its output sums (dim / 16 vectors), rescaled as it grows. */
+static inline void start_rows(int n, int nv, __m512 acc[][MAX_DIM / 16], float* top, float* total) {
+    for (int r = 0; r < n; ++r) {
+        top[r] = -INFINITY, total[r] = 0.f;
+        for (int j = 0; j < nv; ++j) acc[r][j] = _mm512_setzero_ps();
+    }
+}
+
+/* One past the last key any of the rows sees (at most keys). */
+static inline int keys_end(const Row* rows, int n, int keys) {
+    int last = 0;
+    for (int r = 0; r < n; ++r) last = rows[r].last > last ? rows[r].last : last;
+    return last + 1 < keys ? last + 1 : keys;
+}
+
+/* One row's step over the 2 * TILE keys from t0 (scores s0, s1, scaled): the keys it sees get
+ * exp(score - its new running maximum) in e0, e1 (the others 0), its maximum and total move on
+ * and its sums acc[0 .. nv) are rescaled to the new maximum. Returns 0 where it sees none. */
+static inline __attribute__((always_inline)) int softmax_step(int last, int t0, __m512 s0, __m512 s1, float* top,
+                                                              float* total, __m512* acc, const int nv, __m512* e0,
+                                                              __m512* e1) {
+    const int visible = last - t0 + 1; /* keys of this step the row sees */
+    if (visible <= 0) return 0;
+    const __mmask16 seen0 = visible >= TILE ? (__mmask16)0xffff : (__mmask16)((1u << visible) - 1u);
+    const __mmask16 seen1 = visible >= 2 * TILE ? (__mmask16)0xffff
+                            : visible > TILE  ? (__mmask16)((1u << (visible - TILE)) - 1u) : (__mmask16)0;
+    float step_top = _mm512_mask_reduce_max_ps(seen0, s0);
+    if (seen1) {
+        const float top1 = _mm512_mask_reduce_max_ps(seen1, s1);
+        step_top = top1 > step_top ? top1 : step_top;
+    }
+    const float new_top = step_top > *top ? step_top : *top;
+    const __m512 m = _mm512_set1_ps(new_top);
+    *e0 = _mm512_maskz_mov_ps(seen0, exp_nonpositive(_mm512_sub_ps(s0, m)));
+    *e1 = _mm512_maskz_mov_ps(seen1, exp_nonpositive(_mm512_sub_ps(s1, m)));
+    const float shrink = expf(*top - new_top); /* 0 for the first step (top -inf) */
+    *total = *total * shrink + _mm512_reduce_add_ps(_mm512_add_ps(*e0, *e1));
+    *top = new_top;
+    const __m512 shrink_v = _mm512_set1_ps(shrink);
+    for (int j = 0; j < nv; ++j) acc[j] = _mm512_mul_ps(acc[j], shrink_v);
+    return 1;
+}
+
+/* Each row's sums divided by its total, written to its output row. */
+static inline void finish_rows(const Row* rows, int n, int nv, __m512 acc[][MAX_DIM / 16], const float* total,
+                               void* out, const int dtype) {
+    for (int r = 0; r < n; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.f / total[r]);
+        for (int j = 0; j < nv; ++j) store16(out, rows[r].out + 16 * j, _mm512_mul_ps(acc[r][j], inv), 0xffff, dtype);
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_rows(const Row* rows, const int n, const float* kt_all,
                                                               const void* value_cache, const int64_t* slots,
                                                               int64_t token_stride, int64_t head_at, const int dim,
@@ -64,13 +117,8 @@ static inline __attribute__((always_inline)) void attend_rows(const Row* rows, c
     const int nv = dim / 16;
     __m512 acc[MAX_ROWS][MAX_DIM / 16];
     float top[MAX_ROWS], total[MAX_ROWS];
-    for (int r = 0; r < n; ++r) {
-        top[r] = -INFINITY, total[r] = 0.f;
-        for (int j = 0; j < nv; ++j) acc[r][j] = _mm512_setzero_ps();
-    }
-    int last = 0;
-    for (int r = 0; r < n; ++r) last = rows[r].last > last ? rows[r].last : last;
-    const int end = last + 1 < keys ? last + 1 : keys;
+    start_rows(n, nv, acc, top, total);
+    const int end = keys_end(rows, n, keys);
     for (int t0 = 0; t0 < end; t0 += 2 * TILE) { /* two key tiles a step: each broadcast query value feeds 2 FMAs */
         const float* kt = kt_all + (int64_t)(t0 / TILE) * dim * TILE;
         const int two = end - t0 > TILE;
@@ -93,28 +141,11 @@ static inline __attribute__((always_inline)) void attend_rows(const Row* rows, c
         }
         float p[MAX_ROWS][2 * TILE];
         for (int r = 0; r < n; ++r) {
-            const int visible = rows[r].last - t0 + 1; /* keys of this step the row sees */
-            if (visible <= 0) {
+            __m512 e0, e1;
+            if (!softmax_step(rows[r].last, t0, s[r][0], s[r][1], &top[r], &total[r], acc[r], nv, &e0, &e1)) {
                 memset(p[r], 0, sizeof(p[r]));
                 continue;
             }
-            const __mmask16 seen0 = visible >= TILE ? (__mmask16)0xffff : (__mmask16)((1u << visible) - 1u);
-            const __mmask16 seen1 = visible >= 2 * TILE ? (__mmask16)0xffff
-                                    : visible > TILE  ? (__mmask16)((1u << (visible - TILE)) - 1u) : (__mmask16)0;
-            float step_top = _mm512_mask_reduce_max_ps(seen0, s[r][0]);
-            if (seen1) {
-                const float top1 = _mm512_mask_reduce_max_ps(seen1, s[r][1]);
-                step_top = top1 > step_top ? top1 : step_top;
-            }
-            const float new_top = step_top > top[r] ? step_top : top[r];
-            const __m512 m = _mm512_set1_ps(new_top);
-            const __m512 e0 = _mm512_maskz_mov_ps(seen0, exp_nonpositive(_mm512_sub_ps(s[r][0], m)));
-            const __m512 e1 = _mm512_maskz_mov_ps(seen1, exp_nonpositive(_mm512_sub_ps(s[r][1], m)));
-            const float shrink = expf(top[r] - new_top); /* 0 for the first step (top -inf) */
-            total[r] = total[r] * shrink + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-            top[r] = new_top;
-            const __m512 shrink_v = _mm512_set1_ps(shrink);
-            for (int j = 0; j < nv; ++j) acc[r][j] = _mm512_mul_ps(acc[r][j], shrink_v);
             _mm512_storeu_ps(p[r], e0);
             _mm512_storeu_ps(p[r] + TILE, e1);
         }
@@ -129,10 +160,7 @@ static inline __attribute__((always_inline)) void attend_rows(const Row* rows, c
             }
         }
     }
-    for (int r = 0; r < n; ++r) {
-        const __m512 inv = _mm512_set1_ps(1.f / total[r]);
-        for (int j = 0; j < nv; ++j) store16(out, rows[r].out + 16 * j, _mm512_mul_ps(acc[r][j], inv), 0xffff, dtype);
-    }
+    finish_rows(rows, n, nv, acc, total, out, dtype);
 }
 
 
@@ -171,13 +199,8 @@ static inline __attribute__((always_inline)) void attend_rows_pairs(const Row* r
     const int nv = dim / 16, half = dim / 2;
     __m512 acc[MAX_ROWS][MAX_DIM / 16];
     float top[MAX_ROWS], total[MAX_ROWS];
-    for (int r = 0; r < n; ++r) {
-        top[r] = -INFINITY, total[r] = 0.f;
-        for (int j = 0; j < nv; ++j) acc[r][j] = _mm512_setzero_ps();
-    }
-    int last = 0;
-    for (int r = 0; r < n; ++r) last = rows[r].last > last ? rows[r].last : last;
-    const int end = last + 1 < keys ? last + 1 : keys;
+    start_rows(n, nv, acc, top, total);
+    const int end = keys_end(rows, n, keys);
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int t0 = 0; t0 < end; t0 += 2 * TILE) {
         const uint32_t* k0 = kp_all + (int64_t)(t0 / TILE) * half * TILE;
@@ -206,29 +229,12 @@ static inline __attribute__((always_inline)) void attend_rows_pairs(const Row* r
         }
         uint32_t pw[MAX_ROWS][TILE]; /* a row's probabilities of keys 2i, 2i + 1 as a bf16 pair */
         for (int r = 0; r < n; ++r) {
-            const int visible = rows[r].last - t0 + 1;
-            if (visible <= 0) {
+            const __m512 s0 = _mm512_mul_ps(s[r][0], scale_v), s1 = _mm512_mul_ps(s[r][1], scale_v);
+            __m512 e0, e1;
+            if (!softmax_step(rows[r].last, t0, s0, s1, &top[r], &total[r], acc[r], nv, &e0, &e1)) {
                 memset(pw[r], 0, sizeof(pw[r]));
                 continue;
             }
-            const __mmask16 seen0 = visible >= TILE ? (__mmask16)0xffff : (__mmask16)((1u << visible) - 1u);
-            const __mmask16 seen1 = visible >= 2 * TILE ? (__mmask16)0xffff
-                                    : visible > TILE  ? (__mmask16)((1u << (visible - TILE)) - 1u) : (__mmask16)0;
-            const __m512 s0 = _mm512_mul_ps(s[r][0], scale_v), s1 = _mm512_mul_ps(s[r][1], scale_v);
-            float step_top = _mm512_mask_reduce_max_ps(seen0, s0);
-            if (seen1) {
-                const float top1 = _mm512_mask_reduce_max_ps(seen1, s1);
-                step_top = top1 > step_top ? top1 : step_top;
-            }
-            const float new_top = step_top > top[r] ? step_top : top[r];
-            const __m512 m = _mm512_set1_ps(new_top);
-            const __m512 e0 = _mm512_maskz_mov_ps(seen0, exp_nonpositive(_mm512_sub_ps(s0, m)));
-            const __m512 e1 = _mm512_maskz_mov_ps(seen1, exp_nonpositive(_mm512_sub_ps(s1, m)));
-            const float shrink = expf(top[r] - new_top);
-            total[r] = total[r] * shrink + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-            top[r] = new_top;
-            const __m512 shrink_v = _mm512_set1_ps(shrink);
-            for (int j = 0; j < nv; ++j) acc[r][j] = _mm512_mul_ps(acc[r][j], shrink_v);
             _mm512_storeu_si512(pw[r], (__m512i)_mm512_cvtne2ps_pbh(e1, e0)); /* keys 0-15 low, 16-31 high */
         }
         const int count = end - t0 < 2 * TILE ? end - t0 : 2 * TILE;
@@ -242,11 +248,7 @@ static inline __attribute__((always_inline)) void attend_rows_pairs(const Row* r
             }
         }
     }
-    for (int r = 0; r < n; ++r) {
-        const __m512 inv = _mm512_set1_ps(1.f / total[r]);
-        for (int j = 0; j < nv; ++j)
-            store16(out, rows[r].out + 16 * j, _mm512_mul_ps(acc[r][j], inv), 0xffff, DTYPE_BF16);
-    }
+    finish_rows(rows, n, nv, acc, total, out, DTYPE_BF16);
 }
 #define PAIRS 1
 #else
