@@ -93,18 +93,18 @@ def pack_pairs(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PairWe
 def pair_matmul(x: torch.Tensor, weight: PairWeight) -> torch.Tensor | None:
     """x @ weight.T (+ its bias), bf16 [rows, out]; None unless x is a contiguous 2-D CPU bf16
     tensor of in_features columns outside compilation, and the library is built."""
-    out_features, in_features = weight.shape
-    if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != in_features
+    groups, pairs, _ = weight.pairs.shape
+    in_features = 2 * pairs
+    if (not x.is_cpu or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != in_features
             or not 0 < x.shape[0] < 2**31 or not x.is_contiguous() or torch.compiler.is_compiling()):
         return None
     library = LIBRARY.get()
     if library is None:
         return None
-    groups = weight.pairs.shape[0]
     out = x.new_empty((x.shape[0], groups * GROUP))
     library.bf16_matmul(x.data_ptr(), weight.pairs.data_ptr(), None if weight.bias is None else weight.bias.data_ptr(),
                         out.data_ptr(), x.shape[0], in_features, groups, torch.get_num_threads())
-    return out if groups * GROUP == out_features else out[:, :out_features].contiguous()
+    return out if groups * GROUP == weight.out_features else out[:, :weight.out_features].contiguous()
 
 
 __all__ = ["GROUP", "LIBRARY", "PairWeight", "native", "pack_pairs", "pair_matmul"]

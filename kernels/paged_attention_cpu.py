@@ -168,13 +168,17 @@ def paged_attention_cpu(
     if query.shape[0] == 0:
         return out
     plan = step_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1], chunk_keys)
-    ks, vs = kv_scales(key_cache, k_scale, v_scale)
-    keys, values = KVRows(key_cache, ks, query.dtype), KVRows(value_cache, vs, query.dtype)
-    if plan.decode is not None and not (native and _native_decode(query, key_cache, value_cache, out, plan.decode, scale)):
-        out.index_copy_(0, plan.decode.tokens, _decode(query, keys, values, plan.decode, scale))
+    torch_decode = plan.decode is not None and not (
+        native and _native_decode(query, key_cache, value_cache, out, plan.decode, scale))
     prefills = plan.prefills
     if prefills and native:
         prefills = _native_prefill(query, key_cache, value_cache, out, plan, scale)
+    if not (torch_decode or prefills):  # the C loops took everything (the usual CPU step)
+        return out
+    ks, vs = kv_scales(key_cache, k_scale, v_scale)
+    keys, values = KVRows(key_cache, ks, query.dtype), KVRows(value_cache, vs, query.dtype)
+    if torch_decode:
+        out.index_copy_(0, plan.decode.tokens, _decode(query, keys, values, plan.decode, scale))
     for prefill in prefills:
         out[prefill.start : prefill.end] = _prefill(query, keys, values, prefill, scale)
     return out

@@ -159,11 +159,11 @@ class Linear(nn.Linear):
         return FEW_ROWS if self.pairs is None else FEW_ROWS_BESIDE_PAIRS
 
     def _pair_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).contiguous()
-        out = pair_matmul(flat, self.pairs)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a step's rows are 2-D already
+        out = pair_matmul(flat.contiguous(), self.pairs)
         if out is None:  # not bf16 rows (or none): through the weight the pairs hold
             out = F.linear(flat, self.pairs.unpack().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.gemv_rows:
