@@ -22,8 +22,8 @@
  * claiming its next panel as it starts one, so that while its later row tiles run from L2 it
  * can pull the next panel's weights from memory into L2 (`Ahead`): otherwise a panel's first
  * tile waits on memory with the arithmetic idle (decode-step weights do not fit in any cache).
- * That took every decoder linear plus the LM head at 16 / 32 / 64 rows from 289 / 353 / 392 to
- * 345 / 377 / 410 GFLOP/s (2-core Zen 4; peak 466).
+ * That took every decoder linear plus the LM head at 16 / 32 / 64 rows from 289 / 346-353 / 392-401
+ * to 326-345 / 370-377 / 410-422 GFLOP/s over several runs (2-core Zen 4; peak ~460).
  *
  * Without AVX512-BF16 a plain loop over the same layout computes the same sums (in another
  * order): tests check the layout and the leftovers with it on any CPU; engines use this kernel
