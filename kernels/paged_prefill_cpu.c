@@ -251,13 +251,17 @@ static inline __attribute__((always_inline)) void attend_rows_pairs(const Row* r
     finish_rows(rows, n, nv, acc, total, out, DTYPE_BF16);
 }
 #define PAIRS 1
+#define ATTEND_PAIRS(N, DIM) attend_rows_pairs(rows + r, N, (const uint32_t*)kt, vp, DIM, keys_seen, scale, out)
 #else
 #define PAIRS 0
+#define ATTEND_PAIRS(N, DIM) ((void)0) /* never reached: `pairs` is 0 */
 #endif
 
-/* the dtype as a constant in each call, so every inlined copy has its own loads and stores */
+/* the dtype as a constant in each call, so every inlined copy has its own loads and stores; bf16
+ * pairs where the CPU multiplies them (`pairs`) */
 #define ATTEND_ROWS(N, DIM)                                                                                      \
-    (dtype == DTYPE_BF16                                                                                         \
+    (pairs ? ATTEND_PAIRS(N, DIM)                                                                                \
+     : dtype == DTYPE_BF16                                                                                       \
          ? attend_rows(rows + r, N, kt, value_cache, slots, token_stride, head_at, DIM, keys_seen, out, DTYPE_BF16) \
          : attend_rows(rows + r, N, kt, value_cache, slots, token_stride, head_at, DIM, keys_seen, out, DTYPE_F32))
 
@@ -288,8 +292,8 @@ int paged_prefill(const void* query, int64_t q_stride, const void* key_cache, co
     {
         const size_t key_steps = (size_t)(longest + 2 * TILE - 1) / (2 * TILE); /* attend_rows reads two tiles a step */
         float* kt = (float*)aligned_alloc(64, sizeof(float) * key_steps * 2 * TILE * dim);
-        uint16_t* vp = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * key_steps * 2 * TILE * dim);
-        const int pairs = PAIRS && dtype == DTYPE_BF16; /* kt holds the key pairs then */
+        const int pairs = PAIRS && dtype == DTYPE_BF16; /* kt holds the key pairs then, vp the value pairs */
+        uint16_t* vp = pairs ? (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * key_steps * 2 * TILE * dim) : NULL;
         float* qs = (float*)aligned_alloc(64, sizeof(float) * (size_t)group * TILE * dim);
         Row rows[1024];
         int kt_chunk = -1, kt_head = -1, kt_keys = 0;
@@ -338,24 +342,6 @@ int paged_prefill(const void* query, int64_t q_stride, const void* key_cache, co
                     rows[n].last = seq_lens[c] - q_lens[c] + p0 + i;
                 }
             int r = 0;
-#if PAIRS
-            if (pairs) {
-                const uint32_t* kp = (const uint32_t*)kt;
-                if (dim == 64) {
-                    for (; r + 4 <= n; r += 4) attend_rows_pairs(rows + r, 4, kp, vp, 64, keys_seen, scale, out);
-                    switch (n - r) {
-                        case 3: attend_rows_pairs(rows + r, 3, kp, vp, 64, keys_seen, scale, out); break;
-                        case 2: attend_rows_pairs(rows + r, 2, kp, vp, 64, keys_seen, scale, out); break;
-                        case 1: attend_rows_pairs(rows + r, 1, kp, vp, 64, keys_seen, scale, out); break;
-                        default: break;
-                    }
-                } else {
-                    for (; r + 2 <= n; r += 2) attend_rows_pairs(rows + r, 2, kp, vp, 128, keys_seen, scale, out);
-                    if (r < n) attend_rows_pairs(rows + r, 1, kp, vp, 128, keys_seen, scale, out);
-                }
-                continue;
-            }
-#endif
             if (dim == 64) {
                 for (; r + 4 <= n; r += 4) ATTEND_ROWS(4, 64);
                 switch (n - r) {
