@@ -12,6 +12,10 @@ Besides the engine thread, two threads of our own: the response thread turns
 engine outputs into Triton responses (so sending never slows an engine step),
 and the watcher aborts requests whose client cancelled and refreshes the gauges.
 
+Past 300 lines on purpose: a request's whole life here (accept, respond, cancel, finish) runs
+on three threads that share one lock and the `active` map; split in two, each half would
+reach into the other's state.
+
 Triton (2.51) traps kept here:
 - once a request's final response is sent its response sender is gone in the
   server, and `is_cancelled()` on it is a use-after-free. So a request leaves
