@@ -53,6 +53,8 @@ class EngineConfig:
     """Most requests waiting; beyond it new requests are refused ("busy, retry later")."""
     seed: int = 0
     """Seed of the engine's random generator (requests without their own seed)."""
+    stream_interval: int = 1
+    """Tokens gathered into each streamed delta, as vLLM's `--stream-interval`: 1 streams every token as it is sampled; N > 1 sends a request's delta once N new tokens are waiting (the first and the last at once), so under load fewer responses carry the same tokens (less per-response work for the server and the client; benchmarks/RESULTS.md). A request's `stream_interval` sampling parameter may raise it."""
     scheduling_policy: str = "inflight"
     """inflight (continuous batching) or static (kept for benchmarks only)."""
     quantization: str = "none"
@@ -125,6 +127,7 @@ class EngineConfig:
         _at_least(self, "max_num_batched_tokens", 16)
         _at_least(self, "max_model_len", 0)
         _at_least(self, "max_queue_size", 1)
+        _at_least(self, "stream_interval", 1)
         _at_least(self, "num_threads", 0)
         _at_least(self, "tensor_parallel_size", 1)
         if self.tensor_parallel_size > 1:

@@ -170,7 +170,8 @@ class LLMEngine:
         if seq.params.seed is not None:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(seq.params.seed + seq.sample_index)
-        self.renderers[seq.request_id] = OutputRenderer(seq, self.tokenizer)
+        interval = max(self.config.stream_interval, seq.params.stream_interval or 1)
+        self.renderers[seq.request_id] = OutputRenderer(seq, self.tokenizer, interval)
 
     def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
         """vLLM's `bad_words` as token sequences, each word alone and after a space

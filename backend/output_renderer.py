@@ -3,7 +3,9 @@
 It renders text incrementally, finds stop strings (also when they span token
 boundaries), holds back the few characters that might start a stop string, and
 releases tokens only at clean text boundaries. Stop strings live here rather
-than in the scheduler because only rendered text can show them.
+than in the scheduler because only rendered text can show them. With a stream
+interval N > 1 a delta waits until N new tokens are ready (vLLM's
+`stream_interval`): fewer, larger deltas, the first and the last never delayed.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from .sequence import Sequence
 
 
 class OutputRenderer:
-    def __init__(self, seq: Sequence, tokenizer: Any):
+    def __init__(self, seq: Sequence, tokenizer: Any, stream_interval: int = 1):
         self.seq = seq
+        self.stream_interval = stream_interval
         params = seq.params
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, seq.token_ids, seq.num_prompt_tokens, params.skip_special_tokens
@@ -68,6 +71,8 @@ class OutputRenderer:
             )
             if end_token is None:
                 return None
+            if self.sent_tokens and end_token - self.sent_tokens < self.stream_interval:
+                return None  # not the first delta, and fewer than stream_interval tokens ready
             end_char, trim = self.token_ends[end_token - 1], 0
         seq = self.seq
         first = seq.num_prompt_tokens + self.sent_tokens

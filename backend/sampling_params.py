@@ -55,6 +55,9 @@ class SamplingParams:
     """Words that must never be generated (vLLM's key); the engine adds their token ids."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    stream_interval: int | None = None
+    """Tokens gathered into each streamed delta (vLLM's key): raises the engine's `stream_interval`
+    for this request, never lowers it. The first and the final delta go out at once."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,6 +125,8 @@ class SamplingParams:
             _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2^63), got {self.seed}")
+        if self.stream_interval is not None:
+            _check(self.stream_interval >= 1, "stream_interval", f"must be >= 1, got {self.stream_interval}")
         if self.logprobs is not None:
             _check(
                 0 <= self.logprobs <= _MAX_LOGPROBS,

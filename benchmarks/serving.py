@@ -123,18 +123,19 @@ class LocalServer:
         self.process.stop(timeout=20)
 
 
-def local_server(system: str, dtype: str, logs: Path) -> LocalServer:
+def local_server(system: str, dtype: str, logs: Path, stream_interval: int = 1) -> LocalServer:
     """The naive server (benchmarks/naive_server.py) or vLLM's (benchmarks/peers/vllm_cpu.py), not started."""
     port = free_port()
     if system == "vllm":
-        return LocalServer(vllm_cpu.server_process(dtype, port, logs / "vllm_server.log"), port, vllm_cpu.READY_PATH)
+        process = vllm_cpu.server_process(dtype, port, logs / "vllm_server.log", stream_interval=stream_interval)
+        return LocalServer(process, port, vllm_cpu.READY_PATH)
     command = [sys.executable, str(HERE / "naive_server.py"), "--port", str(port), "--dtype", dtype]
     return LocalServer(ServerProcess(command, logs / "naive_server.log", name="naive server"), port, "/v2/health/ready")
 
 
-def engine_settings(system: str, dtype: str) -> dict[str, str]:
+def engine_settings(system: str, dtype: str, stream_interval: int = 1) -> dict[str, str]:
     """pagedserve engine parameters for a system (the in-flight engine keeps its defaults)."""
-    settings = {"dtype": dtype, "enable_prefix_caching": "false"}
+    settings = {"dtype": dtype, "enable_prefix_caching": "false", "stream_interval": str(stream_interval)}
     if system == "static":
         settings |= {"scheduling_policy": "static", "max_num_seqs": "8"}
     return settings
@@ -158,10 +159,11 @@ class Target:
         logs = self.workdir / f"{self.system}-{self.starts}"
         logs.mkdir(parents=True, exist_ok=True)
         if self.system in PROTOCOLS:
-            server = self.server = local_server(self.system, self.args.dtype, logs)
+            server = self.server = local_server(self.system, self.args.dtype, logs, self.args.stream_interval)
             server.start(timeout=600)
             return server.url
-        repository = write_repository(logs / "model_repository", engine=engine_settings(self.system, self.args.dtype))
+        settings = engine_settings(self.system, self.args.dtype, self.args.stream_interval)
+        repository = write_repository(logs / "model_repository", engine=settings)
         triton = TritonServer(repository, log_file=logs / "tritonserver.log", exit_timeout_s=5, workdir=logs / "triton")
         self.server = triton
         triton.start(timeout=600)
@@ -280,7 +282,8 @@ def run_offline_reference(args: argparse.Namespace, workload: Workload, report: 
             specs = measured_requests(config, workload)
             work = [WorkItem(encode_prompt(tokenizer, spec.prompt), spec.max_tokens) for spec in specs]
             t = time.perf_counter()
-            row = run_pagedserve(work, args.dtype, "inflight", batch=concurrency, progress=args.progress)
+            row = run_pagedserve(work, args.dtype, "inflight", batch=concurrency, progress=args.progress,
+                                 stream_interval=args.stream_interval)
             records = [RequestRecord(spec.index, 0.0, 0.0, end=row.seconds, prompt_tokens=len(item.prompt_token_ids),
                                      output_tokens=item.output_len, requested_output_tokens=item.output_len)
                        for spec, item in zip(specs, work)]
@@ -431,6 +434,8 @@ def conditions(args: argparse.Namespace, runs: list[SystemRun], started: datetim
         f"ignore_eos, greedy, {args.dtype}, model SmolLM2-135M-Instruct. Closed loop: max({args.min_requests}, "
         f"{args.requests_per_slot:g} x concurrency) requests per point; open loop: {args.rate_requests} requests per rate. "
         f"{args.warmup} warm-up requests per system (not measured).",
+        f"Stream interval {args.stream_interval} (tokens per streamed response; pagedserve's stream_interval, vLLM's "
+        f"--stream-interval{', both defaults' if args.stream_interval == 1 else ''}).",
         f"pagedserve: default engine settings except dtype and enable_prefix_caching=false; static: scheduling_policy=static, "
         f"max_num_seqs=8; driven over {args.pagedserve_protocol}. Naive: benchmarks/naive_server.py (transformers "
         f"generate, one request at a time, SSE over HTTP).",
@@ -560,6 +565,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests when a system starts")
     parser.add_argument("--pagedserve-protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="tokens gathered per streamed response, for pagedserve (stream_interval, the offline "
+                             "reference too) and vLLM (--stream-interval) alike; 1 (both defaults) streams each token")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a request may take before it counts as failed (default 300)")
     parser.add_argument("--out-dir", default=None,
@@ -581,6 +589,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.systems) - set(SYSTEM_NAMES)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEM_NAMES)}")
+    if args.stream_interval < 1:
+        parser.error(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.out_dir is None:
         args.out_dir = tempfile.mkdtemp(prefix="pagedserve-serving-quick-") if args.quick else str(HERE)
     return args

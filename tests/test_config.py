@@ -27,6 +27,7 @@ def test_strings_from_config_pbtxt_are_cast():
         ({"gpu_memory_utilization": "1.5"}, "gpu_memory_utilization", "[0.05, 0.99]"),
         ({"enable_prefix_caching": "maybe"}, "enable_prefix_caching", "expected bool"),
         ({"max_queue_size": "ten"}, "max_queue_size", "expected int"),
+        ({"stream_interval": "0"}, "stream_interval", ">= 1"),
         ({"model": "/no/such/model"}, "model", "does not exist"),
         ({"scheduling_policy": "fifo"}, "scheduling_policy", "inflight"),
     ],

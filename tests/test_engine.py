@@ -139,3 +139,24 @@ def test_n_samples_stream_one_output_per_step_and_abort_together(engine):
     assert final.finished and [s.finish_reason for s in final.samples] == ["abort", "abort"]
     assert not engine.has_unfinished_requests()
     assert_engine_idle(engine)
+
+
+def stream(engine, prompt, params):
+    """Every output of one request, stepping the engine until it finishes."""
+    engine.add_request(prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
+
+
+def test_stream_interval_gathers_tokens_per_output_with_the_same_text(engine, monkeypatch):
+    params = dict(max_tokens=10, temperature=0, ignore_eos=True)
+    every = stream(engine, "Count to ten:", SamplingParams(**params))
+    asked = stream(engine, "Count to ten:", SamplingParams(**params, stream_interval=4))
+    assert [len(o.new_token_ids) for o in every] == [1] * 10
+    assert [len(o.new_token_ids) for o in asked] == [1, 4, 4, 1]
+    assert "".join(o.text for o in asked) == "".join(o.text for o in every)
+    monkeypatch.setattr(engine.config, "stream_interval", 3)  # the engine's setting; a request may only raise it
+    assert [len(o.new_token_ids) for o in stream(engine, "Count to ten:", SamplingParams(**params, stream_interval=2))] == [1, 3, 3, 3]
+    assert_engine_idle(engine)

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+
 from pagedserve.backend.output_renderer import OutputRenderer
 from pagedserve.backend.sampling_params import SamplingParams
 from pagedserve.backend.sequence import FinishReason, Sequence
 from pagedserve.backend.tokenizer import decode_delta
 
 
-def run(tokenizer, text, **params):
+def run(tokenizer, text, stream_interval=1, **params):
     """Feed text's tokens one at a time; return the outputs and the stop token index."""
     prompt = tokenizer.encode("Story:")
     seq = Sequence("r", prompt, SamplingParams(**params))
-    renderer = OutputRenderer(seq, tokenizer)
+    renderer = OutputRenderer(seq, tokenizer, stream_interval)
     outputs = []
     for token in tokenizer.encode(text, add_special_tokens=False):
         seq.append_token(token)
@@ -68,3 +70,20 @@ def test_text_that_might_start_a_stop_string_is_held_back_until_it_cannot(tokeni
     outputs = run(tokenizer, "We say ST and then STAR and STOP", stop=["STOP"])
     assert "".join(o.text for o in outputs) == "We say ST and then STAR and "
     assert rebuilt_from_ids(tokenizer, outputs) == "We say ST and then STAR and "
+
+
+def test_a_stream_interval_gathers_tokens_but_never_delays_the_first_or_last(tokenizer):
+    text = "one two three four five six seven eight nine ten eleven"
+    every = run(tokenizer, text)
+    gathered = run(tokenizer, text, stream_interval=4)
+    sizes = [len(o.new_token_ids) for o in gathered]
+    assert sizes[0] == 1 and all(size == 4 for size in sizes[1:-1]) and 0 <= sizes[-1] <= 4
+    assert sum(sizes) == sum(len(o.new_token_ids) for o in every) == len(tokenizer.encode(text, add_special_tokens=False))
+    assert "".join(o.text for o in gathered) == text == rebuilt_from_ids(tokenizer, gathered)
+    assert [o.num_output_tokens for o in gathered] == list(itertools.accumulate(sizes))
+
+
+def test_a_stop_string_still_ends_a_gathered_stream_at_once(tokenizer):
+    outputs = run(tokenizer, "alpha beta gamma STOP delta epsilon", stream_interval=8, stop=["STOP"])
+    assert "".join(o.text for o in outputs) == "alpha beta gamma "
+    assert outputs[-1].finished and outputs[-1].finish_reason == "stop"

@@ -21,6 +21,7 @@ from pagedserve.backend.sampling_params import SamplingParams
         ("logprobs", 21),
         ("seed", -1),
         ("min_tokens", -1),
+        ("stream_interval", 0),
     ],
 )
 def test_out_of_range_values_name_the_field(field, value):

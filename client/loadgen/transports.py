@@ -143,10 +143,12 @@ class HttpTransport:
 
 
 class OpenAITransport(HttpTransport):
-    """`POST /v1/completions`, streamed. A chunk with text counts as one token; the usage
-    chunk at the end (`stream_options.include_usage`) brings the exact total, any
-    difference is added to the last chunk's count. $OPENAI_API_KEY, when set, is sent
-    as the bearer key."""
+    """`POST /v1/completions`, streamed. A chunk with text counts the tokens its running
+    usage adds (`stream_options.continuous_usage_stats`, vLLM's: exact also when a chunk
+    gathers several tokens, `--stream-interval`), or one token where a server sends no
+    running usage; the usage chunk at the end (`include_usage`) brings the exact total,
+    any difference is added to the last chunk's count. $OPENAI_API_KEY, when set, is
+    sent as the bearer key."""
 
     def __init__(self, url: str, model: str, timeout: float | None = None):
         super().__init__(url, model, timeout)
@@ -158,15 +160,16 @@ class OpenAITransport(HttpTransport):
 
     async def stream(self, spec: RequestSpec, sampling: dict[str, Any]) -> AsyncIterator[StreamChunk]:
         body = {"model": self.model, "prompt": spec.prompt, "stream": True,
-                "stream_options": {"include_usage": True}} | sampling
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}} | sampling
         counted = 0
         async for event in self.events(body):
-            if event.get("usage"):
-                usage = event["usage"]
+            usage = event.get("usage")
+            if any(choice.get("text") for choice in event.get("choices", ())):
+                tokens = max(1, usage["completion_tokens"] - counted) if usage else 1
+                counted += tokens
+                yield StreamChunk(tokens, usage["prompt_tokens"] if usage else None)
+            elif usage and not event.get("choices"):  # the closing usage chunk
                 yield StreamChunk(max(0, usage["completion_tokens"] - counted), usage["prompt_tokens"])
-            elif any(choice.get("text") for choice in event.get("choices", ())):
-                counted += 1
-                yield StreamChunk(1)
 
 
 def _event_error(text: str) -> str | None:

@@ -68,3 +68,12 @@ def test_the_asyncio_client_streams_the_same_text_as_the_blocking_one(server):
     assert sum(c.num_output_tokens for c in chunks) == 8
     assert "".join(c.text for c in chunks) == LLMClient(server.grpc_url).generate(
         "Once upon a time", max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def test_a_requests_stream_interval_gathers_tokens_into_fewer_responses(server):
+    every = list(LLMClient(server.grpc_url).stream("Count: one, two,", max_tokens=10, temperature=0, ignore_eos=True))
+    gathered = list(LLMClient(server.grpc_url).stream("Count: one, two,", max_tokens=10, temperature=0, ignore_eos=True,
+                                                      stream_interval=4))
+    assert [c.num_output_tokens for c in every] == [1] * 10
+    assert [c.num_output_tokens for c in gathered] == [1, 4, 4, 1] and gathered[-1].final
+    assert "".join(c.text for c in gathered) == "".join(c.text for c in every)
