@@ -30,6 +30,13 @@ def test_chat_fields_become_vllm_sampling_parameters():
     assert json.loads(chat_request(chat(), 16).inputs()["sampling_parameters"]) == {"max_tokens": 16, "n": 1}
 
 
+def test_vllms_stream_interval_is_passed_on_and_checked():
+    sent = chat_request(chat(stream=True, stream_interval=4), 16).inputs()
+    assert json.loads(sent["sampling_parameters"])["stream_interval"] == 4
+    with pytest.raises(ValueError, match="stream_interval"):
+        chat(stream_interval=0)
+
+
 def test_text_parts_are_joined_and_developer_reads_as_system():
     request = ChatCompletionRequest(model="llm", messages=[
         {"role": "developer", "content": "be brief"},

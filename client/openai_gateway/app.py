@@ -92,7 +92,7 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
             async for _, step in prepend(first, steps):
                 result.add(step)
                 for chunk in responses.chat_chunks(header, step):
-                    yield chunk
+                    yield with_usage(chunk, result, body.continuous_usage)
             if body.include_usage:
                 yield responses.usage_chunk(header, result, chat=True)
 
@@ -120,13 +120,20 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
                     ])
                 result.add(step, index)
                 for chunk in responses.completion_chunks(header, step, index * body.n):
-                    yield chunk
+                    yield with_usage(chunk, result, body.continuous_usage)
             if body.include_usage:
                 yield responses.usage_chunk(header, result, chat=False)
 
         return await sse(steps, chunks)
 
     return app
+
+
+def with_usage(chunk: BaseModel, result: responses.Accumulator, continuous: bool) -> BaseModel:
+    """The chunk, with the usage so far where the client asked for it in every chunk."""
+    if continuous:
+        chunk.usage = result.usage()
+    return chunk
 
 
 async def collect(steps: AsyncIterator[tuple[int, LLMStep]], result: responses.Accumulator) -> None:

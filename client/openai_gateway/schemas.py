@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: every streamed chunk carries the usage so far."""
 
 
 class ContentPart(BaseModel):
@@ -53,11 +55,18 @@ class SamplingFields(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
+    stream_interval: Optional[int] = Field(None, ge=1)
+    """vLLM's: tokens gathered into each streamed chunk (the server's `stream_interval` is the least)."""
 
     @property
     def include_usage(self) -> bool:
         """A streamed response ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk carries the usage so far."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(SamplingFields):

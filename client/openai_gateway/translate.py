@@ -19,7 +19,7 @@ from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Samp
 _PASSED_THROUGH = (
     "temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-    "skip_special_tokens",
+    "skip_special_tokens", "stream_interval",
 )
 
 # Fields we cannot honour yet, and the values of them that ask for nothing.

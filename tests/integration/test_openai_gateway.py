@@ -106,6 +106,16 @@ def test_completion_streamed_equals_not_streamed_and_counts_forced_tokens(client
     assert whole.usage.completion_tokens == 12 == pieces[-1].usage.completion_tokens
 
 
+def test_a_stream_interval_gathers_tokens_and_continuous_usage_counts_them(client):
+    chunks = list(client.completions.create(
+        model="llm", prompt="Count: one, two,", max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "stream_interval": 4}))
+    texts = [c for c in chunks if c.choices]
+    assert [c.usage.completion_tokens for c in texts] == [1, 5, 9, 10]
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+
+
 def test_echo_puts_the_prompt_in_front(client):
     prompt = "Once upon a time"
     plain = client.completions.create(model="llm", prompt=prompt, max_tokens=6, temperature=0)
