@@ -1,5 +1,10 @@
 """Ahead-of-time compilation of every Triton kernel configuration, for named GPUs, without a GPU.
 
+Past 300 lines on purpose: one pipeline (a device model and recorders running the real
+launchers, the scenarios, the keys that fold launches into configurations, the compile in
+this process or a child), each stage's private types feeding the next; split, the module
+boundaries would pass those private types around.
+
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs entirely on
 the CPU (Triton's MLIR passes, then the wheel's own ptxas), so CI can check that
 each kernel compiles for sm_80 (A100), sm_89 (L40S / L4 / RTX 4090) and sm_90

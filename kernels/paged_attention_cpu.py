@@ -1,5 +1,9 @@
 """Paged attention for CPU: the Triton kernel's work split, in torch ops that are fast on CPU.
 
+Past 300 lines on purpose: the step plan (built once per step, shared by every layer), the
+dispatch to the C loops and the torch-op paths they fall back to read the same plan fields
+and change together; split, each part would reach into the others' dataclasses.
+
 Same signature and layout as `paged_attention_ref` (kernels/paged_attention.py), which
 stays the test oracle and the `attention_backend: torch` choice; `auto` picks this one
 on CPU (kernels/dispatch.py).
