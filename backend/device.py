@@ -89,6 +89,9 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, device: torch
     per_block = kv_block_bytes(model_config, config.block_size, kv_dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        # What torch's allocator holds for this process but no tensor uses (a released
+        # engine's KV cache, say) is free to us, though the driver counts it as taken.
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = free - (1 - config.gpu_memory_utilization) * total
     else:
         budget = config.kv_cache_bytes

@@ -65,3 +65,23 @@ def test_an_explicit_dtype_is_taken_as_given(monkeypatch):
     monkeypatch.setattr(device, "matmul_times", lambda config: pytest.fail("no probe for an explicit dtype"))
     assert device.resolve_dtype("bfloat16", torch.device("cpu"), CONFIG) == torch.bfloat16
     assert device.resolve_dtype("float32", torch.device("cpu"), CONFIG) == torch.float32
+
+
+def test_gpu_memory_a_released_engine_left_in_torchs_cache_counts_as_free(monkeypatch):
+    """A second engine in one process (a notebook rebuilding it, a test after another) gets
+    the memory the first one's KV cache gave back, though the driver still counts it taken."""
+    from pagedserve.backend.config import EngineConfig
+    from pagedserve.backend.errors import ConfigError
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (2 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 70 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 1 * gib)
+    config = EngineConfig(gpu_memory_utilization=0.9)
+    per_block = device.kv_block_bytes(CONFIG, config.block_size, torch.float32)
+    blocks = device.num_kv_blocks(config, CONFIG, torch.device("cuda"), torch.float32)
+    assert blocks == int((2 + 69 - 8) * gib // per_block)
+
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 1 * gib)  # nothing cached: 2 GiB < the 8 kept back
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        device.num_kv_blocks(config, CONFIG, torch.device("cuda"), torch.float32)

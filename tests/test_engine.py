@@ -6,7 +6,7 @@ import pytest
 
 from pagedserve.backend import InvalidRequestError, LLMEngine, QueueFullError, SamplingParams
 
-from .conftest import assert_engine_idle
+from .conftest import GPU_SHARE, assert_engine_idle
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +80,7 @@ def test_invalid_requests_name_the_field(engine):
 
 
 def test_queue_bound_says_busy(model_path):
-    small = LLMEngine(dtype="float32", max_queue_size=2, max_num_seqs=1)
+    small = LLMEngine(dtype="float32", max_queue_size=2, max_num_seqs=1, **GPU_SHARE)
     for prompt in ("a", "b", "c"):  # one runs, two wait
         small.add_request(prompt)
     with pytest.raises(QueueFullError, match="retry later"):

@@ -7,7 +7,7 @@ import pytest
 
 from pagedserve.backend import LLMEngine, SamplingParams
 
-from .conftest import MAX_TOKENS, assert_engine_idle
+from .conftest import GPU_SHARE, MAX_TOKENS, assert_engine_idle
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_continuous_batch_matches_transformers(engine, prompts, hf_oracle):
 
 
 def test_chunked_prefill_matches_transformers(prompts, hf_oracle):
-    engine = LLMEngine(dtype="float32", max_num_batched_tokens=32)
+    engine = LLMEngine(dtype="float32", max_num_batched_tokens=32, **GPU_SHARE)
     check_batch(engine, prompts, hf_oracle)
 
 

@@ -10,7 +10,7 @@ import pytest
 from pagedserve.backend import EngineDeadError, SamplingParams
 from pagedserve.backend.engine_thread import EngineThread
 
-from .conftest import assert_engine_idle
+from .conftest import GPU_SHARE, assert_engine_idle
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +125,7 @@ def test_engine_is_built_on_its_own_thread_and_build_errors_reach_the_caller(sma
 
     def make() -> LLMEngine:
         built_on.append(threading.current_thread().name)
-        return LLMEngine(model=small_llama, dtype="float32")
+        return LLMEngine(model=small_llama, dtype="float32", **GPU_SHARE)
 
     loop = EngineThread(make)
     try:
