@@ -88,7 +88,9 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
             return JSONResponse(responses.chat_completion(header, result).model_dump())
 
         async def chunks(first: tuple[int, LLMStep] | None) -> AsyncIterator[BaseModel]:
-            yield responses.chat_role_chunk(header, body.n)
+            if first is not None:  # the role chunk's running usage has the prompt (vLLM's does)
+                result.count_prompt(first[1])
+            yield with_usage(responses.chat_role_chunk(header, body.n), result, body.continuous_usage)
             async for _, step in prepend(first, steps):
                 result.add(step)
                 for chunk in responses.chat_chunks(header, step):

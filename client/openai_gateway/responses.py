@@ -60,12 +60,16 @@ class Accumulator:
     _prompts_counted: set[int] = field(default_factory=set)
 
     def add(self, step: LLMStep, prompt_index: int = 0) -> None:
-        if prompt_index not in self._prompts_counted and step.num_input_tokens:
-            self.prompt_tokens += step.num_input_tokens
-            self._prompts_counted.add(prompt_index)
+        self.count_prompt(step, prompt_index)
         for i, delta in enumerate(step.samples):
             self.completion_tokens += delta.num_tokens
             self.choices.setdefault(prompt_index * self.n + i, Choice()).add(delta)
+
+    def count_prompt(self, step: LLMStep, prompt_index: int = 0) -> None:
+        """Count a prompt's tokens once, from the first of its steps that carries them."""
+        if prompt_index not in self._prompts_counted and step.num_input_tokens:
+            self.prompt_tokens += step.num_input_tokens
+            self._prompts_counted.add(prompt_index)
 
     def usage(self) -> schemas.Usage:
         return schemas.Usage(

@@ -116,6 +116,17 @@ def test_a_stream_interval_gathers_tokens_and_continuous_usage_counts_them(clien
     assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
 
 
+def test_a_chat_streams_running_usage_from_its_role_chunk_on(client):
+    chunks = list(client.chat.completions.create(
+        model="llm", messages=CHAT, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (chunks[0].usage.prompt_tokens, chunks[0].usage.completion_tokens) == (prompt_tokens, 0)
+    assert [c.usage.completion_tokens for c in chunks[1:-1]] == [1, 2, 3, 4, 5]
+    assert prompt_tokens > 0 and chunks[-1].usage.completion_tokens == 5
+
+
 def test_echo_puts_the_prompt_in_front(client):
     prompt = "Once upon a time"
     plain = client.completions.create(model="llm", prompt=prompt, max_tokens=6, temperature=0)
