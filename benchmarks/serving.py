@@ -123,7 +123,7 @@ class LocalServer:
         self.process.stop(timeout=20)
 
 
-def local_server(system: str, dtype: str, logs: Path, stream_interval: int = 1) -> LocalServer:
+def local_server(system: str, dtype: str, logs: Path, stream_interval: int) -> LocalServer:
     """The naive server (benchmarks/naive_server.py) or vLLM's (benchmarks/peers/vllm_cpu.py), not started."""
     port = free_port()
     if system == "vllm":
@@ -133,7 +133,7 @@ def local_server(system: str, dtype: str, logs: Path, stream_interval: int = 1) 
     return LocalServer(ServerProcess(command, logs / "naive_server.log", name="naive server"), port, "/v2/health/ready")
 
 
-def engine_settings(system: str, dtype: str, stream_interval: int = 1) -> dict[str, str]:
+def engine_settings(system: str, dtype: str, stream_interval: int) -> dict[str, str]:
     """pagedserve engine parameters for a system (the in-flight engine keeps its defaults)."""
     settings = {"dtype": dtype, "enable_prefix_caching": "false", "stream_interval": str(stream_interval)}
     if system == "static":
