@@ -129,7 +129,8 @@ def main() -> None:
                         help="our response thread's CPU per token (before its send waits)")
     parser.add_argument("--server-us", type=float, default=60.0, help="tritonserver's CPU per token")
     parser.add_argument("--client-us", type=float, default=250.0, help="the client's CPU per token")
-    parser.add_argument("--step-ms", type=float, default=45.0, help="the step time alone, to size the timer load")
+    parser.add_argument("--step-ms", type=float, default=45.0,
+                        help="the step time alone, to size the timer load (the alone mode's own time when it ran first)")
     parser.add_argument("--timer-period-ms", type=float, default=2.0)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)
@@ -145,7 +146,8 @@ def main() -> None:
     times: dict[str, float] = {}
     for mode in modes:
         print(f"[{mode}] running ...", flush=True)
-        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", mode],
+        sized = ["--step-ms", f"{times['alone']:.3f}"] if "alone" in times else []
+        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], *sized, "--one", mode],
                                capture_output=True, text=True, check=True)
         times[mode] = float(child.stdout.strip().splitlines()[-1])
         print(f"[{mode}] {times[mode]:.2f} ms a step", flush=True)
