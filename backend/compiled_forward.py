@@ -24,6 +24,7 @@ so the chain may feed one piece's outputs to the next without copies.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -97,6 +98,8 @@ class CompiledForward:
         started = time.perf_counter()
         self.max_tokens = max_tokens
         self.this_thread.warmed = True
+        if self.device.type == "cuda":
+            give_this_thread_cudagraph_trees()
         sizes = sorted({self.rows(n) for n in range(1, max_tokens + 1)}) if self.pads_rows else [1, 2]
         # torch runs a CUDA graph's function eagerly on its first call and captures it on the next
         passes = 2 if self.device.type == "cuda" else 1
@@ -124,6 +127,20 @@ class CompiledForward:
         for i in range(chain):
             h, *_ = self.pieces.middle(model, layers[i], layers[i + 1], h, attn, positions)
         self.pieces.last(model, layers[-1], h, attn)
+
+
+def give_this_thread_cudagraph_trees() -> None:
+    """torch releases without the fix for pytorch#123177 (2.11 among them) set up their CUDA
+    graph trees' per-thread state on the importing thread only, and capturing on any other
+    Python thread - our engine thread - fails an assertion. Give this thread the same empty
+    state torch gives the first one (newer releases do it themselves, lazily)."""
+    from torch._inductor import cudagraph_trees
+
+    local = getattr(cudagraph_trees, "local", None)
+    if local is None or hasattr(local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    local.tree_manager_containers = {}
+    local.tree_manager_locks = collections.defaultdict(threading.Lock)
 
 
 def compile_wanted(config: EngineConfig, device: torch.device) -> bool:

@@ -37,8 +37,10 @@ AttendFn = Callable[..., torch.Tensor]
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether a linear on this tensor runs the Triton kernel: on CUDA, or anywhere
-    when PAGEDSERVE_FORCE_TRITON=1."""
-    return tensor.is_cuda or os.environ.get(FORCE_ENV, "0") == "1"
+    when PAGEDSERVE_FORCE_TRITON=1; and only for 16-bit activations, the only ones the
+    Triton GEMMs take (a float32 engine's quantized linears run the reference)."""
+    wanted = tensor.is_cuda or os.environ.get(FORCE_ENV, "0") == "1"
+    return wanted and tensor.dtype in (torch.bfloat16, torch.float16)
 
 
 def attention_kernels(name: str, device: torch.device) -> tuple[WriteCacheFn, AttendFn]:

@@ -8,7 +8,7 @@ import torch
 
 from pagedserve.backend import LLMEngine
 
-from .conftest import assert_greedy_matches_transformers, onednn_packs
+from .conftest import GPU_SHARE, assert_greedy_matches_transformers, onednn_packs
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     tokenizer.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors.index.json").exists()
 
-    engine = LLMEngine(model=str(tmp_path), dtype="float32")
+    engine = LLMEngine(model=str(tmp_path), dtype="float32", **GPU_SHARE)
     prompts = [[1, 500, 42, 9000, 123], list(range(200, 290)), [7] * 40 + [1000, 2000]]
     assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=12)
 

@@ -10,7 +10,7 @@ import pytest
 
 from pagedserve.backend import LLMEngine, SamplingParams
 
-from .conftest import CHAT, LONG_TEXT, assert_engine_idle
+from .conftest import CHAT, GPU_SHARE, LONG_TEXT, assert_engine_idle
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def baseline_perplexity(engine) -> float:
     ids=["int4", "fp8", "fp8-kv"],
 )
 def test_quantized_engine_answers_paris_and_keeps_perplexity(settings, bound, baseline_perplexity):
-    engine = LLMEngine(dtype="float32", **settings)
+    engine = LLMEngine(dtype="float32", **GPU_SHARE, **settings)
     [answer] = engine.generate([engine.encode(messages=CAPITAL)], SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
     assert "Paris" in answer.text
     ratio = perplexity(engine) / baseline_perplexity
@@ -50,6 +50,6 @@ def test_triton_attention_through_the_interpreter_matches_the_torch_path(engine)
     prompts = [engine.encode(messages=CAPITAL), "The capital of Italy is"]
     params = SamplingParams(max_tokens=6, temperature=0)
     expected = [r.token_ids for r in engine.generate(prompts, params, use_tqdm=False)]
-    triton_engine = LLMEngine(dtype="float32", attention_backend="triton", max_num_batched_tokens=32)
+    triton_engine = LLMEngine(dtype="float32", attention_backend="triton", max_num_batched_tokens=32, **GPU_SHARE)
     assert [r.token_ids for r in triton_engine.generate(prompts, params, use_tqdm=False)] == expected
     assert_engine_idle(triton_engine)

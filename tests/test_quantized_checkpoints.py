@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from pagedserve.backend import LLMEngine
 
-from .conftest import assert_greedy_matches_transformers
+from .conftest import GPU_SHARE, assert_greedy_matches_transformers
 from .test_models import COMMON
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def test_packed_checkpoint_matches_transformers_on_the_dense_weights(fmt, tmp_pa
     (packed_dir / "config.json").write_text(json.dumps(config))
     tokenizer.save_pretrained(packed_dir)
 
-    engine = LLMEngine(model=str(packed_dir), dtype="float32")
+    engine = LLMEngine(model=str(packed_dir), dtype="float32", **GPU_SHARE)
     assert type(engine.runner.model.layers[0].self_attn.qkv_proj).__name__ == "QuantizedLinear"
     prompts = [[1, 500, 42, 9000, 123], list(range(300, 340))]
     assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=10)

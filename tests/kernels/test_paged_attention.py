@@ -241,11 +241,13 @@ def test_dispatch(monkeypatch):
     kernels = select_attention_kernels("triton", DEVICE)
     assert isinstance(kernels, AttentionKernels)
     assert kernels.write_cache is write_kv_cache_triton and kernels.attend is paged_attention_triton
-    cpu = torch.zeros(1)
+    cpu = torch.zeros(1, dtype=torch.bfloat16)
     monkeypatch.delenv(dispatch.FORCE_ENV, raising=False)
     assert dispatch.use_triton(cpu) is False
     monkeypatch.setenv(dispatch.FORCE_ENV, "1")
     assert dispatch.use_triton(cpu) is True
+    # the Triton GEMMs take 16-bit activations: float32 ones (a float32 engine) run the reference
+    assert dispatch.use_triton(cpu.float()) is False
 
 
 def test_engine_attention_call():
