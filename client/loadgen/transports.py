@@ -40,6 +40,20 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
+def request_values(spec: RequestSpec, sampling: dict[str, Any]) -> dict[str, Any]:
+    """The `llm` inputs of one request, the same over gRPC and HTTP: only the outputs the
+    load generator counts with (the counts; the text is not read, the final response is
+    Triton's `triton_final_response` flag), so neither protocol pays for others."""
+    return {
+        "text_input": spec.prompt,
+        "stream": True,
+        "exclude_input_in_output": True,
+        "return_num_input_tokens": True,
+        "return_num_output_tokens": True,
+        "sampling_parameters": json.dumps(sampling),
+    }
+
+
 class GrpcTransport:
     """`llm` over tritonclient.grpc.aio: one bidirectional stream per request.
 
@@ -56,14 +70,9 @@ class GrpcTransport:
         self.timeout = timeout
 
     async def stream(self, spec: RequestSpec, sampling: dict[str, Any]) -> AsyncIterator[StreamChunk]:
-        import numpy as np
+        from ..client import infer_inputs, is_final
 
-        from ..client import build_inputs, parse_result
-
-        inputs = build_inputs(self._module, spec.prompt, stream=True, **sampling)
-        count_input = self._module.InferInput("return_num_input_tokens", [1], "BOOL")
-        count_input.set_data_from_numpy(np.array([True]))
-        inputs.append(count_input)
+        inputs = infer_inputs(self._module, request_values(spec, sampling))
 
         async def requests():
             yield {"model_name": self.model, "inputs": inputs, "request_id": uuid.uuid4().hex}
@@ -76,10 +85,10 @@ class GrpcTransport:
                     continue  # draining: nothing more is expected
                 if error is not None:
                     raise ServerError(str(error))
-                chunk = parse_result(result)
-                num_input = result.as_numpy("num_input_tokens")
-                yield StreamChunk(chunk.num_output_tokens, int(num_input.sum()) if num_input is not None and num_input.size else None)
-                final = chunk.final
+                count, num_input = result.as_numpy("num_output_tokens"), result.as_numpy("num_input_tokens")
+                yield StreamChunk(int(count.sum()) if count is not None and count.size else 0,
+                                  int(num_input.sum()) if num_input is not None and num_input.size else None)
+                final = is_final(result)
             if not final:
                 raise ServerError("the stream ended without a final response")
         except BaseException:
@@ -107,15 +116,7 @@ class HttpTransport:
         )
 
     async def stream(self, spec: RequestSpec, sampling: dict[str, Any]) -> AsyncIterator[StreamChunk]:
-        body = {
-            "text_input": spec.prompt,
-            "stream": True,
-            "exclude_input_in_output": True,
-            "return_num_input_tokens": True,
-            "return_num_output_tokens": True,
-            "sampling_parameters": json.dumps(sampling),
-        }
-        async for event in self.events(body):
+        async for event in self.events(request_values(spec, sampling)):
             if "num_output_tokens" in event:
                 tokens = int(event["num_output_tokens"] or 0)
             else:
