@@ -77,8 +77,8 @@ LOCAL_SERVERS = ("naive", "vllm")
 """Systems that are not tritonserver with our model repository."""
 PROTOCOLS = {"naive": "http", "vllm": "openai", "inflight-http": "http"}
 """How the load generator talks to each system whose protocol is fixed (the others: --pagedserve-protocol)."""
-SERVED = ("inflight", "inflight-http")
-"""The in-flight engine served, one system per client protocol."""
+SERVED = {"inflight": "", "inflight-http": " (HTTP generate_stream)"}
+"""The in-flight engine served, one system per client protocol: how its reference lines are labelled."""
 
 
 @dataclass
@@ -541,8 +541,7 @@ def references(runs: list[SystemRun]) -> list[str]:
     by = closed_points(runs)
     offline, vllm = by.get("offline", {}), by.get("vllm", {})
     lines = []
-    for system in SERVED:
-        label = "" if system == "inflight" else f" ({SYSTEM_NAMES[system].split(', ')[-1]})"
+    for system, label in SERVED.items():
         for load, s in sorted(by.get(system, {}).items()):
             parts = []
             if load in offline and offline[load].output_tokens_per_s > 0:

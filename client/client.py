@@ -60,14 +60,20 @@ def infer_inputs(module: Any, values: dict[str, Any]) -> list[Any]:
     return inputs
 
 
+def output_count(result: Any, name: str) -> int | None:
+    """A count output (`num_output_tokens`, `num_input_tokens`) summed over its samples;
+    None when the response does not carry it."""
+    count = result.as_numpy(name)
+    return int(count.sum()) if count is not None and count.size else None
+
+
 def parse_result(result: Any) -> Chunk:
     text = result.as_numpy("text_output")
     reason = result.as_numpy("finish_reason")
-    count = result.as_numpy("num_output_tokens")
     return Chunk(
         text="".join(t.decode("utf-8") for t in text) if text is not None else "",
         finish_reason=(reason[0].decode() if reason is not None and reason.size else None),
-        num_output_tokens=int(count.sum()) if count is not None and count.size else 0,
+        num_output_tokens=output_count(result, "num_output_tokens") or 0,
         final=is_final(result),
     )
 

@@ -70,7 +70,7 @@ class GrpcTransport:
         self.timeout = timeout
 
     async def stream(self, spec: RequestSpec, sampling: dict[str, Any]) -> AsyncIterator[StreamChunk]:
-        from ..client import infer_inputs, is_final
+        from ..client import infer_inputs, is_final, output_count
 
         inputs = infer_inputs(self._module, request_values(spec, sampling))
 
@@ -85,9 +85,7 @@ class GrpcTransport:
                     continue  # draining: nothing more is expected
                 if error is not None:
                     raise ServerError(str(error))
-                count, num_input = result.as_numpy("num_output_tokens"), result.as_numpy("num_input_tokens")
-                yield StreamChunk(int(count.sum()) if count is not None and count.size else 0,
-                                  int(num_input.sum()) if num_input is not None and num_input.size else None)
+                yield StreamChunk(output_count(result, "num_output_tokens") or 0, output_count(result, "num_input_tokens"))
                 final = is_final(result)
             if not final:
                 raise ServerError("the stream ended without a final response")
