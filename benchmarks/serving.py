@@ -21,21 +21,28 @@ model's tokenizer), outputs of 32-96 tokens forced with ignore_eos, greedy, bflo
 Prefix caching is off in pagedserve: the sweep resends the same prompts at every
 point, and cache hits from the previous point would flatter its TTFT.
 
+Machines drift by 5-10% within minutes, so one point of each system can mislead about
+their ratio: --rounds N measures every system N times, the order rotated each round, with
+the servers kept up between their turns, and reports each round and the ratios' mean and
+range (the offline reference reruns each round too).
+
 Writes its section of RESULTS.md (tables, plots, conditions) and the PNGs under plots/:
 
     python benchmarks/serving.py            # full sweep, ~30-45 min on 2 CPU cores
     python benchmarks/serving.py --quick    # a few minutes, results under a temp dir
     python benchmarks/serving.py --systems inflight,naive --concurrency 1,8 --rates 1
     python benchmarks/serving.py --systems inflight,static,naive,vllm,offline   # every system
+    python benchmarks/serving.py --systems offline,inflight,inflight-http,vllm --concurrency 32 --rates "" --rounds 3
 
 pagedserve is driven over gRPC streaming (--pagedserve-protocol http for Triton's
-generate_stream); the system "inflight-http" is the in-flight engine again, driven over
-generate_stream (SSE through aiohttp, the client technology vLLM is measured with), so one
-run shows both clients side by side: on 2 cores the gRPC client's own CPU per streamed
-token (tritonclient.grpc.aio) is part of what the served number loses. The naive server
-only speaks HTTP/SSE (benchmarks/naive_server.py); vLLM is driven over /v1/completions (SSE). vLLM runs from its own venv: set it up once
-with `python benchmarks/peers/vllm_cpu.py --setup`; without it that system fails with
-that command and the others run.
+generate_stream); the system "inflight-http" is the in-flight engine again (the same
+tritonserver, through its HTTP port), driven over generate_stream (SSE through aiohttp, the
+client technology vLLM is measured with), so one run shows both clients side by side: on
+2 cores the gRPC client's own CPU per streamed token (tritonclient.grpc.aio) is part of
+what the served number loses. The naive server only speaks HTTP/SSE
+(benchmarks/naive_server.py); vLLM is driven over /v1/completions (SSE). vLLM runs from
+its own venv: set it up once with `python benchmarks/peers/vllm_cpu.py --setup`; without it
+that system fails with that command and the others run.
 """
 
 from __future__ import annotations
@@ -90,6 +97,8 @@ class Point:
     load: float
     summary: Summary
     wall_s: float
+    round: int = 1
+    """Which of the run's rounds (--rounds) measured it."""
 
 
 @dataclass
@@ -152,30 +161,48 @@ def engine_settings(system: str, dtype: str, stream_interval: int) -> dict[str, 
 # --------------------------------------------------------------------------- the sweep
 
 
+def server_key(system: str, args: argparse.Namespace) -> str:
+    """Systems with the same key are measured on one server: the in-flight engine over
+    gRPC and over HTTP is one tritonserver, asked through its two ports."""
+    if system in LOCAL_SERVERS:
+        return system
+    return "pagedserve " + json.dumps(engine_settings(system, args.dtype, args.stream_interval), sort_keys=True)
+
+
 class Target:
-    """One system's server, restartable: a crashed server is replaced by a fresh one."""
+    """One server, restartable: a crashed server is replaced by a fresh one. `system`: the
+    first system measured on it (it names the logs and, for the local servers, the server)."""
 
     def __init__(self, system: str, args: argparse.Namespace, workdir: Path):
         self.system, self.args, self.workdir = system, args, workdir
-        self.protocol = PROTOCOLS.get(system, args.pagedserve_protocol)
         self.server: TritonServer | LocalServer | None = None
         self.starts = 0
 
-    def start(self) -> str:
-        """Start a fresh server; its address for the load generator."""
+    @property
+    def running(self) -> bool:
+        return self.server is not None
+
+    def start(self) -> None:
+        """Start a fresh server."""
         self.starts += 1
         logs = self.workdir / f"{self.system}-{self.starts}"
         logs.mkdir(parents=True, exist_ok=True)
         if self.system in LOCAL_SERVERS:
             server = self.server = local_server(self.system, self.args.dtype, logs, self.args.stream_interval)
             server.start(timeout=600)
-            return server.url
+            return
         settings = engine_settings(self.system, self.args.dtype, self.args.stream_interval)
         repository = write_repository(logs / "model_repository", engine=settings)
         triton = TritonServer(repository, log_file=logs / "tritonserver.log", exit_timeout_s=5, workdir=logs / "triton")
         self.server = triton
         triton.start(timeout=600)
-        return triton.grpc_url if self.protocol == "grpc" else triton.http_url
+
+    def url(self, protocol: str) -> str:
+        """Its address for the load generator speaking `protocol`."""
+        if isinstance(self.server, TritonServer):
+            return self.server.grpc_url if protocol == "grpc" else self.server.http_url
+        assert self.server is not None, "start the server first"
+        return self.server.url
 
     def crash_lines(self) -> list[str]:
         """Signs in the server log that a process died (e.g. a python stub's heap corruption)."""
@@ -198,38 +225,80 @@ class Target:
 _CRASH = re.compile(r"malloc\(\)|double free|corrupted|Segmentation fault|segfault|core dumped|Stub process .* (unhealthy|not healthy)|Traceback")
 
 
-def run_system(system: str, args: argparse.Namespace, workload: Workload, workdir: Path,
-               report: Callable[[str], None], raw: list[dict[str, Any]] | None = None) -> SystemRun:
-    """Start one system, run every sweep point against it, stop it.
+def round_order(systems: list[str], round_number: int) -> list[str]:
+    """Round k runs the systems rotated by k - 1, so over the rounds each system runs early
+    and late alike, and drift of the machine within a run falls on all of them."""
+    shift = (round_number - 1) % len(systems) if systems else 0
+    return systems[shift:] + systems[:shift]
+
+
+def run_sweep(args: argparse.Namespace, workload: Workload, workdir: Path, report: Callable[[str], None],
+              raw: list[dict[str, Any]] | None = None) -> list[SystemRun]:
+    """Every system's points, `args.rounds` times. A server starts at its first system's turn
+    and stops after its last use: with one round, a server is up only while its systems run
+    (inflight and inflight-http share one); with more, the servers stay up, idle between
+    their turns, so every round measures the same warm servers."""
+    runs = {system: SystemRun(system) for system in args.systems}
+    schedule = [(r, system) for r in range(1, args.rounds + 1) for system in round_order(args.systems, r)]
+    keys = {system: server_key(system, args) for system in args.systems if system != "offline"}
+    last_use = {keys[system]: i for i, (_, system) in enumerate(schedule) if system in keys}
+    targets: dict[str, Target] = {}
+    try:
+        for i, (round_number, system) in enumerate(schedule):
+            run = runs[system]
+            if run.failure:
+                continue
+            if not run.points:
+                run.loadavg_before = os.getloadavg()
+            if args.rounds > 1:
+                report(f"[{system}] round {round_number} of {args.rounds}")
+            if system == "offline":
+                run_offline_reference(args, workload, run, round_number, report, raw)
+            else:
+                target = targets.setdefault(keys[system], Target(system, args, workdir))
+                run_points(run, target, round_number, args, workload, report, raw)
+                if last_use[keys[system]] == i:
+                    target.stop()
+            run.loadavg_after = os.getloadavg()
+    finally:
+        for target in targets.values():
+            target.stop()
+    return list(runs.values())
+
+
+def run_points(run: SystemRun, target: Target, round_number: int, args: argparse.Namespace, workload: Workload,
+               report: Callable[[str], None], raw: list[dict[str, Any]] | None) -> None:
+    """One round of a system's sweep points on its server (started here if it is not up).
 
     A point with failed requests is run once more on a freshly started server (a crashed
     server would otherwise fail every later point); both attempts are reported. With
     `raw`, every kept point's full result (request records included) is appended to it.
+    A server that does not start, or a restart that fails, ends the system's run.
     """
-    run = SystemRun(system, loadavg_before=os.getloadavg())
-    target = Target(system, args, workdir)
-    report(f"[{system}] starting {SYSTEM_NAMES[system]} ...")
-    started = time.perf_counter()
-    try:
-        url = target.start()
-    except Exception as exc:  # noqa: BLE001 (the other systems still run)
-        run.failure = f"did not start: {exc}"
-        report(f"[{system}] {run.failure}")
-        target.stop()
-        run.loadavg_after = os.getloadavg()
-        return run
-    run.startup_s = time.perf_counter() - started
-    report(f"[{system}] ready in {run.startup_s:.0f} s at {url} ({target.protocol})")
-    warm = False
+    system = run.system
+    protocol = PROTOCOLS.get(system, args.pagedserve_protocol)
+    warm = False  # each system's first point of a round sends the warm-up requests
+    if not target.running:
+        report(f"[{system}] starting {SYSTEM_NAMES[system]} ...")
+        started = time.perf_counter()
+        try:
+            target.start()
+        except Exception as exc:  # noqa: BLE001 (the other systems still run)
+            run.failure = f"did not start: {exc}"
+            report(f"[{system}] {run.failure}")
+            target.stop()
+            return
+        run.startup_s = time.perf_counter() - started
+        report(f"[{system}] ready in {run.startup_s:.0f} s at {target.url(protocol)} ({protocol})")
     try:
         plan = [("closed", float(c)) for c in args.concurrency] + [("open", r) for r in args.rates]
         for mode, load in plan:
             for attempt in (1, 2):
-                config = point_config(mode, load, args, url, target.protocol, warmup=0 if warm else args.warmup)
+                config = point_config(mode, load, args, target.url(protocol), protocol, warmup=0 if warm else args.warmup)
                 warm = True
                 t = time.perf_counter()
                 result = asyncio.run(run_benchmark_async(config, workload, progress=args.progress))
-                point = Point(system, mode, load, result.summary, time.perf_counter() - t)
+                point = Point(system, mode, load, result.summary, time.perf_counter() - t, round_number)
                 report(f"[{system}] {describe(point)}")
                 if not result.summary.num_errors or attempt == 2:
                     break
@@ -241,18 +310,15 @@ def run_system(system: str, args: argparse.Namespace, workload: Workload, workdi
                 run.incidents.append(incident)
                 report(f"[{system}] {incident}")
                 target.stop()
-                url = target.start()
+                target.start()
                 warm = False
             run.points.append(point)
             if raw is not None:
-                raw.append({"system": system, "mode": mode, "load": load} | result.to_json())
+                raw.append({"system": system, "mode": mode, "load": load, "round": round_number} | result.to_json())
     except Exception as exc:  # noqa: BLE001 (a restart that failed: keep what was measured)
         run.failure = f"stopped early: {type(exc).__name__}: {exc}"
         report(f"[{system}] {run.failure}")
-    finally:
         target.stop()
-        run.loadavg_after = os.getloadavg()
-    return run
 
 
 def point_config(mode: str, load: float, args: argparse.Namespace, url: str = "", protocol: str = "grpc",
@@ -268,8 +334,8 @@ def point_config(mode: str, load: float, args: argparse.Namespace, url: str = ""
     )
 
 
-def run_offline_reference(args: argparse.Namespace, workload: Workload, report: Callable[[str], None],
-                          raw: list[dict[str, Any]] | None = None) -> SystemRun:
+def run_offline_reference(args: argparse.Namespace, workload: Workload, run: SystemRun, round_number: int,
+                          report: Callable[[str], None], raw: list[dict[str, Any]] | None = None) -> None:
     """Each closed-loop point's requests through pagedserve's engine in-process
     (offline_throughput.run_pagedserve: warm-up, then one LLMEngine.generate of them all,
     prefix caching off) with max_num_seqs = the concurrency: the throughput the served
@@ -281,7 +347,6 @@ def run_offline_reference(args: argparse.Namespace, workload: Workload, report: 
     from pagedserve.backend.model_files import default_model_path
     from pagedserve.backend.tokenizer import encode_prompt, load_tokenizer
 
-    run = SystemRun("offline", loadavg_before=os.getloadavg())
     report(f"[offline] {SYSTEM_NAMES['offline']}: closed-loop points only")
     tokenizer = load_tokenizer(default_model_path())  # the one the served model encodes prompts with
     try:
@@ -295,18 +360,15 @@ def run_offline_reference(args: argparse.Namespace, workload: Workload, report: 
             records = [RequestRecord(spec.index, 0.0, 0.0, end=row.seconds, prompt_tokens=len(item.prompt_token_ids),
                                      output_tokens=item.output_len, requested_output_tokens=item.output_len)
                        for spec, item in zip(specs, work)]
-            point = Point("offline", "closed", float(concurrency), summarize(records), time.perf_counter() - t)
+            point = Point("offline", "closed", float(concurrency), summarize(records), time.perf_counter() - t, round_number)
             run.points.append(point)
             report(f"[offline] {describe(point)}")
             if raw is not None:
-                raw.append({"system": "offline", "mode": "closed", "load": point.load}
+                raw.append({"system": "offline", "mode": "closed", "load": point.load, "round": round_number}
                            | BenchResult(config, point.summary, records).to_json())
     except Exception as exc:  # noqa: BLE001 (keep what was measured; the servers still run)
         run.failure = f"stopped early: {type(exc).__name__}: {exc}"
         report(f"[offline] {run.failure}")
-    finally:
-        run.loadavg_after = os.getloadavg()
-    return run
 
 
 def requests_for(mode: str, load: float, args: argparse.Namespace) -> int:
@@ -347,6 +409,7 @@ def _sec(value: float | None) -> str:
 
 def table(runs: list[SystemRun], mode: str) -> list[str]:
     load = "concurrency" if mode == "closed" else "rate (req/s)"
+    several = len(rounds_of(runs)) > 1
     lines = [
         f"| system | {load} | requests | errors | output tok/s | req/s | TTFT p50 (s) | TTFT p99 (s) | "
         "ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) | E2E p50 (s) | E2E p99 (s) | client CPU (us/response) |",
@@ -355,8 +418,9 @@ def table(runs: list[SystemRun], mode: str) -> list[str]:
     for run in runs:
         for p in (p for p in run.points if p.mode == mode):
             s = p.summary
+            name = SYSTEM_NAMES[p.system] + (f", round {p.round}" if several else "")
             lines.append(
-                f"| {SYSTEM_NAMES[p.system]} | {p.load:g} | {s.num_requests} | {s.num_errors} | {s.output_tokens_per_s:.1f} | "
+                f"| {name} | {p.load:g} | {s.num_requests} | {s.num_errors} | {s.output_tokens_per_s:.1f} | "
                 f"{s.requests_per_s:.2f} | {_sec(s.ttft.p50)} | {_sec(s.ttft.p99)} | {_ms(s.itl.p50)} | {_ms(s.itl.p99)} | "
                 f"{_ms(s.tpot.p50)} | {_sec(s.e2e.p50)} | {_sec(s.e2e.p99)} | {_us(s.client_cpu_per_response_us)} |"
             )
@@ -364,7 +428,7 @@ def table(runs: list[SystemRun], mode: str) -> list[str]:
 
 
 def plot(runs: list[SystemRun], plots_dir: Path) -> dict[str, Path]:
-    """Throughput vs concurrency, TPOT vs concurrency, TTFT p50/p99 vs request rate."""
+    """Throughput vs concurrency, TPOT vs concurrency, TTFT p50/p99 vs request rate (means over the rounds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -382,9 +446,9 @@ def plot(runs: list[SystemRun], plots_dir: Path) -> dict[str, Path]:
     def versus_concurrency(name: str, value: Callable[[Summary], float | None], ylabel: str, title: str) -> None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for run in runs:
-            pts = [p for p in closed(run) if value(p.summary) is not None]
-            if pts:
-                ax.plot([p.load for p in pts], [value(p.summary) for p in pts], "o--" if run.system == "offline" else "o-",
+            means = mean_by_load(closed(run), value)
+            if means:
+                ax.plot(list(means), list(means.values()), "o--" if run.system == "offline" else "o-",
                         color=COLORS[run.system], label=SYSTEM_NAMES[run.system])
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({p.load for r in runs for p in closed(r)}) or [1])
@@ -406,13 +470,10 @@ def plot(runs: list[SystemRun], plots_dir: Path) -> dict[str, Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
-        pts = [p for p in opened(run) if p.summary.ttft.p50 is not None]
-        if pts:
-            rates = [p.load for p in pts]
-            ax.plot(rates, [p.summary.ttft.p50 for p in pts], "o-", color=COLORS[run.system],
-                    label=f"{SYSTEM_NAMES[run.system]} p50")
-            ax.plot(rates, [p.summary.ttft.p99 for p in pts], "s--", color=COLORS[run.system],
-                    label=f"{SYSTEM_NAMES[run.system]} p99")
+        p50, p99 = (mean_by_load(opened(run), lambda s, q=q: getattr(s.ttft, q)) for q in ("p50", "p99"))
+        if p50:
+            ax.plot(list(p50), list(p50.values()), "o-", color=COLORS[run.system], label=f"{SYSTEM_NAMES[run.system]} p50")
+            ax.plot(list(p99), list(p99.values()), "s--", color=COLORS[run.system], label=f"{SYSTEM_NAMES[run.system]} p99")
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -445,7 +506,9 @@ def conditions(args: argparse.Namespace, runs: list[SystemRun], started: datetim
         f"{args.output_len - args.output_len_range}-{args.output_len + args.output_len_range} tokens forced with "
         f"ignore_eos, greedy, {args.dtype}, model SmolLM2-135M-Instruct. Closed loop: max({args.min_requests}, "
         f"{args.requests_per_slot:g} x concurrency) requests per point; open loop: {args.rate_requests} requests per rate. "
-        f"{args.warmup} warm-up requests per system (not measured).",
+        f"{args.warmup} warm-up requests per system and round (not measured)."
+        + (f" {args.rounds} rounds, the systems' order rotated each round, servers kept up between rounds."
+           if args.rounds > 1 else ""),
         f"Stream interval {args.stream_interval} (tokens per streamed response; pagedserve's stream_interval, vLLM's "
         f"--stream-interval{', both defaults' if args.stream_interval == 1 else ''}).",
         f"pagedserve: default engine settings except dtype and enable_prefix_caching=false; static: scheduling_policy=static, "
@@ -509,16 +572,31 @@ def replace_section(path: Path, text: str) -> None:
     path.write_text(new)
 
 
-def closed_points(runs: list[SystemRun]) -> dict[str, dict[float, Summary]]:
-    """Each system's closed-loop summaries by concurrency."""
-    return {r.system: {p.load: p.summary for p in r.points if p.mode == "closed"} for r in runs if r.points}
+def rounds_of(runs: list[SystemRun]) -> list[int]:
+    return sorted({p.round for run in runs for p in run.points})
+
+
+def closed_points(runs: list[SystemRun], round_number: int) -> dict[str, dict[float, Summary]]:
+    """Each system's closed-loop summaries of one round, by concurrency."""
+    return {r.system: {p.load: p.summary for p in r.points if p.mode == "closed" and p.round == round_number}
+            for r in runs if r.points}
+
+
+def mean_by_load(points: list[Point], value: Callable[[Summary], float | None]) -> dict[float, float]:
+    """`value` of each load's points averaged over the rounds (points without it left out)."""
+    values: dict[float, list[float]] = {}
+    for p in points:
+        v = value(p.summary)
+        if v is not None:
+            values.setdefault(p.load, []).append(v)
+    return {load: sum(vs) / len(vs) for load, vs in sorted(values.items())}
 
 
 def headline(runs: list[SystemRun]) -> list[str]:
-    """Throughput ratios at the highest concurrency every server reached (the offline
-    reference has its own lines: references())."""
-    by = closed_points(runs)
-    by.pop("offline", None)
+    """Throughput ratios at the highest concurrency every server reached (means over the
+    rounds; the offline reference has its own lines: references())."""
+    by = {r.system: mean_by_load([p for p in r.points if p.mode == "closed"], lambda s: s.output_tokens_per_s)
+          for r in runs if r.points and r.system != "offline"}
     if "inflight" not in by:
         return []
     common = set(by["inflight"])
@@ -527,36 +605,75 @@ def headline(runs: list[SystemRun]) -> list[str]:
     if not common:
         return []
     top = max(common)
-    best = by["inflight"][top].output_tokens_per_s
-    parts = [f"{SYSTEM_NAMES[s]} {best / points[top].output_tokens_per_s:.1f}x"
-             for s, points in by.items() if s != "inflight" and points[top].output_tokens_per_s > 0]
+    best = by["inflight"][top]
+    parts = [f"{SYSTEM_NAMES[s]} {best / points[top]:.1f}x" for s, points in by.items() if s != "inflight" and points[top] > 0]
     if not parts:
         return []
-    return [f"At concurrency {top:g}, in-flight batching delivers {best:.0f} output tok/s: vs " + ", vs ".join(parts) + ".", ""]
+    mean = " (mean of the rounds)" if len(rounds_of(runs)) > 1 else ""
+    return [f"At concurrency {top:g}, in-flight batching delivers {best:.0f} output tok/s{mean}: vs " + ", vs ".join(parts) + ".", ""]
+
+
+@dataclass
+class Ratios:
+    """One served system at one concurrency in one round, over the references that ran beside it."""
+
+    served_over_offline: float | None
+    over_vllm: float | None
+    ttft_p99_over_vllm: float | None
+
+
+def ratios(s: Summary, offline: Summary | None, vllm: Summary | None) -> Ratios:
+    def over(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    return Ratios(over(s.output_tokens_per_s, offline and offline.output_tokens_per_s),
+                  over(s.output_tokens_per_s, vllm and vllm.output_tokens_per_s),
+                  over(s.ttft.p99, vllm and vllm.ttft.p99))
 
 
 def references(runs: list[SystemRun]) -> list[str]:
-    """A line per served system and concurrency: served in-flight over offline throughput
-    (the goal is >= 0.85), and pagedserve in-flight over vLLM in throughput and TTFT p99."""
-    by = closed_points(runs)
-    offline, vllm = by.get("offline", {}), by.get("vllm", {})
-    lines = []
-    for system, label in SERVED.items():
-        for load, s in sorted(by.get(system, {}).items()):
-            parts = []
-            if load in offline and offline[load].output_tokens_per_s > 0:
-                o = offline[load].output_tokens_per_s
-                parts.append(f"served / offline {s.output_tokens_per_s / o:.2f} ({s.output_tokens_per_s:.0f} vs {o:.0f} tok/s)")
-            if load in vllm and vllm[load].output_tokens_per_s > 0:
-                v = vllm[load]
-                ttft = f", TTFT p99 {s.ttft.p99 / v.ttft.p99:.2f}x" if s.ttft.p99 and v.ttft.p99 else ""
-                parts.append(f"pagedserve / vLLM throughput {s.output_tokens_per_s / v.output_tokens_per_s:.2f}x{ttft}")
-            if parts:
-                lines.append(f"- concurrency {load:g}{label}: " + "; ".join(parts) + ".")
+    """A line per served system, concurrency and round: served in-flight over offline
+    throughput (the goal is >= 0.85), and pagedserve in-flight over vLLM in throughput and
+    TTFT p99; with several rounds, then each ratio's mean and range over the rounds."""
+    rounds = rounds_of(runs)
+    lines, spread = [], {}
+    for round_number in rounds:
+        by = closed_points(runs, round_number)
+        offline, vllm = by.get("offline", {}), by.get("vllm", {})
+        for system, label in SERVED.items():
+            for load, s in sorted(by.get(system, {}).items()):
+                o, v = offline.get(load), vllm.get(load)
+                r = ratios(s, o, v)
+                spread.setdefault((system, load), []).append(r)
+                parts = []
+                if r.served_over_offline is not None:
+                    parts.append(f"served / offline {r.served_over_offline:.2f} ({s.output_tokens_per_s:.0f} vs "
+                                 f"{o.output_tokens_per_s:.0f} tok/s)")
+                if r.over_vllm is not None:
+                    ttft = "" if r.ttft_p99_over_vllm is None else f", TTFT p99 {r.ttft_p99_over_vllm:.2f}x"
+                    parts.append(f"pagedserve / vLLM throughput {r.over_vllm:.2f}x{ttft}")
+                if parts:
+                    at = f", round {round_number}" if len(rounds) > 1 else ""
+                    lines.append(f"- concurrency {load:g}{label}{at}: " + "; ".join(parts) + ".")
     if not lines:
         return []
-    return ["In-flight batching served, per concurrency: over the offline engine on the same requests (goal >= 0.85) "
-            "and over vLLM-CPU (throughput above 1x: pagedserve faster; TTFT above 1x: pagedserve slower).", ""] + lines + [""]
+    out = ["In-flight batching served, per concurrency: over the offline engine on the same requests (goal >= 0.85) "
+           "and over vLLM-CPU (throughput above 1x: pagedserve faster; TTFT above 1x: pagedserve slower).", ""] + lines + [""]
+    if len(rounds) > 1:
+        out += [f"Over the {len(rounds)} rounds (mean, lowest-highest):", ""]
+        for (system, load), rs in spread.items():
+            parts = [f"{name} {_range([getattr(r, field) for r in rs])}" for name, field in (
+                ("served / offline", "served_over_offline"), ("pagedserve / vLLM throughput", "over_vllm"),
+                ("TTFT p99 vs vLLM", "ttft_p99_over_vllm")) if any(getattr(r, field) is not None for r in rs)]
+            if parts:
+                out.append(f"- concurrency {load:g}{SERVED[system]}: " + "; ".join(parts) + ".")
+        out.append("")
+    return out
+
+
+def _range(values: list[float | None]) -> str:
+    present = [v for v in values if v is not None]
+    return f"{sum(present) / len(present):.2f} ({min(present):.2f}-{max(present):.2f}, {len(present)} rounds)"
 
 
 # --------------------------------------------------------------------------- main
@@ -583,6 +700,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="tokens gathered per streamed response, for pagedserve (stream_interval, the offline "
                              "reference too) and vLLM (--stream-interval) alike; 1 (both defaults) streams each token")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every system's points this many times, the systems' order rotated each round "
+                             "and their servers kept up between rounds; the report gives each round and the ratios' "
+                             "mean and range (default 1)")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a request may take before it counts as failed (default 300)")
     parser.add_argument("--out-dir", default=None,
@@ -604,6 +725,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.systems) - set(SYSTEM_NAMES)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEM_NAMES)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.stream_interval < 1:
         parser.error(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.out_dir is None:
@@ -625,14 +748,10 @@ def main(argv: list[str] | None = None) -> int:
         output_len=args.output_len, output_len_range=args.output_len_range, seed=args.seed))
     raw: list[dict[str, Any]] | None = [] if args.json_out else None
     points = len(args.concurrency) + len(args.rates)
-    report(f"systems {', '.join(args.systems)}; {points} points each; results to {out_dir}")
-    runs: list[SystemRun] = []
+    rounds = f", {args.rounds} rounds" if args.rounds > 1 else ""
+    report(f"systems {', '.join(args.systems)}; {points} points each{rounds}; results to {out_dir}")
     with tempfile.TemporaryDirectory(prefix="pagedserve-serving-") as tmp:
-        for system in args.systems:
-            if system == "offline":
-                runs.append(run_offline_reference(args, workload, report, raw))
-            else:
-                runs.append(run_system(system, args, workload, Path(tmp), report, raw))
+        runs = run_sweep(args, workload, Path(tmp), report, raw)
     minutes = (time.perf_counter() - t0) / 60
     plots = plot(runs, out_dir / "plots")
     results = out_dir / "RESULTS.md"
