@@ -32,15 +32,15 @@ def test_each_round_runs_every_system_in_a_rotated_order():
 def test_each_round_gets_its_own_ratios_and_the_rounds_a_mean_and_range():
     lines = serving.references(runs({"offline": [400.0, 360.0], "inflight": [340.0, 324.0], "vllm": [300.0, 300.0]}))
     text = "\n".join(lines)
-    assert "- concurrency 32, round 1: served / offline 0.85 (340 vs 400 tok/s); pagedserve / vLLM throughput 1.13x" in text
-    assert "- concurrency 32, round 2: served / offline 0.90 (324 vs 360 tok/s); pagedserve / vLLM throughput 1.08x" in text
-    assert ("- concurrency 32: served / offline 0.88 (0.85-0.90, 2 rounds); pagedserve / vLLM throughput 1.11 "
+    assert "- concurrency 32, round 1: served / offline 0.850 (340 vs 400 tok/s); pagedserve / vLLM throughput 1.13x" in text
+    assert "- concurrency 32, round 2: served / offline 0.900 (324 vs 360 tok/s); pagedserve / vLLM throughput 1.08x" in text
+    assert ("- concurrency 32: served / offline 0.875 (0.850-0.900, 2 rounds); pagedserve / vLLM throughput 1.11 "
             "(1.08-1.13, 2 rounds); TTFT p99 vs vLLM 1.00 (1.00-1.00, 2 rounds).") in text
 
 
 def test_a_single_round_reports_without_round_labels():
     text = "\n".join(serving.references(runs({"offline": [400.0], "inflight": [340.0]})))
-    assert "- concurrency 32: served / offline 0.85 (340 vs 400 tok/s)." in text
+    assert "- concurrency 32: served / offline 0.850 (340 vs 400 tok/s)." in text
     assert "round" not in text
 
 
