@@ -135,13 +135,8 @@ class Outcome:
 
 
 def grpc_inputs(module: Any, req: SoakRequest) -> list[Any]:
-    """`llm` inputs: build_inputs' plus exactly the asked return_* flags."""
-    inputs = [t for t in build_inputs(module, req.prompt, stream=True, **req.sampling) if t.name() not in RETURN_FLAGS]
-    for name in req.returns:
-        flag = module.InferInput(name, [1], "BOOL")
-        flag.set_data_from_numpy(np.array([True]))
-        inputs.append(flag)
-    return inputs
+    """`llm` inputs with exactly the asked return_* flags."""
+    return build_inputs(module, req.prompt, stream=True, returns=req.returns, **req.sampling)
 
 
 def send(url: str, req: SoakRequest, final_timeout: float, died_at: Callable[[], float | None] = lambda: None,

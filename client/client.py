@@ -22,23 +22,37 @@ class Chunk:
     final: bool = False
 
 
+DEFAULT_RETURNS = ("return_finish_reason", "return_num_output_tokens")
+"""The return_* flags this client's Chunk reads."""
+
+
+def llm_values(
+    prompt: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+    stream: bool = True,
+    returns: tuple[str, ...] = DEFAULT_RETURNS,
+    **sampling: Any,
+) -> dict[str, Any]:
+    """`llm`'s inputs as Python values in the Triton vLLM-backend style (the same over gRPC
+    and HTTP): the prompt as text or chat messages, the return_* flags named in `returns`
+    set, the sampling parameters as JSON (None ones left out)."""
+    values: dict[str, Any] = {"messages": json.dumps(messages)} if messages is not None else {"text_input": prompt or ""}
+    values |= {"stream": stream, "exclude_input_in_output": True}
+    values |= {flag: True for flag in returns}
+    values["sampling_parameters"] = json.dumps({k: v for k, v in sampling.items() if v is not None})
+    return values
+
+
 def build_inputs(
     module: Any,
     prompt: str | None = None,
     messages: list[dict[str, str]] | None = None,
     stream: bool = True,
+    returns: tuple[str, ...] = DEFAULT_RETURNS,
     **sampling: Any,
 ) -> list[Any]:
-    """Inputs for `llm` in the Triton vLLM-backend style; `module` is tritonclient.grpc or .http."""
-    values: dict[str, Any] = {"messages": json.dumps(messages)} if messages is not None else {"text_input": prompt or ""}
-    values |= {
-        "stream": stream,
-        "exclude_input_in_output": True,
-        "return_finish_reason": True,
-        "return_num_output_tokens": True,
-        "sampling_parameters": json.dumps({k: v for k, v in sampling.items() if v is not None}),
-    }
-    return infer_inputs(module, values)
+    """llm_values as InferInputs; `module` is tritonclient.grpc, .grpc.aio or .http."""
+    return infer_inputs(module, llm_values(prompt, messages, stream, returns, **sampling))
 
 
 def infer_inputs(module: Any, values: dict[str, Any]) -> list[Any]:

@@ -40,18 +40,16 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
+COUNTS = ("return_num_input_tokens", "return_num_output_tokens")
+
+
 def request_values(spec: RequestSpec, sampling: dict[str, Any]) -> dict[str, Any]:
     """The `llm` inputs of one request, the same over gRPC and HTTP: only the outputs the
     load generator counts with (the counts; the text is not read, the final response is
     Triton's `triton_final_response` flag), so neither protocol pays for others."""
-    return {
-        "text_input": spec.prompt,
-        "stream": True,
-        "exclude_input_in_output": True,
-        "return_num_input_tokens": True,
-        "return_num_output_tokens": True,
-        "sampling_parameters": json.dumps(sampling),
-    }
+    from ..client import llm_values
+
+    return llm_values(spec.prompt, returns=COUNTS, **sampling)
 
 
 class GrpcTransport:
