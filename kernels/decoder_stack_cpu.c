@@ -1,0 +1,134 @@
+/* Every decoder layer of a step in one C call: the same kernels the layers call one by one from
+ * Python (bf16 matmuls on weights in pairs, RMSNorm, rotary, the KV cache write, decode and
+ * prefill attention, SiLU x up), in the same order on the same buffers, so the result is the
+ * same to the bit.
+ *
+ * Why: between those ~10 calls a layer (~310 a step of a 30-layer model) the Python around
+ * them - module calls, argument checks, allocations, the attention plan's lookup - took ~11 ms
+ * of a ~70 ms step at 32 sequences (benchmarks/RESULTS.md, 2-core Zen 4), and the OpenMP
+ * worker thread waits through all of it. Here the kernels are reached through function
+ * pointers into their own libraries (kernels/decoder_stack_cpu.py passes them), so each stays
+ * built and tested on its own.
+ *
+ * Built at first use by kernels/native_build.py.
+ */
+#include <stdint.h>
+
+typedef void (*MatmulFn)(const void* x, const void* w, const float* bias, void* y, int rows, int64_t in,
+                         int64_t groups, int num_threads);
+typedef void (*NormFn)(const void* x, const void* weight, void* out, int rows, int hidden, float eps, int dtype,
+                       int num_threads);
+typedef void (*AddNormFn)(const void* h, const void* delta, void* h_out, const void* weight, void* out, int rows,
+                          int hidden, float eps, int dtype, int num_threads);
+typedef void (*RotaryFn)(const void* x, int64_t row_stride, void* out, const void* cos, const void* sin, int tokens,
+                         int heads, int head_dim, int dtype, int num_threads);
+typedef int64_t (*CacheWriteFn)(const void* key, int64_t key_stride, const void* value, int64_t value_stride,
+                                void* key_cache, void* value_cache, const int64_t* slots, int64_t tokens,
+                                int64_t row_bytes, int64_t num_slots);
+typedef int (*DecodeFn)(const void* query, int64_t q_stride, const void* key_cache, const void* value_cache,
+                        void* out, const int32_t* tables, int64_t table_width, const int32_t* lens,
+                        const int64_t* rows, int num_decodes, int heads, int kv_heads, int dim, int block_size,
+                        float scale, int dtype, int num_threads);
+typedef int (*PrefillFn)(const void* query, int64_t q_stride, const void* key_cache, const void* value_cache,
+                         void* out, const int64_t* all_slots, const int64_t* slot_starts, const int32_t* q_starts,
+                         const int32_t* q_lens, const int32_t* seq_lens, int num_chunks, int heads, int kv_heads,
+                         int dim, float scale, int num_threads, int dtype);
+typedef void (*SiluMulFn)(const void* x, void* out, int64_t rows, int64_t n, int num_threads, int dtype);
+
+/* The kernels, as addresses of their libraries' functions. */
+typedef struct {
+    MatmulFn matmul;
+    NormFn norm;
+    AddNormFn add_norm;
+    RotaryFn rotary;
+    CacheWriteFn write_cache;
+    DecodeFn decode;
+    PrefillFn prefill;
+    SiluMulFn silu_mul;
+} Kernels;
+
+/* One layer's weights (pairs layout, kernels/bf16_matmul_cpu.c) and KV cache. */
+typedef struct {
+    const void* input_norm;
+    const void* post_norm;
+    const void* qkv;
+    const float* qkv_bias;
+    int64_t qkv_groups;
+    const void* o;
+    int64_t o_groups;
+    const void* gate_up;
+    int64_t gate_up_groups;
+    const void* down;
+    int64_t down_groups;
+    void* key_cache;
+    void* value_cache;
+} Layer;
+
+/* One step: shapes, the attention plan, and the buffers (bf16 rows of `tokens`). */
+typedef struct {
+    int tokens, hidden, heads, kv_heads, head_dim, intermediate, block_size, dtype, num_threads;
+    int64_t num_slots;
+    float eps, scale;
+    const void* cos; /* [tokens, head_dim] */
+    const void* sin;
+    const int64_t* slot_mapping;
+    int num_decodes; /* decode attention: kernels/paged_decode_cpu.c's arguments */
+    const int32_t* tables;
+    int64_t table_width;
+    const int32_t* lens;
+    const int64_t* decode_rows;
+    int num_chunks; /* prefill attention: kernels/paged_prefill_cpu.c's */
+    const int64_t* chunk_slots;
+    const int64_t* slot_starts;
+    const int32_t* q_starts;
+    const int32_t* q_lens;
+    const int32_t* seq_lens;
+    const void* final_norm;
+    void* h;       /* [tokens, hidden]: the embeddings in, the residual stream (in place) */
+    void* x;       /* [tokens, hidden]: normed rows */
+    void* qkv;     /* [tokens, qkv_groups * 16] */
+    void* qk;      /* [tokens, heads + kv_heads, head_dim]: q and k rotated */
+    void* attn;    /* [tokens, heads, head_dim] */
+    void* delta;   /* [tokens, hidden]: o_proj's, then down_proj's output */
+    void* gate_up; /* [tokens, 2 * intermediate] */
+    void* act;     /* [tokens, intermediate] */
+    void* out;     /* [tokens, hidden]: the final norm's output */
+} Step;
+
+/* The layers' forward, as LlamaForCausalLM.forward runs it eagerly. Returns 0, or -1 when an
+ * attention kernel declines the shapes or a cache slot is out of range (the caller runs the
+ * step in Python: the cache rows written so far are rewritten with the same values). */
+int decoder_stack(const Kernels* k, const Layer* layers, int num_layers, const Step* s) {
+    const int T = s->tokens, H = s->hidden, D = s->head_dim, nt = s->num_threads, dt = s->dtype;
+    const int elem = 2; /* bf16 */
+    const int64_t qkv_width = layers[0].qkv_groups * 16, qk_width = (int64_t)(s->heads + s->kv_heads) * D;
+    const char* v_rows = (const char*)s->qkv + (int64_t)(s->heads + s->kv_heads) * D * elem;
+    const char* k_rows = (const char*)s->qk + (int64_t)s->heads * D * elem;
+    for (int l = 0; l < num_layers; ++l) {
+        const Layer* L = &layers[l];
+        if (l == 0)
+            k->norm(s->h, L->input_norm, s->x, T, H, s->eps, dt, nt);
+        else
+            k->add_norm(s->h, s->delta, s->h, L->input_norm, s->x, T, H, s->eps, dt, nt);
+        k->matmul(s->x, L->qkv, L->qkv_bias, s->qkv, T, H, L->qkv_groups, nt);
+        k->rotary(s->qkv, qkv_width, s->qk, s->cos, s->sin, T, s->heads + s->kv_heads, D, dt, nt);
+        if (k->write_cache(k_rows, qk_width * elem, v_rows, qkv_width * elem, L->key_cache, L->value_cache,
+                           s->slot_mapping, T, (int64_t)s->kv_heads * D * elem, s->num_slots))
+            return -1;
+        if (s->num_decodes &&
+            k->decode(s->qk, qk_width, L->key_cache, L->value_cache, s->attn, s->tables, s->table_width, s->lens,
+                      s->decode_rows, s->num_decodes, s->heads, s->kv_heads, D, s->block_size, s->scale, dt, nt))
+            return -1;
+        if (s->num_chunks &&
+            k->prefill(s->qk, qk_width, L->key_cache, L->value_cache, s->attn, s->chunk_slots, s->slot_starts,
+                       s->q_starts, s->q_lens, s->seq_lens, s->num_chunks, s->heads, s->kv_heads, D, s->scale, nt, dt))
+            return -1;
+        k->matmul(s->attn, L->o, 0, s->delta, T, (int64_t)s->heads * D, L->o_groups, nt);
+        k->add_norm(s->h, s->delta, s->h, L->post_norm, s->x, T, H, s->eps, dt, nt);
+        k->matmul(s->x, L->gate_up, 0, s->gate_up, T, H, L->gate_up_groups, nt);
+        k->silu_mul(s->gate_up, s->act, T, s->intermediate, nt, dt);
+        k->matmul(s->act, L->down, 0, s->delta, T, s->intermediate, L->down_groups, nt);
+    }
+    k->add_norm(s->h, s->delta, s->h, s->final_norm, s->out, T, H, s->eps, dt, nt);
+    return 0;
+}

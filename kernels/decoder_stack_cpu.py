@@ -1,0 +1,183 @@
+"""Every decoder layer of a step in one C call (kernels/decoder_stack_cpu.c).
+
+Why: a 30-layer model's step makes ~310 calls into the C kernels, and the Python around
+them was ~11 ms of a ~70 ms step at 32 sequences (2-core Zen 4, bf16), time in which the
+OpenMP worker thread only waits. The C loop calls the same kernels, through their own
+libraries' function addresses, in the same order on the same buffers: the hidden states
+are the eager layers' to the bit (tests/kernels/test_decoder_stack_cpu.py).
+
+It takes what those kernels take on the usual bf16 CPU step (weights in pairs, a bf16 KV
+cache, attention by the C decode and prefill loops); `DecoderStack.run` returns None for
+anything else and the model runs its layers in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import bf16_matmul_cpu, cache_write_cpu, paged_decode_cpu, paged_prefill_cpu, rms_norm_cpu, rotary_cpu, silu_mul_cpu
+from .bf16_matmul_cpu import GROUP, PairWeight
+from .native_build import C_DTYPES, NativeLibrary
+from .paged_attention_cpu import DecodePlan
+from .paged_prefill_cpu import PrefillChunks
+
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+class Kernels(ctypes.Structure):
+    """The kernels' function addresses (decoder_stack_cpu.c's Kernels)."""
+
+    _fields_ = [(name, _p) for name in
+                ("matmul", "norm", "add_norm", "rotary", "write_cache", "decode", "prefill", "silu_mul")]
+
+
+class LayerWeights(ctypes.Structure):
+    """One layer's norms, weights in pairs and KV cache (decoder_stack_cpu.c's Layer)."""
+
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _p), ("qkv_bias", _p), ("qkv_groups", _i64),
+                ("o", _p), ("o_groups", _i64), ("gate_up", _p), ("gate_up_groups", _i64), ("down", _p),
+                ("down_groups", _i64), ("key_cache", _p), ("value_cache", _p)]
+
+
+class StepArgs(ctypes.Structure):
+    """One step's shapes, attention plan and buffers (decoder_stack_cpu.c's Step)."""
+
+    _fields_ = [(name, _i32) for name in
+                ("tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size", "dtype",
+                 "num_threads")] + [
+        ("num_slots", _i64), ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("slot_mapping", _p),
+        ("num_decodes", _i32), ("tables", _p), ("table_width", _i64), ("lens", _p), ("decode_rows", _p),
+        ("num_chunks", _i32), ("chunk_slots", _p), ("slot_starts", _p), ("q_starts", _p), ("q_lens", _p),
+        ("seq_lens", _p), ("final_norm", _p),
+    ] + [(name, _p) for name in ("h", "x", "qkv", "qk", "attn", "delta", "gate_up", "act", "out")]
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    library.decoder_stack.argtypes = [ctypes.POINTER(Kernels), ctypes.POINTER(LayerWeights), _i32,
+                                      ctypes.POINTER(StepArgs)]
+    library.decoder_stack.restype = _i32
+
+
+LIBRARY = NativeLibrary(Path(__file__).with_name("decoder_stack_cpu.c"), "CPU decoder stack",
+                        "the layers in Python", _declare)
+
+
+def kernels() -> Kernels | None:
+    """The kernels' addresses; None unless every library is built and the bf16 matmul is the
+    one engines use here (bf16_matmul_cpu.native())."""
+    if not bf16_matmul_cpu.native():
+        return None
+    functions = {
+        "matmul": (bf16_matmul_cpu.LIBRARY, "bf16_matmul"), "norm": (rms_norm_cpu.LIBRARY, "rms_norm"),
+        "add_norm": (rms_norm_cpu.LIBRARY, "add_rms_norm"), "rotary": (rotary_cpu.LIBRARY, "rotary"),
+        "write_cache": (cache_write_cpu.LIBRARY, "write_kv_cache"), "decode": (paged_decode_cpu.LIBRARY, "paged_decode"),
+        "prefill": (paged_prefill_cpu.LIBRARY, "paged_prefill"), "silu_mul": (silu_mul_cpu.LIBRARY, "silu_mul"),
+    }
+    addresses = {}
+    for field, (library, name) in functions.items():
+        loaded = library.get()
+        if loaded is None:
+            return None
+        addresses[field] = ctypes.cast(getattr(loaded, name), _p).value
+    return Kernels(**addresses)
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    """What one layer hands the C loop: its norms' weights, its linears in pairs, its cache."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: PairWeight
+    o: PairWeight
+    gate_up: PairWeight
+    down: PairWeight
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+
+    def weights(self) -> LayerWeights | None:
+        """The C layer; None where the C loop does not take these tensors."""
+        bf16 = torch.bfloat16
+        if not all(t.dtype == bf16 and t.is_contiguous() and t.device.type == "cpu"
+                   for t in (self.input_norm, self.post_norm, self.key_cache, self.value_cache)):
+            return None
+        linears = (self.qkv, self.o, self.gate_up, self.down)
+        if any(w.out_features != w.pairs.shape[0] * GROUP for w in linears) or any(w.bias is not None for w in linears[1:]):
+            return None  # padded outputs or biases past the qkv projection: the Python path
+        return LayerWeights(
+            self.input_norm.data_ptr(), self.post_norm.data_ptr(), self.qkv.pairs.data_ptr(),
+            None if self.qkv.bias is None else self.qkv.bias.data_ptr(), self.qkv.pairs.shape[0],
+            self.o.pairs.data_ptr(), self.o.pairs.shape[0], self.gate_up.pairs.data_ptr(), self.gate_up.pairs.shape[0],
+            self.down.pairs.data_ptr(), self.down.pairs.shape[0], self.key_cache.data_ptr(), self.value_cache.data_ptr(),
+        )
+
+
+@dataclass(frozen=True)
+class StackShape:
+    """The model's sizes and constants the loop needs."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+class DecoderStack:
+    """The C layers of one model over one set of KV caches (built once, reused every step)."""
+
+    def __init__(self, layers: list[LayerTensors], final_norm: torch.Tensor, shape: StackShape):
+        self.kernels = kernels() if LIBRARY.get() is not None else None
+        built = [layer.weights() for layer in layers]
+        self.layers = None if self.kernels is None or None in built or final_norm.dtype != torch.bfloat16 else (
+            (LayerWeights * len(built))(*built))
+        self.tensors = (layers, final_norm)  # what the addresses point into, kept alive
+        self.final_norm, self.shape = final_norm, shape
+        cache = layers[0].key_cache if layers else None
+        self.block_size = 0 if cache is None else cache.shape[1]
+        self.num_slots = 0 if cache is None else cache.shape[0] * cache.shape[1]
+
+    @property
+    def usable(self) -> bool:
+        return self.layers is not None
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+            decode: DecodePlan | None, prefill: PrefillChunks | None) -> torch.Tensor | None:
+        """The final norm's output [tokens, hidden] for the embeddings `h` (overwritten: it
+        carries the residual stream); None where the C loop declined the step (a kernel's
+        shape limits, a cache slot out of range): the caller runs the layers in Python."""
+        s = self.shape
+        tokens = h.shape[0]
+        if (self.layers is None or h.dtype != torch.bfloat16 or not h.is_contiguous() or tokens == 0
+                or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
+            return None
+        new = h.new_empty
+        qkv_width = self.layers[0].qkv_groups * GROUP
+        buffers = dict(x=new((tokens, s.hidden)), qkv=new((tokens, qkv_width)),
+                       qk=new((tokens, s.heads + s.kv_heads, s.head_dim)), attn=new((tokens, s.heads, s.head_dim)),
+                       delta=new((tokens, s.hidden)), gate_up=new((tokens, 2 * s.intermediate)),
+                       act=new((tokens, s.intermediate)), out=new((tokens, s.hidden)))
+        args = StepArgs(
+            tokens=tokens, hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
+            intermediate=s.intermediate, block_size=self.block_size, dtype=C_DTYPES[torch.bfloat16],
+            num_threads=torch.get_num_threads(), num_slots=self.num_slots, eps=s.eps, scale=s.scale,
+            cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slot_mapping.data_ptr(), final_norm=self.final_norm.data_ptr(),
+            h=h.data_ptr(), **{name: tensor.data_ptr() for name, tensor in buffers.items()},
+        )
+        if decode is not None:
+            args.num_decodes, args.tables, args.table_width = decode.tokens.numel(), decode.tables.data_ptr(), decode.tables.shape[1]
+            args.lens, args.decode_rows = decode.lens.data_ptr(), decode.tokens.data_ptr()
+        if prefill is not None:
+            args.num_chunks, args.chunk_slots, args.slot_starts = prefill.q_lens.numel(), prefill.slots.data_ptr(), prefill.slot_starts.data_ptr()
+            args.q_starts, args.q_lens, args.seq_lens = prefill.q_starts.data_ptr(), prefill.q_lens.data_ptr(), prefill.seq_lens.data_ptr()
+        status = LIBRARY.get().decoder_stack(ctypes.byref(self.kernels), self.layers, len(self.layers), ctypes.byref(args))
+        return buffers["out"] if status == 0 else None
+
+
+__all__ = ["DecoderStack", "LayerTensors", "StackShape", "kernels"]

@@ -1,0 +1,100 @@
+"""The decoder layers in one C call (kernels/decoder_stack_cpu.py) against the same layers
+run one kernel at a time from Python: the same logits to the bit and the same greedy tokens,
+over plain batches, chunked prefill mixed with decodes, and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.backend import LLMEngine, SamplingParams
+from pagedserve.kernels import decoder_stack_cpu
+
+from ..conftest import assert_engine_idle
+
+pytestmark = pytest.mark.skipif(
+    decoder_stack_cpu.kernels() is None,
+    reason="the C decoder stack serves bf16 weights in pairs: a CPU with AVX512-BF16 (and AVX-512 SiLU), no AMX",
+)
+
+
+@pytest.fixture(scope="module")
+def bf16_engine() -> LLMEngine:
+    """The bundled model in bf16 with a small token budget, so prompts are prefilled in chunks
+    beside other sequences' decodes."""
+    return LLMEngine(dtype="bfloat16", max_num_batched_tokens=96, max_num_seqs=8, num_kv_blocks=512,
+                     enable_prefix_caching=False)
+
+
+class StackCalls:
+    """Counts the steps the C stack ran (a decline, None, is not counted)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.count = 0
+        run = decoder_stack_cpu.DecoderStack.run
+
+        def counted(stack, *args, **kwargs):
+            out = run(stack, *args, **kwargs)
+            self.count += out is not None
+            return out
+
+        monkeypatch.setattr(decoder_stack_cpu.DecoderStack, "run", counted)
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], c_stack: bool, max_tokens: int = 20) -> list[list[int]]:
+    engine.runner.model.use_c_stack = c_stack
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        return [r.token_ids for r in engine.generate(prompts, params, use_tqdm=False)]
+    finally:
+        engine.runner.model.use_c_stack = True
+
+
+def test_chunked_prefill_beside_decodes_gives_the_python_layers_tokens(bf16_engine, prompts, monkeypatch):
+    calls = StackCalls(monkeypatch)
+    in_python = greedy(bf16_engine, prompts, c_stack=False)
+    assert calls.count == 0
+    in_c = greedy(bf16_engine, prompts, c_stack=True)
+    assert in_c == in_python
+    assert calls.count > 0, "the C stack never ran"
+    assert_engine_idle(bf16_engine)
+
+
+def test_whole_prompt_logits_equal_the_python_layers_to_the_bit(bf16_engine, prompts):
+    runner = bf16_engine.runner
+    prompt = prompts[-1]  # ~400 tokens over several blocks
+    blocks = list(range(10, 10 + -(-len(prompt) // runner.block_size)))
+    runner.model.use_c_stack = False
+    expected = runner.run_prefill(prompt, blocks)
+    runner.model.use_c_stack = True
+    assert torch.equal(runner.run_prefill(prompt, blocks), expected)
+
+
+def test_preemption_under_a_tiny_kv_cache_gives_the_python_layers_tokens(prompts, monkeypatch):
+    engine = LLMEngine(dtype="bfloat16", num_kv_blocks=28, enable_prefix_caching=False)  # 448 slots, ~830 tokens of work
+    calls = StackCalls(monkeypatch)
+    longest_first = prompts[::-1]
+    in_c = greedy(engine, longest_first, c_stack=True, max_tokens=24)
+    assert engine.stats().num_preemptions > 0
+    assert calls.count > 0
+    assert in_c == greedy(engine, longest_first, c_stack=False, max_tokens=24)
+    assert_engine_idle(engine)
+
+
+def test_a_few_rows_stay_in_python_where_the_linears_read_the_checkpoint_blocks(bf16_engine, prompts, monkeypatch):
+    calls = StackCalls(monkeypatch)
+    greedy(bf16_engine, prompts[:1], c_stack=True, max_tokens=6)
+    first = bf16_engine.runner.model.layers[0].self_attn.qkv_proj
+    if first.few_row_blocks is None:
+        pytest.skip("this model's linears have no checkpoint blocks for few rows")
+    # one sequence: its prompt in chunks of up to 96 rows through the C stack, its decodes (1 row) not
+    assert 0 < calls.count < 6
+
+
+def test_an_fp8_kv_cache_runs_the_layers_in_python(prompts, monkeypatch):
+    engine = LLMEngine(dtype="bfloat16", kv_cache_dtype="fp8", max_num_seqs=4, num_kv_blocks=128,
+                       enable_prefix_caching=False)
+    calls = StackCalls(monkeypatch)
+    greedy(engine, prompts[:2], c_stack=True, max_tokens=4)
+    assert calls.count == 0
+    assert engine.runner.model._decoder_stack(engine.runner.kv_caches) is None
