@@ -14,6 +14,8 @@
  */
 #include <stdint.h>
 
+#include "cpu_dtypes.h"
+
 typedef void (*MatmulFn)(const void* x, const void* w, const float* bias, void* y, int rows, int64_t in,
                          int64_t groups, int num_threads);
 typedef void (*NormFn)(const void* x, const void* weight, void* out, int rows, int hidden, float eps, int dtype,
@@ -34,6 +36,8 @@ typedef int (*PrefillFn)(const void* query, int64_t q_stride, const void* key_ca
                          const int32_t* q_lens, const int32_t* seq_lens, int num_chunks, int heads, int kv_heads,
                          int dim, float scale, int num_threads, int dtype);
 typedef void (*SiluMulFn)(const void* x, void* out, int64_t rows, int64_t n, int num_threads, int dtype);
+typedef void (*BlockMatmulFn)(const float* x, const uint8_t* q, const float* d, const float* m, const float* bias,
+                              float* y, int rows, int64_t in, int64_t groups, int kind, int num_threads);
 
 /* The kernels, as addresses of their libraries' functions. */
 typedef struct {
@@ -45,21 +49,27 @@ typedef struct {
     DecodeFn decode;
     PrefillFn prefill;
     SiluMulFn silu_mul;
+    BlockMatmulFn block_matmul;
 } Kernels;
 
-/* One layer's weights (pairs layout, kernels/bf16_matmul_cpu.c) and KV cache. */
+/* A linear layer: its weight in pairs (kernels/bf16_matmul_cpu.c) and, where it has them, the
+ * checkpoint's GGUF blocks that steps of a few rows multiply in float32 (kernels/block_matmul_cpu.c;
+ * models/linear.py's Linear.forward). */
+typedef struct {
+    const void* pairs;
+    const float* bias; /* float32 [groups * 16] or NULL */
+    int64_t groups;
+    const uint8_t* codes; /* NULL: no blocks */
+    const float* scales;
+    const float* offsets;
+    int kind;
+} Linear;
+
+/* One layer's norms, linears and KV cache. */
 typedef struct {
     const void* input_norm;
     const void* post_norm;
-    const void* qkv;
-    const float* qkv_bias;
-    int64_t qkv_groups;
-    const void* o;
-    int64_t o_groups;
-    const void* gate_up;
-    int64_t gate_up_groups;
-    const void* down;
-    int64_t down_groups;
+    Linear qkv, o, gate_up, down;
     void* key_cache;
     void* value_cache;
 } Layer;
@@ -84,6 +94,9 @@ typedef struct {
     const int32_t* q_lens;
     const int32_t* seq_lens;
     const void* final_norm;
+    int few_rows; /* the linears with blocks multiply those (float32 rows in xf, out in yf) */
+    float* xf;
+    float* yf;
     void* h;       /* [tokens, hidden]: the embeddings in, the residual stream (in place) */
     void* x;       /* [tokens, hidden]: normed rows */
     void* qkv;     /* [tokens, qkv_groups * 16] */
@@ -95,13 +108,26 @@ typedef struct {
     void* out;     /* [tokens, hidden]: the final norm's output */
 } Step;
 
+/* y = x @ W^T (+ bias) for bf16 rows, as Linear.forward computes it for this many rows. */
+static void linear(const Kernels* k, const Linear* w, const void* x, void* y, int rows, int64_t in, const Step* s) {
+    if (!(s->few_rows && w->codes)) {
+        k->matmul(x, w->pairs, w->bias, y, rows, in, w->groups, s->num_threads);
+        return;
+    }
+    const int64_t n_in = rows * in, n_out = rows * w->groups * 16;
+    for (int64_t i = 0; i < n_in; ++i) s->xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
+    k->block_matmul(s->xf, w->codes, w->scales, w->offsets, w->bias, s->yf, rows, in, w->groups, w->kind,
+                    s->num_threads);
+    for (int64_t i = 0; i < n_out; ++i) ((uint16_t*)y)[i] = f32_to_bf16(s->yf[i]);
+}
+
 /* The layers' forward, as LlamaForCausalLM.forward runs it eagerly. Returns 0, or -1 when an
  * attention kernel declines the shapes or a cache slot is out of range (the caller runs the
  * step in Python: the cache rows written so far are rewritten with the same values). */
 int decoder_stack(const Kernels* k, const Layer* layers, int num_layers, const Step* s) {
     const int T = s->tokens, H = s->hidden, D = s->head_dim, nt = s->num_threads, dt = s->dtype;
     const int elem = 2; /* bf16 */
-    const int64_t qkv_width = layers[0].qkv_groups * 16, qk_width = (int64_t)(s->heads + s->kv_heads) * D;
+    const int64_t qkv_width = layers[0].qkv.groups * 16, qk_width = (int64_t)(s->heads + s->kv_heads) * D;
     const char* v_rows = (const char*)s->qkv + (int64_t)(s->heads + s->kv_heads) * D * elem;
     const char* k_rows = (const char*)s->qk + (int64_t)s->heads * D * elem;
     for (int l = 0; l < num_layers; ++l) {
@@ -110,7 +136,7 @@ int decoder_stack(const Kernels* k, const Layer* layers, int num_layers, const S
             k->norm(s->h, L->input_norm, s->x, T, H, s->eps, dt, nt);
         else
             k->add_norm(s->h, s->delta, s->h, L->input_norm, s->x, T, H, s->eps, dt, nt);
-        k->matmul(s->x, L->qkv, L->qkv_bias, s->qkv, T, H, L->qkv_groups, nt);
+        linear(k, &L->qkv, s->x, s->qkv, T, H, s);
         k->rotary(s->qkv, qkv_width, s->qk, s->cos, s->sin, T, s->heads + s->kv_heads, D, dt, nt);
         if (k->write_cache(k_rows, qk_width * elem, v_rows, qkv_width * elem, L->key_cache, L->value_cache,
                            s->slot_mapping, T, (int64_t)s->kv_heads * D * elem, s->num_slots))
@@ -123,11 +149,11 @@ int decoder_stack(const Kernels* k, const Layer* layers, int num_layers, const S
             k->prefill(s->qk, qk_width, L->key_cache, L->value_cache, s->attn, s->chunk_slots, s->slot_starts,
                        s->q_starts, s->q_lens, s->seq_lens, s->num_chunks, s->heads, s->kv_heads, D, s->scale, nt, dt))
             return -1;
-        k->matmul(s->attn, L->o, 0, s->delta, T, (int64_t)s->heads * D, L->o_groups, nt);
+        linear(k, &L->o, s->attn, s->delta, T, (int64_t)s->heads * D, s);
         k->add_norm(s->h, s->delta, s->h, L->post_norm, s->x, T, H, s->eps, dt, nt);
-        k->matmul(s->x, L->gate_up, 0, s->gate_up, T, H, L->gate_up_groups, nt);
+        linear(k, &L->gate_up, s->x, s->gate_up, T, H, s);
         k->silu_mul(s->gate_up, s->act, T, s->intermediate, nt, dt);
-        k->matmul(s->act, L->down, 0, s->delta, T, s->intermediate, L->down_groups, nt);
+        linear(k, &L->down, s->act, s->delta, T, s->intermediate, s);
     }
     k->add_norm(s->h, s->delta, s->h, s->final_norm, s->out, T, H, s->eps, dt, nt);
     return 0;

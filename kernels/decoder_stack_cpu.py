@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
-from . import bf16_matmul_cpu, cache_write_cpu, paged_decode_cpu, paged_prefill_cpu, rms_norm_cpu, rotary_cpu, silu_mul_cpu
+from . import (bf16_matmul_cpu, block_matmul_cpu, cache_write_cpu, paged_decode_cpu, paged_prefill_cpu, rms_norm_cpu,
+               rotary_cpu, silu_mul_cpu)
 from .bf16_matmul_cpu import GROUP, PairWeight
+from .block_matmul_cpu import BLOCK_KINDS, BlockWeight
 from .native_build import C_DTYPES, NativeLibrary
 from .paged_attention_cpu import DecodePlan
 from .paged_prefill_cpu import PrefillChunks
@@ -32,15 +34,22 @@ class Kernels(ctypes.Structure):
     """The kernels' function addresses (decoder_stack_cpu.c's Kernels)."""
 
     _fields_ = [(name, _p) for name in
-                ("matmul", "norm", "add_norm", "rotary", "write_cache", "decode", "prefill", "silu_mul")]
+                ("matmul", "norm", "add_norm", "rotary", "write_cache", "decode", "prefill", "silu_mul",
+                 "block_matmul")]
+
+
+class LinearWeights(ctypes.Structure):
+    """A linear's pairs and, for steps of a few rows, its GGUF blocks (decoder_stack_cpu.c's Linear)."""
+
+    _fields_ = [("pairs", _p), ("bias", _p), ("groups", _i64), ("codes", _p), ("scales", _p), ("offsets", _p),
+                ("kind", _i32)]
 
 
 class LayerWeights(ctypes.Structure):
-    """One layer's norms, weights in pairs and KV cache (decoder_stack_cpu.c's Layer)."""
+    """One layer's norms, linears and KV cache (decoder_stack_cpu.c's Layer)."""
 
-    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _p), ("qkv_bias", _p), ("qkv_groups", _i64),
-                ("o", _p), ("o_groups", _i64), ("gate_up", _p), ("gate_up_groups", _i64), ("down", _p),
-                ("down_groups", _i64), ("key_cache", _p), ("value_cache", _p)]
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", LinearWeights), ("o", LinearWeights),
+                ("gate_up", LinearWeights), ("down", LinearWeights), ("key_cache", _p), ("value_cache", _p)]
 
 
 class StepArgs(ctypes.Structure):
@@ -52,7 +61,7 @@ class StepArgs(ctypes.Structure):
         ("num_slots", _i64), ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("slot_mapping", _p),
         ("num_decodes", _i32), ("tables", _p), ("table_width", _i64), ("lens", _p), ("decode_rows", _p),
         ("num_chunks", _i32), ("chunk_slots", _p), ("slot_starts", _p), ("q_starts", _p), ("q_lens", _p),
-        ("seq_lens", _p), ("final_norm", _p),
+        ("seq_lens", _p), ("final_norm", _p), ("few_rows", _i32), ("xf", _p), ("yf", _p),
     ] + [(name, _p) for name in ("h", "x", "qkv", "qk", "attn", "delta", "gate_up", "act", "out")]
 
 
@@ -83,7 +92,30 @@ def kernels() -> Kernels | None:
         if loaded is None:
             return None
         addresses[field] = ctypes.cast(getattr(loaded, name), _p).value
+    blocks = block_matmul_cpu.LIBRARY.get()  # without it no layer keeps blocks (models/linear.py)
+    addresses["block_matmul"] = None if blocks is None else ctypes.cast(blocks.block_matmul_f32, _p).value
     return Kernels(**addresses)
+
+
+@dataclass(frozen=True)
+class LinearTensors:
+    """A linear's weight in pairs and the GGUF blocks it multiplies for a few rows (None: none)."""
+
+    pairs: PairWeight
+    blocks: BlockWeight | None = None
+
+    def weights(self, with_bias: bool) -> LinearWeights | None:
+        """None where the C loop does not take it: outputs padded to whole groups, or a bias
+        where the layer has none in the Python path either (`with_bias` False)."""
+        pairs, blocks = self.pairs, self.blocks
+        groups = pairs.pairs.shape[0]
+        if pairs.out_features != groups * GROUP or (pairs.bias is not None and not with_bias):
+            return None
+        if blocks is not None and blocks.scales.shape[0] != groups:
+            return None
+        codes = (None, None, None, 0) if blocks is None else (
+            blocks.codes.data_ptr(), blocks.scales.data_ptr(), blocks.offsets.data_ptr(), BLOCK_KINDS[blocks.kind])
+        return LinearWeights(pairs.pairs.data_ptr(), None if pairs.bias is None else pairs.bias.data_ptr(), groups, *codes)
 
 
 @dataclass(frozen=True)
@@ -92,10 +124,10 @@ class LayerTensors:
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: PairWeight
-    o: PairWeight
-    gate_up: PairWeight
-    down: PairWeight
+    qkv: LinearTensors
+    o: LinearTensors
+    gate_up: LinearTensors
+    down: LinearTensors
     key_cache: torch.Tensor
     value_cache: torch.Tensor
 
@@ -105,15 +137,11 @@ class LayerTensors:
         if not all(t.dtype == bf16 and t.is_contiguous() and t.device.type == "cpu"
                    for t in (self.input_norm, self.post_norm, self.key_cache, self.value_cache)):
             return None
-        linears = (self.qkv, self.o, self.gate_up, self.down)
-        if any(w.out_features != w.pairs.shape[0] * GROUP for w in linears) or any(w.bias is not None for w in linears[1:]):
-            return None  # padded outputs or biases past the qkv projection: the Python path
-        return LayerWeights(
-            self.input_norm.data_ptr(), self.post_norm.data_ptr(), self.qkv.pairs.data_ptr(),
-            None if self.qkv.bias is None else self.qkv.bias.data_ptr(), self.qkv.pairs.shape[0],
-            self.o.pairs.data_ptr(), self.o.pairs.shape[0], self.gate_up.pairs.data_ptr(), self.gate_up.pairs.shape[0],
-            self.down.pairs.data_ptr(), self.down.pairs.shape[0], self.key_cache.data_ptr(), self.value_cache.data_ptr(),
-        )
+        linears = [self.qkv.weights(with_bias=True), *(w.weights(with_bias=False) for w in (self.o, self.gate_up, self.down))]
+        if None in linears:
+            return None
+        return LayerWeights(self.input_norm.data_ptr(), self.post_norm.data_ptr(), *linears,
+                            self.key_cache.data_ptr(), self.value_cache.data_ptr())
 
 
 @dataclass(frozen=True)
@@ -148,17 +176,19 @@ class DecoderStack:
         return self.layers is not None
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-            decode: DecodePlan | None, prefill: PrefillChunks | None) -> torch.Tensor | None:
+            decode: DecodePlan | None, prefill: PrefillChunks | None, few_rows: bool = False) -> torch.Tensor | None:
         """The final norm's output [tokens, hidden] for the embeddings `h` (overwritten: it
         carries the residual stream); None where the C loop declined the step (a kernel's
-        shape limits, a cache slot out of range): the caller runs the layers in Python."""
+        shape limits, a cache slot out of range): the caller runs the layers in Python.
+        `few_rows`: the linears with GGUF blocks multiply those, as Linear.forward does for
+        this many rows."""
         s = self.shape
         tokens = h.shape[0]
         if (self.layers is None or h.dtype != torch.bfloat16 or not h.is_contiguous() or tokens == 0
                 or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
             return None
         new = h.new_empty
-        qkv_width = self.layers[0].qkv_groups * GROUP
+        qkv_width = self.layers[0].qkv.groups * GROUP
         buffers = dict(x=new((tokens, s.hidden)), qkv=new((tokens, qkv_width)),
                        qk=new((tokens, s.heads + s.kv_heads, s.head_dim)), attn=new((tokens, s.heads, s.head_dim)),
                        delta=new((tokens, s.hidden)), gate_up=new((tokens, 2 * s.intermediate)),
@@ -170,6 +200,12 @@ class DecoderStack:
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slot_mapping.data_ptr(), final_norm=self.final_norm.data_ptr(),
             h=h.data_ptr(), **{name: tensor.data_ptr() for name, tensor in buffers.items()},
         )
+        if few_rows:
+            if not self.kernels.block_matmul:
+                return None
+            widest = max(qkv_width, 2 * s.intermediate, s.hidden, s.heads * s.head_dim)
+            scratch = torch.empty((2, tokens, widest), dtype=torch.float32)
+            args.few_rows, args.xf, args.yf = 1, scratch[0].data_ptr(), scratch[1].data_ptr()
         if decode is not None:
             args.num_decodes, args.tables, args.table_width = decode.tokens.numel(), decode.tables.data_ptr(), decode.tables.shape[1]
             args.lens, args.decode_rows = decode.lens.data_ptr(), decode.tokens.data_ptr()
@@ -180,4 +216,4 @@ class DecoderStack:
         return buffers["out"] if status == 0 else None
 
 
-__all__ = ["DecoderStack", "LayerTensors", "StackShape", "kernels"]
+__all__ = ["DecoderStack", "LayerTensors", "LinearTensors", "StackShape", "kernels"]

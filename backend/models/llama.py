@@ -258,18 +258,16 @@ class LlamaForCausalLM(nn.Module):
                 or kernels.write_cache is not write_kv_cache_cpu or torch.compiler.is_compiling()):
             return None
         stack = self._decoder_stack(kv_caches)
-        first = self.layers[0]
-        linears = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
-        if stack is None or any(linear.few_row_blocks is not None and input_ids.shape[0] <= linear.few_block_rows
-                                for linear in linears):
-            return None  # few rows: the linears multiply the checkpoint's GGUF blocks (Linear.forward)
+        if stack is None:
+            return None
         plan = step_plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, stack.block_size)
         chunks, rest = plan.native_prefills(self.config.head_dim) if plan.prefills else (None, [])
         if rest:  # prompts longer than the C prefill takes: SDPA, in Python
             return None
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions, h.dtype)
-        return stack.run(h, cos, sin, meta.slot_mapping, plan.decode, chunks)
+        few_rows = input_ids.shape[0] <= self.layers[0].self_attn.qkv_proj.few_block_rows
+        return stack.run(h, cos, sin, meta.slot_mapping, plan.decode, chunks, few_rows)
 
     def _decoder_stack(self, kv_caches: list[LayerKVCache]) -> decoder_stack_cpu.DecoderStack | None:
         """The C layers over these caches, built on first use (None where they do not apply)."""
@@ -287,7 +285,8 @@ class LlamaForCausalLM(nn.Module):
                 return None
             layers.append(decoder_stack_cpu.LayerTensors(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                *(linear.pairs for linear in linears), cache.key, cache.value))
+                *(decoder_stack_cpu.LinearTensors(linear.pairs, linear.few_row_blocks) for linear in linears),
+                cache.key, cache.value))
         first = self.layers[0]
         shape = decoder_stack_cpu.StackShape(
             self.local_config.hidden_size, first.self_attn.num_heads, first.self_attn.num_kv_heads,
