@@ -21,6 +21,7 @@ import torch
 from .cache_write import write_kv_cache_ref
 from .cache_write_cpu import LIBRARY as cache_write_library
 from .cache_write_cpu import write_kv_cache_cpu
+from .decoder_stack_cpu import LIBRARY as decoder_stack_library
 from .fp8 import Fp8Weight, fp8_matmul_ref
 from .int4 import Int4Weight, w4a16_matmul_ref
 from .paged_attention import paged_attention_ref
@@ -63,7 +64,7 @@ def attention_kernels(name: str, device: torch.device) -> tuple[WriteCacheFn, At
 def build_cpu_kernels() -> None:
     """Build (or load from the disk cache) the CPU kernels in C now, while a model loads,
     so no request pays the first build (kernels/native_build.py)."""
-    for library in (paged_decode_library, rms_norm_library, rotary_library, cache_write_library):
+    for library in (paged_decode_library, rms_norm_library, rotary_library, cache_write_library, decoder_stack_library):
         library.get()
 
 

@@ -100,3 +100,19 @@ def test_an_fp8_kv_cache_runs_the_layers_in_python(prompts, monkeypatch):
     greedy(engine, prompts[:2], c_stack=True, max_tokens=4)
     assert calls.count == 0
     assert engine.runner.model._decoder_stack(engine.runner.kv_caches) is None
+
+
+def test_a_kernel_declining_mid_step_falls_back_to_the_python_layers(bf16_engine, prompts, monkeypatch):
+    """A decode kernel that declines (beyond its buffers: -1) after the first layer's cache write:
+    the step reruns in Python (the rows written so far are written again with the same values)."""
+    import ctypes
+
+    expected = greedy(bf16_engine, prompts[:4], c_stack=False, max_tokens=8)
+    model = bf16_engine.runner.model
+    stack = model._decoder_stack(bf16_engine.runner.kv_caches)
+    declining = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: -1)  # the C side passes arguments it ignores
+    monkeypatch.setattr(stack.kernels, "decode", ctypes.cast(declining, ctypes.c_void_p).value)
+    calls = StackCalls(monkeypatch)
+    assert greedy(bf16_engine, prompts[:4], c_stack=True, max_tokens=8) == expected
+    assert calls.count > 0  # the prefill-only steps still ran in C
+    assert_engine_idle(bf16_engine)
