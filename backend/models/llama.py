@@ -17,9 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import decoder_stack_cpu
-from pagedserve.kernels.cache_write_cpu import write_kv_cache_cpu
-from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu, step_plan
 from pagedserve.kernels.rms_norm_cpu import add_rms_norm as add_rms_norm_cpu
 from pagedserve.kernels.rms_norm_cpu import rms_norm as rms_norm_cpu
 from pagedserve.kernels.rotary_cpu import rotary as rotary_cpu
@@ -27,6 +24,7 @@ from pagedserve.kernels.silu_mul_cpu import silu_mul as silu_mul_cpu
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache, attention
 from ..model_config import ModelConfig
+from .llama_c_stack import LlamaCStack
 from .parallel import (
     SINGLE_RANK,
     ColumnParallelLinear,
@@ -214,10 +212,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.use_c_stack = True
-        """Eager CPU steps run every layer in one C call where it applies (kernels/decoder_stack_cpu.py);
-        False keeps them in Python (tests compare the two)."""
-        self._c_stack: tuple[list[LayerKVCache], decoder_stack_cpu.DecoderStack | None] | None = None
+        self.c_stack = LlamaCStack(self)
+        """Eager CPU steps run every layer in one C call where it applies (models/llama_c_stack.py)."""
 
     def forward(
         self,
@@ -233,8 +229,8 @@ class LlamaForCausalLM(nn.Module):
         The layers run as pieces between their attentions (`ForwardPieces`), so that the
         compiled step (backend/compiled_forward.py) can swap in compiled pieces while the
         paged attention, whose layout changes every step, stays eager."""
-        if pieces is None and self.use_c_stack:
-            hidden = self._forward_in_c(input_ids, positions, kv_caches, meta, kernels)
+        if pieces is None:
+            hidden = self.c_stack.forward(input_ids, positions, kv_caches, meta, kernels)
             if hidden is not None:
                 return hidden
         pieces = pieces or EAGER_PIECES
@@ -249,50 +245,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
-
-    def _forward_in_c(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
-                      meta: AttentionMetadata, kernels: AttentionKernels) -> torch.Tensor | None:
-        """The layers as one C call (the usual bf16 CPU step: weights in pairs, the C attention);
-        None where that does not apply and the layers run in Python."""
-        if (input_ids.device.type != "cpu" or kernels.attend is not paged_attention_cpu
-                or kernels.write_cache is not write_kv_cache_cpu or torch.compiler.is_compiling()):
-            return None
-        stack = self._decoder_stack(kv_caches)
-        if stack is None:
-            return None
-        plan = step_plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, stack.block_size)
-        chunks, rest = plan.native_prefills(self.config.head_dim) if plan.prefills else (None, [])
-        if rest:  # prompts longer than the C prefill takes: SDPA, in Python
-            return None
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.tables(positions, h.dtype)
-        few_rows = input_ids.shape[0] <= self.layers[0].self_attn.qkv_proj.few_block_rows
-        return stack.run(h, cos, sin, meta.slot_mapping, plan.decode, chunks, few_rows)
-
-    def _decoder_stack(self, kv_caches: list[LayerKVCache]) -> decoder_stack_cpu.DecoderStack | None:
-        """The C layers over these caches, built on first use (None where they do not apply)."""
-        if self._c_stack is None or self._c_stack[0] is not kv_caches:
-            self._c_stack = (kv_caches, self._build_decoder_stack(kv_caches))
-        return self._c_stack[1]
-
-    def _build_decoder_stack(self, kv_caches: list[LayerKVCache]) -> decoder_stack_cpu.DecoderStack | None:
-        layers = []
-        for layer, cache in zip(self.layers, kv_caches):
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if (any(getattr(linear, "pairs", None) is None for linear in linears) or attn.o_proj.collectives is not None
-                    or mlp.down_proj.collectives is not None or (cache.k_scale, cache.v_scale) != (1.0, 1.0)):
-                return None
-            layers.append(decoder_stack_cpu.LayerTensors(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                *(decoder_stack_cpu.LinearTensors(linear.pairs, linear.few_row_blocks) for linear in linears),
-                cache.key, cache.value))
-        first = self.layers[0]
-        shape = decoder_stack_cpu.StackShape(
-            self.local_config.hidden_size, first.self_attn.num_heads, first.self_attn.num_kv_heads,
-            self.config.head_dim, first.mlp.intermediate_size, first.input_layernorm.eps, first.self_attn.scale)
-        stack = decoder_stack_cpu.DecoderStack(layers, self.norm.weight, shape)
-        return stack if stack.usable else None
 
 
 Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

@@ -42,12 +42,12 @@ class StackCalls:
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], c_stack: bool, max_tokens: int = 20) -> list[list[int]]:
-    engine.runner.model.use_c_stack = c_stack
+    engine.runner.model.c_stack.enabled = c_stack
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         return [r.token_ids for r in engine.generate(prompts, params, use_tqdm=False)]
     finally:
-        engine.runner.model.use_c_stack = True
+        engine.runner.model.c_stack.enabled = True
 
 
 def test_chunked_prefill_beside_decodes_gives_the_python_layers_tokens(bf16_engine, prompts, monkeypatch):
@@ -64,9 +64,9 @@ def test_whole_prompt_logits_equal_the_python_layers_to_the_bit(bf16_engine, pro
     runner = bf16_engine.runner
     prompt = prompts[-1]  # ~400 tokens over several blocks
     blocks = list(range(10, 10 + -(-len(prompt) // runner.block_size)))
-    runner.model.use_c_stack = False
+    runner.model.c_stack.enabled = False
     expected = runner.run_prefill(prompt, blocks)
-    runner.model.use_c_stack = True
+    runner.model.c_stack.enabled = True
     assert torch.equal(runner.run_prefill(prompt, blocks), expected)
 
 
@@ -99,7 +99,7 @@ def test_an_fp8_kv_cache_runs_the_layers_in_python(prompts, monkeypatch):
     calls = StackCalls(monkeypatch)
     greedy(engine, prompts[:2], c_stack=True, max_tokens=4)
     assert calls.count == 0
-    assert engine.runner.model._decoder_stack(engine.runner.kv_caches) is None
+    assert engine.runner.model.c_stack.stack(engine.runner.kv_caches) is None
 
 
 def test_a_kernel_declining_mid_step_falls_back_to_the_python_layers(bf16_engine, prompts, monkeypatch):
@@ -109,7 +109,7 @@ def test_a_kernel_declining_mid_step_falls_back_to_the_python_layers(bf16_engine
 
     expected = greedy(bf16_engine, prompts[:4], c_stack=False, max_tokens=8)
     model = bf16_engine.runner.model
-    stack = model._decoder_stack(bf16_engine.runner.kv_caches)
+    stack = model.c_stack.stack(bf16_engine.runner.kv_caches)
     declining = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: -1)  # the C side passes arguments it ignores
     monkeypatch.setattr(stack.kernels, "decode", ctypes.cast(declining, ctypes.c_void_p).value)
     calls = StackCalls(monkeypatch)

@@ -1,0 +1,77 @@
+"""The decoder layers of a Llama-family model as one C call per step (kernels/decoder_stack_cpu.py).
+
+Why a module of its own: llama.py says what the model computes; this says when a step may skip
+the Python around its kernels (the usual bf16 CPU step: weights in pairs, a bf16 KV cache, the C
+attention) and hands the C loop the model's tensors. The result is the Python layers' to the
+bit; `forward` returns None wherever it does not apply and the model runs its layers itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedserve.kernels import decoder_stack_cpu
+from pagedserve.kernels.cache_write_cpu import write_kv_cache_cpu
+from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu, step_plan
+
+from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache
+
+if TYPE_CHECKING:
+    from .llama import LlamaForCausalLM
+
+
+class LlamaCStack:
+    """One model's C layers, built on first use for the KV caches a step passes."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        self.enabled = True
+        """False keeps every step's layers in Python (tests compare the two)."""
+        self._built: tuple[list[LayerKVCache], decoder_stack_cpu.DecoderStack | None] | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
+                meta: AttentionMetadata, kernels: AttentionKernels) -> torch.Tensor | None:
+        """The final norm's output for the step, or None where the C loop does not apply."""
+        if (not self.enabled or input_ids.device.type != "cpu" or kernels.attend is not paged_attention_cpu
+                or kernels.write_cache is not write_kv_cache_cpu or torch.compiler.is_compiling()):
+            return None
+        stack = self.stack(kv_caches)
+        if stack is None:
+            return None
+        model = self.model
+        plan = step_plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, stack.block_size)
+        chunks, rest = plan.native_prefills(model.config.head_dim) if plan.prefills else (None, [])
+        if rest:  # prompts longer than the C prefill takes: SDPA, in Python
+            return None
+        h = model.embed_tokens(input_ids)
+        cos, sin = model.rotary.tables(positions, h.dtype)
+        few_rows = input_ids.shape[0] <= model.layers[0].self_attn.qkv_proj.few_block_rows
+        return stack.run(h, cos, sin, meta.slot_mapping, plan.decode, chunks, few_rows)
+
+    def stack(self, kv_caches: list[LayerKVCache]) -> decoder_stack_cpu.DecoderStack | None:
+        """The C layers over these caches (None where they do not apply)."""
+        if self._built is None or self._built[0] is not kv_caches:
+            self._built = (kv_caches, self._build(kv_caches))
+        return self._built[1]
+
+    def _build(self, kv_caches: list[LayerKVCache]) -> decoder_stack_cpu.DecoderStack | None:
+        model = self.model
+        layers = []
+        for layer, cache in zip(model.layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (any(getattr(linear, "pairs", None) is None for linear in linears)  # quantized, or not bf16 pairs
+                    or attn.o_proj.collectives is not None or mlp.down_proj.collectives is not None):  # sharded
+                return None
+            layers.append(decoder_stack_cpu.LayerTensors(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                *(decoder_stack_cpu.LinearTensors(linear.pairs, linear.few_row_blocks) for linear in linears),
+                cache.key, cache.value))  # a cache not bf16 (fp8) is declined by LayerTensors.weights
+        first = model.layers[0]
+        shape = decoder_stack_cpu.StackShape(
+            model.local_config.hidden_size, first.self_attn.num_heads, first.self_attn.num_kv_heads,
+            model.config.head_dim, first.mlp.intermediate_size, first.input_layernorm.eps, first.self_attn.scale)
+        stack = decoder_stack_cpu.DecoderStack(layers, model.norm.weight, shape)
+        return stack if stack.usable else None
