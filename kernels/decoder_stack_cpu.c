@@ -1,6 +1,6 @@
 /* Every decoder layer of a step in one C call: the same kernels the layers call one by one from
- * Python (bf16 matmuls on weights in pairs, RMSNorm, rotary, the KV cache write, decode and
- * prefill attention, SiLU x up), in the same order on the same buffers, so the result is the
+ * Python (bf16 matmuls on weights in pairs or float32 ones on GGUF blocks, RMSNorm, rotary, the
+ * KV cache write, decode and prefill attention, SiLU x up), in the same order on the same buffers, so the result is the
  * same to the bit.
  *
  * Why: between those ~10 calls a layer (~310 a step of a 30-layer model) the Python around
@@ -52,9 +52,9 @@ typedef struct {
     BlockMatmulFn block_matmul;
 } Kernels;
 
-/* A linear layer: its weight in pairs (kernels/bf16_matmul_cpu.c) and, where it has them, the
- * checkpoint's GGUF blocks that steps of a few rows multiply in float32 (kernels/block_matmul_cpu.c;
- * models/linear.py's Linear.forward). */
+/* A linear layer. bf16: its weight in pairs (kernels/bf16_matmul_cpu.c) and, where it has them,
+ * the checkpoint's GGUF blocks that steps of a few rows multiply in float32; float32: the blocks
+ * only, pairs NULL (kernels/block_matmul_cpu.c; models/linear.py's Linear.forward). */
 typedef struct {
     const void* pairs;
     const float* bias; /* float32 [groups * 16] or NULL */
@@ -74,7 +74,7 @@ typedef struct {
     void* value_cache;
 } Layer;
 
-/* One step: shapes, the attention plan, and the buffers (bf16 rows of `tokens`). */
+/* One step: shapes, the attention plan, and the buffers (rows of `tokens`, in the step's dtype). */
 typedef struct {
     int tokens, hidden, heads, kv_heads, head_dim, intermediate, block_size, dtype, num_threads;
     int64_t num_slots;
@@ -108,8 +108,14 @@ typedef struct {
     void* out;     /* [tokens, hidden]: the final norm's output */
 } Step;
 
-/* y = x @ W^T (+ bias) for bf16 rows, as Linear.forward computes it for this many rows. */
+/* y = x @ W^T (+ bias), as Linear.forward computes it for these rows: float32 rows through the
+ * GGUF blocks (a float32 layer keeps no other weight), bf16 rows through the pairs, or for a
+ * few rows through the blocks in float32. */
 static void linear(const Kernels* k, const Linear* w, const void* x, void* y, int rows, int64_t in, const Step* s) {
+    if (!w->pairs) {
+        k->block_matmul(x, w->codes, w->scales, w->offsets, w->bias, y, rows, in, w->groups, w->kind, s->num_threads);
+        return;
+    }
     if (!(s->few_rows && w->codes)) {
         k->matmul(x, w->pairs, w->bias, y, rows, in, w->groups, s->num_threads);
         return;
@@ -126,7 +132,7 @@ static void linear(const Kernels* k, const Linear* w, const void* x, void* y, in
  * step in Python: the cache rows written so far are rewritten with the same values). */
 int decoder_stack(const Kernels* k, const Layer* layers, int num_layers, const Step* s) {
     const int T = s->tokens, H = s->hidden, D = s->head_dim, nt = s->num_threads, dt = s->dtype;
-    const int elem = 2; /* bf16 */
+    const int elem = dt == DTYPE_BF16 ? 2 : 4;
     const int64_t qkv_width = layers[0].qkv.groups * 16, qk_width = (int64_t)(s->heads + s->kv_heads) * D;
     const char* v_rows = (const char*)s->qkv + (int64_t)(s->heads + s->kv_heads) * D * elem;
     const char* k_rows = (const char*)s->qk + (int64_t)s->heads * D * elem;

@@ -6,9 +6,10 @@ OpenMP worker thread only waits. The C loop calls the same kernels, through thei
 libraries' function addresses, in the same order on the same buffers: the hidden states
 are the eager layers' to the bit (tests/kernels/test_decoder_stack_cpu.py).
 
-It takes what those kernels take on the usual bf16 CPU step (weights in pairs, a bf16 KV
-cache, attention by the C decode and prefill loops); `DecoderStack.run` returns None for
-anything else and the model runs its layers in Python.
+It takes what those kernels take on the usual CPU steps - bf16 (weights in pairs) or float32
+(weights as the checkpoint's GGUF blocks), a KV cache of the same dtype, attention by the C
+decode and prefill loops; `DecoderStack.run` returns None for anything else and the model runs
+its layers in Python.
 """
 
 from __future__ import annotations
@@ -76,10 +77,7 @@ LIBRARY = NativeLibrary(Path(__file__).with_name("decoder_stack_cpu.c"), "CPU de
 
 
 def kernels() -> Kernels | None:
-    """The kernels' addresses; None unless every library is built and the bf16 matmul is the
-    one engines use here (bf16_matmul_cpu.native())."""
-    if not bf16_matmul_cpu.native():
-        return None
+    """The kernels' addresses; None unless every library is built."""
     functions = {
         "matmul": (bf16_matmul_cpu.LIBRARY, "bf16_matmul"), "norm": (rms_norm_cpu.LIBRARY, "rms_norm"),
         "add_norm": (rms_norm_cpu.LIBRARY, "add_rms_norm"), "rotary": (rotary_cpu.LIBRARY, "rotary"),
@@ -99,23 +97,39 @@ def kernels() -> Kernels | None:
 
 @dataclass(frozen=True)
 class LinearTensors:
-    """A linear's weight in pairs and the GGUF blocks it multiplies for a few rows (None: none)."""
+    """A linear as its steps multiply it: bf16, its weight in pairs and the GGUF blocks a few
+    rows multiply (None: none); float32, its GGUF blocks only (`pairs` None) and its bias."""
 
-    pairs: PairWeight
+    pairs: PairWeight | None
     blocks: BlockWeight | None = None
+    bias: torch.Tensor | None = None
+    """float32 only: the layer's float32 bias (the pairs carry their own)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.pairs is None else torch.bfloat16
 
     def weights(self, with_bias: bool) -> LinearWeights | None:
         """None where the C loop does not take it: outputs padded to whole groups, or a bias
         where the layer has none in the Python path either (`with_bias` False)."""
         pairs, blocks = self.pairs, self.blocks
-        groups = pairs.pairs.shape[0]
-        if pairs.out_features != groups * GROUP or (pairs.bias is not None and not with_bias):
-            return None
-        if blocks is not None and blocks.scales.shape[0] != groups:
+        if pairs is None:
+            if blocks is None:
+                return None
+            groups, out_features = blocks.scales.shape[0], blocks.out_features
+            bias = self.bias
+            if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (out_features,)):
+                return None
+        else:
+            groups, out_features, bias = pairs.pairs.shape[0], pairs.out_features, pairs.bias
+            if blocks is not None and blocks.scales.shape[0] != groups:
+                return None
+        if out_features != groups * GROUP or (bias is not None and not with_bias):
             return None
         codes = (None, None, None, 0) if blocks is None else (
             blocks.codes.data_ptr(), blocks.scales.data_ptr(), blocks.offsets.data_ptr(), BLOCK_KINDS[blocks.kind])
-        return LinearWeights(pairs.pairs.data_ptr(), None if pairs.bias is None else pairs.bias.data_ptr(), groups, *codes)
+        return LinearWeights(None if pairs is None else pairs.pairs.data_ptr(), None if bias is None else bias.data_ptr(),
+                             groups, *codes)
 
 
 @dataclass(frozen=True)
@@ -131,11 +145,16 @@ class LayerTensors:
     key_cache: torch.Tensor
     value_cache: torch.Tensor
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.qkv.dtype
+
     def weights(self) -> LayerWeights | None:
         """The C layer; None where the C loop does not take these tensors."""
-        bf16 = torch.bfloat16
-        if not all(t.dtype == bf16 and t.is_contiguous() and t.device.type == "cpu"
-                   for t in (self.input_norm, self.post_norm, self.key_cache, self.value_cache)):
+        dtype = self.dtype
+        if any(w.dtype != dtype for w in (self.o, self.gate_up, self.down)) or not all(
+                t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+                for t in (self.input_norm, self.post_norm, self.key_cache, self.value_cache)):
             return None
         linears = [self.qkv.weights(with_bias=True), *(w.weights(with_bias=False) for w in (self.o, self.gate_up, self.down))]
         if None in linears:
@@ -163,7 +182,8 @@ class DecoderStack:
     def __init__(self, layers: list[LayerTensors], final_norm: torch.Tensor, shape: StackShape):
         self.kernels = kernels() if LIBRARY.get() is not None else None
         built = [layer.weights() for layer in layers]
-        self.layers = None if self.kernels is None or None in built or final_norm.dtype != torch.bfloat16 else (
+        self.dtype = layers[0].dtype if layers else torch.bfloat16
+        self.layers = None if self.kernels is None or None in built or final_norm.dtype != self.dtype else (
             (LayerWeights * len(built))(*built))
         self.tensors = (layers, final_norm)  # what the addresses point into, kept alive
         self.final_norm, self.shape = final_norm, shape
@@ -184,7 +204,7 @@ class DecoderStack:
         this many rows."""
         s = self.shape
         tokens = h.shape[0]
-        if (self.layers is None or h.dtype != torch.bfloat16 or not h.is_contiguous() or tokens == 0
+        if (self.layers is None or h.dtype != self.dtype or not h.is_contiguous() or tokens == 0
                 or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
             return None
         new = h.new_empty
@@ -195,12 +215,14 @@ class DecoderStack:
                        act=new((tokens, s.intermediate)), out=new((tokens, s.hidden)))
         args = StepArgs(
             tokens=tokens, hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
-            intermediate=s.intermediate, block_size=self.block_size, dtype=C_DTYPES[torch.bfloat16],
+            intermediate=s.intermediate, block_size=self.block_size, dtype=C_DTYPES[self.dtype],
             num_threads=torch.get_num_threads(), num_slots=self.num_slots, eps=s.eps, scale=s.scale,
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slot_mapping.data_ptr(), final_norm=self.final_norm.data_ptr(),
             h=h.data_ptr(), **{name: tensor.data_ptr() for name, tensor in buffers.items()},
         )
-        if few_rows:
+        if not self.kernels.block_matmul and (few_rows or self.dtype == torch.float32):
+            return None
+        if few_rows and self.dtype == torch.bfloat16:
             if not self.kernels.block_matmul:
                 return None
             widest = max(qkv_width, 2 * s.intermediate, s.hidden, s.heads * s.head_dim)

@@ -1,8 +1,8 @@
 """The decoder layers of a Llama-family model as one C call per step (kernels/decoder_stack_cpu.py).
 
 Why a module of its own: llama.py says what the model computes; this says when a step may skip
-the Python around its kernels (the usual bf16 CPU step: weights in pairs, a bf16 KV cache, the C
-attention) and hands the C loop the model's tensors. The result is the Python layers' to the
+the Python around its kernels (the usual CPU steps: bf16 weights in pairs or float32 GGUF
+blocks, a KV cache of that dtype, the C attention) and hands the C loop the model's tensors. The result is the Python layers' to the
 bit; `forward` returns None wherever it does not apply and the model runs its layers itself.
 """
 
@@ -62,16 +62,26 @@ class LlamaCStack:
         for layer, cache in zip(model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if (any(getattr(linear, "pairs", None) is None for linear in linears)  # quantized, or not bf16 pairs
-                    or attn.o_proj.collectives is not None or mlp.down_proj.collectives is not None):  # sharded
-                return None
+            tensors = [_linear_tensors(linear) for linear in linears]
+            if None in tensors or attn.o_proj.collectives is not None or mlp.down_proj.collectives is not None:
+                return None  # quantized or otherwise laid out, or sharded
             layers.append(decoder_stack_cpu.LayerTensors(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                *(decoder_stack_cpu.LinearTensors(linear.pairs, linear.few_row_blocks) for linear in linears),
-                cache.key, cache.value))  # a cache not bf16 (fp8) is declined by LayerTensors.weights
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *tensors,
+                cache.key, cache.value))  # a cache of another dtype (fp8) is declined by LayerTensors.weights
         first = model.layers[0]
         shape = decoder_stack_cpu.StackShape(
             model.local_config.hidden_size, first.self_attn.num_heads, first.self_attn.num_kv_heads,
             model.config.head_dim, first.mlp.intermediate_size, first.input_layernorm.eps, first.self_attn.scale)
         stack = decoder_stack_cpu.DecoderStack(layers, model.norm.weight, shape)
         return stack if stack.usable else None
+
+
+def _linear_tensors(linear: object) -> decoder_stack_cpu.LinearTensors | None:
+    """bf16 layers' pairs (with the few-row GGUF blocks), float32 layers' GGUF blocks (Linear.forward's
+    paths for those); None for any other layout or a quantized layer."""
+    pairs, blocks = getattr(linear, "pairs", None), getattr(linear, "blocks", None)
+    if pairs is not None:
+        return decoder_stack_cpu.LinearTensors(pairs, linear.few_row_blocks)
+    if blocks is not None:
+        return decoder_stack_cpu.LinearTensors(None, blocks, linear.bias)
+    return None

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from pagedserve.backend import LLMEngine, SamplingParams
-from pagedserve.kernels import decoder_stack_cpu
+from pagedserve.kernels import bf16_matmul_cpu, decoder_stack_cpu
 
 from ..conftest import assert_engine_idle
 
-pytestmark = pytest.mark.skipif(
-    decoder_stack_cpu.kernels() is None,
-    reason="the C decoder stack serves bf16 weights in pairs: a CPU with AVX512-BF16 (and AVX-512 SiLU), no AMX",
-)
+pytestmark = pytest.mark.skipif(decoder_stack_cpu.kernels() is None,
+                                reason="the C decoder stack calls the AVX-512 SiLU: a CPU with AVX-512")
+bf16_pairs = pytest.mark.skipif(not bf16_matmul_cpu.native(),
+                                reason="bf16 engines multiply weights in pairs on CPUs with AVX512-BF16 and no AMX")
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,7 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], c_stack: bool, max_token
         engine.runner.model.c_stack.enabled = True
 
 
+@bf16_pairs
 def test_chunked_prefill_beside_decodes_gives_the_python_layers_tokens(bf16_engine, prompts, monkeypatch):
     calls = StackCalls(monkeypatch)
     in_python = greedy(bf16_engine, prompts, c_stack=False)
@@ -60,6 +61,7 @@ def test_chunked_prefill_beside_decodes_gives_the_python_layers_tokens(bf16_engi
     assert_engine_idle(bf16_engine)
 
 
+@bf16_pairs
 def test_whole_prompt_logits_equal_the_python_layers_to_the_bit(bf16_engine, prompts):
     runner = bf16_engine.runner
     prompt = prompts[-1]  # ~400 tokens over several blocks
@@ -70,6 +72,7 @@ def test_whole_prompt_logits_equal_the_python_layers_to_the_bit(bf16_engine, pro
     assert torch.equal(runner.run_prefill(prompt, blocks), expected)
 
 
+@bf16_pairs
 def test_preemption_under_a_tiny_kv_cache_gives_the_python_layers_tokens(prompts, monkeypatch):
     engine = LLMEngine(dtype="bfloat16", num_kv_blocks=28, enable_prefix_caching=False)  # 448 slots, ~830 tokens of work
     calls = StackCalls(monkeypatch)
@@ -81,6 +84,7 @@ def test_preemption_under_a_tiny_kv_cache_gives_the_python_layers_tokens(prompts
     assert_engine_idle(engine)
 
 
+@bf16_pairs
 def test_one_sequence_whose_linears_read_the_checkpoint_blocks_gives_the_python_layers_tokens(bf16_engine, prompts,
                                                                                                monkeypatch):
     first = bf16_engine.runner.model.layers[0].self_attn.qkv_proj
@@ -102,6 +106,7 @@ def test_an_fp8_kv_cache_runs_the_layers_in_python(prompts, monkeypatch):
     assert engine.runner.model.c_stack.stack(engine.runner.kv_caches) is None
 
 
+@bf16_pairs
 def test_a_kernel_declining_mid_step_falls_back_to_the_python_layers(bf16_engine, prompts, monkeypatch):
     """A decode kernel that declines (beyond its buffers: -1) after the first layer's cache write:
     the step reruns in Python (the rows written so far are written again with the same values)."""
@@ -116,3 +121,14 @@ def test_a_kernel_declining_mid_step_falls_back_to_the_python_layers(bf16_engine
     assert greedy(bf16_engine, prompts[:4], c_stack=True, max_tokens=8) == expected
     assert calls.count > 0  # the prefill-only steps still ran in C
     assert_engine_idle(bf16_engine)
+
+
+def test_float32_steps_on_the_checkpoint_blocks_give_the_python_layers_tokens(engine, prompts, monkeypatch):
+    """The float32 engine (the suite's shared one): every linear multiplies the GGUF blocks."""
+    if engine.runner.model.c_stack.stack(engine.runner.kv_caches) is None:
+        pytest.skip("this float32 engine's linears are not all GGUF blocks (no C compiler, or another layout)")
+    calls = StackCalls(monkeypatch)
+    in_c = greedy(engine, prompts, c_stack=True, max_tokens=12)
+    assert calls.count > 0
+    assert in_c == greedy(engine, prompts, c_stack=False, max_tokens=12)
+    assert_engine_idle(engine)
