@@ -40,7 +40,7 @@ class Kernels(ctypes.Structure):
 
 
 class LinearWeights(ctypes.Structure):
-    """A linear's pairs and, for steps of a few rows, its GGUF blocks (decoder_stack_cpu.c's Linear)."""
+    """A linear's pairs and GGUF blocks, either NULL where it has none (decoder_stack_cpu.c's Linear)."""
 
     _fields_ = [("pairs", _p), ("bias", _p), ("groups", _i64), ("codes", _p), ("scales", _p), ("offsets", _p),
                 ("kind", _i32)]
@@ -83,6 +83,7 @@ def kernels() -> Kernels | None:
         "add_norm": (rms_norm_cpu.LIBRARY, "add_rms_norm"), "rotary": (rotary_cpu.LIBRARY, "rotary"),
         "write_cache": (cache_write_cpu.LIBRARY, "write_kv_cache"), "decode": (paged_decode_cpu.LIBRARY, "paged_decode"),
         "prefill": (paged_prefill_cpu.LIBRARY, "paged_prefill"), "silu_mul": (silu_mul_cpu.LIBRARY, "silu_mul"),
+        "block_matmul": (block_matmul_cpu.LIBRARY, "block_matmul_f32"),
     }
     addresses = {}
     for field, (library, name) in functions.items():
@@ -90,8 +91,6 @@ def kernels() -> Kernels | None:
         if loaded is None:
             return None
         addresses[field] = ctypes.cast(getattr(loaded, name), _p).value
-    blocks = block_matmul_cpu.LIBRARY.get()  # without it no layer keeps blocks (models/linear.py)
-    addresses["block_matmul"] = None if blocks is None else ctypes.cast(blocks.block_matmul_f32, _p).value
     return Kernels(**addresses)
 
 
@@ -134,7 +133,7 @@ class LinearTensors:
 
 @dataclass(frozen=True)
 class LayerTensors:
-    """What one layer hands the C loop: its norms' weights, its linears in pairs, its cache."""
+    """What one layer hands the C loop: its norms' weights, its linears, its cache."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -220,11 +219,7 @@ class DecoderStack:
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slot_mapping.data_ptr(), final_norm=self.final_norm.data_ptr(),
             h=h.data_ptr(), **{name: tensor.data_ptr() for name, tensor in buffers.items()},
         )
-        if not self.kernels.block_matmul and (few_rows or self.dtype == torch.float32):
-            return None
         if few_rows and self.dtype == torch.bfloat16:
-            if not self.kernels.block_matmul:
-                return None
             widest = max(qkv_width, 2 * s.intermediate, s.hidden, s.heads * s.head_dim)
             scratch = torch.empty((2, tokens, widest), dtype=torch.float32)
             args.few_rows, args.xf, args.yf = 1, scratch[0].data_ptr(), scratch[1].data_ptr()

@@ -2,8 +2,9 @@
 
 Why a module of its own: llama.py says what the model computes; this says when a step may skip
 the Python around its kernels (the usual CPU steps: bf16 weights in pairs or float32 GGUF
-blocks, a KV cache of that dtype, the C attention) and hands the C loop the model's tensors. The result is the Python layers' to the
-bit; `forward` returns None wherever it does not apply and the model runs its layers itself.
+blocks, a KV cache of that dtype, the C attention) and hands the C loop the model's tensors.
+The result is the Python layers' to the bit; `forward` returns None wherever it does not apply
+and the model runs its layers itself.
 """
 
 from __future__ import annotations
