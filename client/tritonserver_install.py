@@ -18,6 +18,7 @@ interpreter's ``bin`` folder first on ``PATH`` so models can import torch & co.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from .process import ServerProcessError
 
-__all__ = ["TritonServerError", "find_tritonserver", "prepare_backend_dir", "server_env"]
+__all__ = ["TritonServerError", "check_stub_numpy", "find_tritonserver", "prepare_backend_dir", "server_env"]
 
 _INSTALL_HINT = (
     "install the server with `pip install --no-deps nvidia-pytriton==0.7.0` "
@@ -102,6 +103,7 @@ def prepare_backend_dir(
         return None
     root = _wheel_server_root()
     assert root is not None
+    check_stub_numpy()
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
@@ -125,6 +127,29 @@ def prepare_backend_dir(
         # libraries through LD_LIBRARY_PATH, see server_env.
         shutil.copy2(src, target / src.name)
     return str(backends)
+
+
+def check_stub_numpy(numpy_version: str | None = None) -> None:
+    """Refuse numpy 2 for the wheel's stub, which embeds this environment's interpreter.
+
+    The wheel's Triton 2.51 python backend was built with a pybind11 that reads numpy 1's
+    C layout: under numpy 2 the server loads, then every request's string input reaches
+    the model garbled and kills the stub (``unpack_from requires a buffer of at least ...``),
+    so the failure would surface only at the first request, far from its cause.
+    """
+    if numpy_version is None:
+        try:
+            numpy_version = importlib.metadata.version("numpy")
+        except importlib.metadata.PackageNotFoundError:
+            return  # the model's own import error will name it
+    if int(numpy_version.split(".")[0]) >= 2:
+        raise TritonServerError(
+            f"numpy {numpy_version} is installed in {sys.prefix}, whose interpreter the bundled "
+            "tritonserver's python backend (nvidia-pytriton 0.7.0, Triton 2.51) embeds; that backend "
+            "reads tensors wrongly under numpy 2 (each request kills the model's stub). Install "
+            "`pip install 'numpy<2'` there (`make install` pins it), or serve with a tritonserver "
+            "whose python backend supports numpy 2 (NVIDIA's container, release 24.11 or later)"
+        )
 
 
 def server_env(executable: str, overrides: dict[str, str | None]) -> dict[str, str]:
