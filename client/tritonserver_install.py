@@ -14,6 +14,8 @@ stub copied elsewhere needs ``LD_LIBRARY_PATH`` to point at ``nvidia_pytriton.li
 The stub embeds Python and picks its interpreter (and so ``site-packages``) by
 looking ``python3`` up on ``PATH``; :func:`server_env` therefore puts this
 interpreter's ``bin`` folder first on ``PATH`` so models can import torch & co.
+That wheel's python backend predates numpy 2 support, so :func:`check_stub_numpy` refuses
+an environment with numpy 2 before the server starts.
 """
 
 from __future__ import annotations
