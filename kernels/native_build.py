@@ -8,6 +8,8 @@ link libgomp, which resolves to the OpenMP runtime torch has already loaded: the
 threads are torch's.
 No compiler, a failed build, or PAGEDSERVE_NATIVE_CPU=0: `NativeLibrary.get()` returns
 None (with one warning naming the cause) and callers run their torch ops instead.
+PAGEDSERVE_CPU_MARCH=x86-64-v3 (any gcc -march) builds an older instruction set's code
+instead of the CPU's own: how a machine with AVX-512 measures what an AVX2-only one runs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ logger = logging.getLogger("pagedserve")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 DISABLE_ENV = "PAGEDSERVE_NATIVE_CPU"
 """Set to 0 to keep every CPU kernel on torch ops (benchmarks compare the two)."""
+MARCH_ENV = "PAGEDSERVE_CPU_MARCH"
+"""gcc's -march for every C kernel (default native)."""
 
 
 C_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -100,8 +104,9 @@ class NativeLibrary:
                 self._loaded.append(self.load())
             return self._loaded[0]
 
-    def load(self, march: str = "native") -> ctypes.CDLL | None:
-        """Build and load now (no memo; tests call it with a changed environment or `march`)."""
+    def load(self, march: str | None = None) -> ctypes.CDLL | None:
+        """Build and load now (no memo; tests call it with a changed environment or `march`;
+        None: $PAGEDSERVE_CPU_MARCH, else native)."""
         if os.environ.get(DISABLE_ENV, "1") == "0":
             return None
         cc = compiler()
@@ -109,7 +114,7 @@ class NativeLibrary:
             logger.warning("%s: no C compiler (set CC or install gcc); using %s", self.what, self.fallback)
             return None
         try:
-            library = ctypes.CDLL(str(build(self.source, cc, march)))
+            library = ctypes.CDLL(str(build(self.source, cc, march or os.environ.get(MARCH_ENV) or "native")))
         except (OSError, RuntimeError) as exc:
             logger.warning("%s: build failed, using %s: %s", self.what, self.fallback, exc)
             return None
@@ -119,4 +124,4 @@ class NativeLibrary:
         return library
 
 
-__all__ = ["C_DTYPES", "DISABLE_ENV", "NativeLibrary", "build", "cache_root", "compiler"]
+__all__ = ["C_DTYPES", "DISABLE_ENV", "MARCH_ENV", "NativeLibrary", "build", "cache_root", "compiler"]

@@ -316,32 +316,6 @@ static int attend_item_fast(
  * summed across lanes together, a vectorised exp, and the value pass accumulating in
  * vectors. group and dim are constants at each call. */
 
-static inline __m256 widen_bf16_8(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-static inline __m256 load8(const void* base, int64_t index, int dtype) {
-    return dtype == DTYPE_BF16 ? widen_bf16_8((const uint16_t*)base + index) : _mm256_loadu_ps((const float*)base + index);
-}
-
-/* exp(x) for x <= 0, as exp_nonpositive in the AVX-512 code: 2^n by the exponent bits
- * (x >= -87 keeps n >= -126, a normal float), 2^f by the same degree-6 polynomial. */
-static inline __m256 exp_nonpositive8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_mul_ps(_mm256_sub_ps(y, n), _mm256_set1_ps(0.693147180559945309f));
-    __m256 p = _mm256_set1_ps(1.f / 720);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-    __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
-}
-
 /* Lanes t0 + i < len of an 8-key step, as an all-ones/zero mask per lane. */
 static inline __m256i lanes_below(int remaining) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(remaining), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));

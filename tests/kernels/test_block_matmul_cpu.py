@@ -9,13 +9,13 @@ several chunks, rows in several passes)."""
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import pytest
 import torch
 
 from pagedserve.kernels import block_matmul_cpu
 from pagedserve.kernels.block_matmul_cpu import as_blocks, block_matmul, grid_weight
+from .instruction_sets import runs_avx2
 from .threads import same_on_one_thread
 
 built = pytest.mark.skipif(block_matmul_cpu.LIBRARY.get() is None, reason="the C matmul is not built here (no C compiler)")
@@ -93,8 +93,7 @@ def instruction_sets_here() -> list[str]:
     whatever -march=native picks (AVX-512 tiles where the CPU has them)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return ["native"]
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    return ["x86-64", *(["haswell"] if {"avx2", "fma"} <= flags else []), "native"]
+    return ["x86-64", *(["haswell"] if runs_avx2() else []), "native"]
 
 
 @built

@@ -40,10 +40,21 @@ def test_no_compiler_a_failed_build_or_switched_off_means_torch_ops(tmp_path, mo
 
 
 @pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler here")
-@pytest.mark.parametrize("library", [PREFILL, SILU_MUL, FIRST_MAX],
-                         ids=["paged_prefill_cpu", "silu_mul_cpu", "first_max_cpu"])
-def test_a_library_without_code_for_the_cpu_is_not_used(library, caplog):
-    """AVX-512-only kernels built for AVX2 load as None (torch runs), once, not declined per call."""
+@pytest.mark.parametrize("library, march", [(PREFILL, "haswell"), (FIRST_MAX, "haswell"), (SILU_MUL, "x86-64")],
+                         ids=["paged_prefill_cpu", "first_max_cpu", "silu_mul_cpu"])
+def test_a_library_without_code_for_the_cpu_is_not_used(library, march, caplog):
+    """Kernels with AVX-512 code only (SiLU: AVX2 too) built for an older CPU load as None
+    (torch runs), once, not declined per call."""
     caplog.set_level(logging.INFO, logger="pagedserve")
-    assert library.load(march="haswell") is None
+    assert library.load(march=march) is None
     assert f"{library.what}: no code for this CPU's instruction set; using {library.fallback}" in caplog.text
+
+
+@pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler here")
+def test_the_instruction_set_can_be_named(monkeypatch, tmp_path):
+    """PAGEDSERVE_CPU_MARCH builds every kernel for that -march (what an older CPU runs)."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(native_build.MARCH_ENV, "x86-64")
+    assert SILU_MUL.load() is None  # no vector code for plain x86-64
+    monkeypatch.delenv(native_build.MARCH_ENV)
+    assert RMS_NORM.load() is not None
