@@ -15,6 +15,19 @@ static inline float horizontal_sum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The largest of the eight lanes. */
+static inline float horizontal_max(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+/* Lanes i < remaining (of eight) as an all-ones/zero mask per lane (none where remaining <= 0). */
+static inline __m256i lanes_below(int remaining) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(remaining), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 /* exp(x) for x in [-87, 88] (clamped there), as exp_clamped in cpu_avx512.h: 2^n by the
  * exponent bits (n in [-126, 127], a normal float), 2^f by the same degree-6 polynomial. */
 static inline __m256 exp_clamped8(__m256 x) {

@@ -47,7 +47,7 @@ typedef struct {
     RotaryFn rotary;
     CacheWriteFn write_cache;
     DecodeFn decode;
-    PrefillFn prefill; /* NULL where the CPU has none: steps with prompts decline */
+    PrefillFn prefill;
     SiluMulFn silu_mul;
     BlockMatmulFn block_matmul;
 } Kernels;
@@ -151,9 +151,9 @@ int decoder_stack(const Kernels* k, const Layer* layers, int num_layers, const S
             k->decode(s->qk, qk_width, L->key_cache, L->value_cache, s->attn, s->tables, s->table_width, s->lens,
                       s->decode_rows, s->num_decodes, s->heads, s->kv_heads, D, s->block_size, s->scale, dt, nt))
             return -1;
-        if (s->num_chunks && (!k->prefill ||
+        if (s->num_chunks &&
             k->prefill(s->qk, qk_width, L->key_cache, L->value_cache, s->attn, s->chunk_slots, s->slot_starts,
-                       s->q_starts, s->q_lens, s->seq_lens, s->num_chunks, s->heads, s->kv_heads, D, s->scale, nt, dt)))
+                       s->q_starts, s->q_lens, s->seq_lens, s->num_chunks, s->heads, s->kv_heads, D, s->scale, nt, dt))
             return -1;
         linear(k, &L->o, s->attn, s->delta, T, (int64_t)s->heads * D, s);
         k->add_norm(s->h, s->delta, s->h, L->post_norm, s->x, T, H, s->eps, dt, nt);

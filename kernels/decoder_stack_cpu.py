@@ -76,12 +76,8 @@ LIBRARY = NativeLibrary(Path(__file__).with_name("decoder_stack_cpu.c"), "CPU de
                         "the layers in Python", _declare)
 
 
-OPTIONAL = {"prefill"}
-"""Kernels a CPU may lack (the C prefill is AVX-512 code): a step that needs one runs in Python."""
-
-
 def kernels() -> Kernels | None:
-    """The kernels' addresses; None unless every library but the OPTIONAL ones is built (those are NULL then)."""
+    """The kernels' addresses; None unless every library is built."""
     functions = {
         "matmul": (bf16_matmul_cpu.LIBRARY, "bf16_matmul"), "norm": (rms_norm_cpu.LIBRARY, "rms_norm"),
         "add_norm": (rms_norm_cpu.LIBRARY, "add_rms_norm"), "rotary": (rotary_cpu.LIBRARY, "rotary"),
@@ -93,8 +89,6 @@ def kernels() -> Kernels | None:
     for field, (library, name) in functions.items():
         loaded = library.get()
         if loaded is None:
-            if field in OPTIONAL:
-                continue
             return None
         addresses[field] = ctypes.cast(getattr(loaded, name), _p).value
     return Kernels(**addresses)
@@ -200,11 +194,6 @@ class DecoderStack:
     def usable(self) -> bool:
         return self.layers is not None
 
-    @property
-    def takes_prompts(self) -> bool:
-        """Whether steps with prefill chunks run here (the CPU has the C prefill)."""
-        return self.kernels is not None and bool(self.kernels.prefill)
-
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
             decode: DecodePlan | None, prefill: PrefillChunks | None, few_rows: bool = False) -> torch.Tensor | None:
         """The final norm's output [tokens, hidden] for the embeddings `h` (overwritten: it
@@ -215,8 +204,7 @@ class DecoderStack:
         s = self.shape
         tokens = h.shape[0]
         if (self.layers is None or h.dtype != self.dtype or not h.is_contiguous() or tokens == 0
-                or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
-                or (prefill is not None and not self.takes_prompts)):
+                or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
             return None
         new = h.new_empty
         qkv_width = self.layers[0].qkv.groups * GROUP

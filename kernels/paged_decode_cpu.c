@@ -316,11 +316,6 @@ static int attend_item_fast(
  * summed across lanes together, a vectorised exp, and the value pass accumulating in
  * vectors. group and dim are constants at each call. */
 
-/* Lanes t0 + i < len of an 8-key step, as an all-ones/zero mask per lane. */
-static inline __m256i lanes_below(int remaining) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(remaining), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 /* s[0..len) <- exp(s - max s); returns their sum. */
 static inline float softmax_in_place8(float* s, int len) {
     float top = -INFINITY;

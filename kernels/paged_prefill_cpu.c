@@ -20,9 +20,11 @@
  * of a 2,048-token step of 10 prompts, 2-core Zen 4; error within the same bound, measured
  * 2e-3 to 6e-3 of the largest output). Built at first use by
  * kernels/native_build.py
- * (-O3 -march=native -fopenmp) and called through ctypes from kernels/paged_prefill_cpu.py;
- * AVX-512 only (elsewhere paged_prefill_available says 0, the library is not used and the
- * caller runs torch's SDPA).
+ * (-O3 -march=native -fopenmp) and called through ctypes from kernels/paged_prefill_cpu.py.
+ * With AVX2 and FMA but no AVX-512 the same items run in 8-lane vectors (attend_rows' AVX2 form:
+ * one key tile a step, the output sums kept in memory, 16 registers being too few for them);
+ * without AVX2 paged_prefill_available says 0, the library is not used and the caller runs
+ * torch's SDPA.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,7 +33,13 @@
 
 #if defined(__AVX512F__)
 #include "cpu_avx512.h"
+#define VECTORS 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "cpu_avx2.h"
+#define VECTORS 1
+#endif
 
+#if defined(VECTORS)
 #define TILE 16     /* keys a step, query positions an item */
 #define MAX_ROWS 4  /* query rows multiplied at once: 4 (head dim 64), 2 (128): 16 accumulators of the output */
 #define MAX_DIM 128 /* head dims taken: 64 and 128 (dim / 16 vectors a row) */
@@ -57,6 +65,14 @@ typedef struct {
     int last;
 } Row;
 
+/* One past the last key any of the rows sees (at most keys). */
+static inline int keys_end(const Row* rows, int n, int keys) {
+    int last = 0;
+    for (int r = 0; r < n; ++r) last = rows[r].last > last ? rows[r].last : last;
+    return last + 1 < keys ? last + 1 : keys;
+}
+
+#if defined(__AVX512F__)
 /* A call's rows' running state, as flash attention keeps it: per row the largest score so far,
  * the total of exp(score - that), and its output sums (dim / 16 vectors), rescaled as it grows. */
 static inline void start_rows(int n, int nv, __m512 acc[][MAX_DIM / 16], float* top, float* total) {
@@ -64,13 +80,6 @@ static inline void start_rows(int n, int nv, __m512 acc[][MAX_DIM / 16], float* 
         top[r] = -INFINITY, total[r] = 0.f;
         for (int j = 0; j < nv; ++j) acc[r][j] = _mm512_setzero_ps();
     }
-}
-
-/* One past the last key any of the rows sees (at most keys). */
-static inline int keys_end(const Row* rows, int n, int keys) {
-    int last = 0;
-    for (int r = 0; r < n; ++r) last = rows[r].last > last ? rows[r].last : last;
-    return last + 1 < keys ? last + 1 : keys;
 }
 
 /* One row's step over the 2 * TILE keys from t0 (scores s0, s1, scaled): the keys it sees get
@@ -257,6 +266,79 @@ static inline __attribute__((always_inline)) void attend_rows_pairs(const Row* r
 #define ATTEND_PAIRS(N, DIM) ((void)0) /* never reached: `pairs` is 0 */
 #endif
 
+#else /* AVX2 and FMA */
+/* attend_rows in 8-lane vectors: a key tile's 16 scores a row are two vectors, one tile a step
+ * (2 rows x 2 vectors x 2 tiles of sums and the keys would outgrow 16 registers); the output
+ * sums of the rows live in memory (dim / 8 vectors a row, 32 for 4 rows), each read and written
+ * once per step around the value rows' products. */
+static inline __attribute__((always_inline)) void attend_rows(const Row* rows, const int n, const float* kt_all,
+                                                              const void* value_cache, const int64_t* slots,
+                                                              int64_t token_stride, int64_t head_at, const int dim,
+                                                              int keys, void* out, const int dtype) {
+    const int nv = dim / 8;
+    float acc[MAX_ROWS][MAX_DIM] __attribute__((aligned(32)));
+    float top[MAX_ROWS], total[MAX_ROWS];
+    for (int r = 0; r < n; ++r) {
+        top[r] = -INFINITY, total[r] = 0.f;
+        memset(acc[r], 0, sizeof(float) * dim);
+    }
+    const int end = keys_end(rows, n, keys);
+    const __m256 lowest = _mm256_set1_ps(-INFINITY);
+    for (int t0 = 0; t0 < end; t0 += TILE) {
+        const float* kt = kt_all + (int64_t)(t0 / TILE) * dim * TILE;
+        __m256 s[MAX_ROWS][2];
+        for (int r = 0; r < n; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
+        for (int d = 0; d < dim; ++d) {
+            const __m256 k0 = _mm256_loadu_ps(kt + d * TILE), k1 = _mm256_loadu_ps(kt + d * TILE + 8);
+            for (int r = 0; r < n; ++r) {
+                const __m256 q = _mm256_set1_ps(rows[r].q[d]);
+                s[r][0] = _mm256_fmadd_ps(q, k0, s[r][0]);
+                s[r][1] = _mm256_fmadd_ps(q, k1, s[r][1]);
+            }
+        }
+        float p[MAX_ROWS][TILE] __attribute__((aligned(32)));
+        for (int r = 0; r < n; ++r) { /* softmax_step's work for one tile */
+            const int visible = rows[r].last - t0 + 1;
+            if (visible <= 0) {
+                memset(p[r], 0, sizeof(p[r]));
+                continue;
+            }
+            const __m256 seen0 = _mm256_castsi256_ps(lanes_below(visible));
+            const __m256 seen1 = _mm256_castsi256_ps(lanes_below(visible - 8));
+            const float step_top = horizontal_max(
+                _mm256_max_ps(_mm256_blendv_ps(lowest, s[r][0], seen0), _mm256_blendv_ps(lowest, s[r][1], seen1)));
+            const float new_top = step_top > top[r] ? step_top : top[r];
+            const __m256 m = _mm256_set1_ps(new_top);
+            const __m256 e0 = _mm256_and_ps(exp_nonpositive8(_mm256_sub_ps(s[r][0], m)), seen0);
+            const __m256 e1 = _mm256_and_ps(exp_nonpositive8(_mm256_sub_ps(s[r][1], m)), seen1);
+            const float shrink = expf(top[r] - new_top); /* 0 for the first step (top -inf) */
+            total[r] = total[r] * shrink + horizontal_sum(_mm256_add_ps(e0, e1));
+            top[r] = new_top;
+            const __m256 shrink_v = _mm256_set1_ps(shrink);
+            for (int j = 0; j < nv; ++j) _mm256_store_ps(acc[r] + 8 * j, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * j), shrink_v));
+            _mm256_store_ps(p[r], e0);
+            _mm256_store_ps(p[r] + 8, e1);
+        }
+        const int count = end - t0 < TILE ? end - t0 : TILE;
+        for (int j = 0; j < nv; ++j) {
+            __m256 a[MAX_ROWS];
+            for (int r = 0; r < n; ++r) a[r] = _mm256_load_ps(acc[r] + 8 * j);
+            for (int i = 0; i < count; ++i) {
+                const __m256 v = load8(value_cache, slots[t0 + i] * token_stride + head_at + 8 * j, dtype);
+                for (int r = 0; r < n; ++r) a[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r][i]), v, a[r]);
+            }
+            for (int r = 0; r < n; ++r) _mm256_store_ps(acc[r] + 8 * j, a[r]);
+        }
+    }
+    for (int r = 0; r < n; ++r) {
+        const __m256 inv = _mm256_set1_ps(1.f / total[r]);
+        for (int j = 0; j < nv; ++j) store8(out, rows[r].out + 8 * j, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * j), inv), dtype);
+    }
+}
+#define PAIRS 0
+#define ATTEND_PAIRS(N, DIM) ((void)0) /* never reached: `pairs` is 0 */
+#endif
+
 /* the dtype as a constant in each call, so every inlined copy has its own loads and stores; bf16
  * pairs where the CPU multiplies them (`pairs`) */
 #define ATTEND_ROWS(N, DIM)                                                                                      \
@@ -342,17 +424,25 @@ int paged_prefill(const void* query, int64_t q_stride, const void* key_cache, co
                     rows[n].last = seq_lens[c] - q_lens[c] + p0 + i;
                 }
             int r = 0;
+#define FOUR_ROWS_A_CALL(DIM)                                 \
+    do {                                                      \
+        for (; r + 4 <= n; r += 4) ATTEND_ROWS(4, DIM);       \
+        switch (n - r) {                                      \
+            case 3: ATTEND_ROWS(3, DIM); break;               \
+            case 2: ATTEND_ROWS(2, DIM); break;               \
+            case 1: ATTEND_ROWS(1, DIM); break;               \
+            default: break;                                   \
+        }                                                     \
+    } while (0)
             if (dim == 64) {
-                for (; r + 4 <= n; r += 4) ATTEND_ROWS(4, 64);
-                switch (n - r) {
-                    case 3: ATTEND_ROWS(3, 64); break;
-                    case 2: ATTEND_ROWS(2, 64); break;
-                    case 1: ATTEND_ROWS(1, 64); break;
-                    default: break;
-                }
+                FOUR_ROWS_A_CALL(64);
             } else {
+#if defined(__AVX512F__) /* two rows' sums fill the registers */
                 for (; r + 2 <= n; r += 2) ATTEND_ROWS(2, 128);
                 if (r < n) ATTEND_ROWS(1, 128);
+#else /* the sums are in memory: four rows share each value row's loads, as at 64 (2 rows: 0.65-0.91x SDPA) */
+                FOUR_ROWS_A_CALL(128);
+#endif
             }
         }
         free(kt);

@@ -4,8 +4,9 @@ Why C: torch has no CPU attention that reads through a block table or takes chun
 different lengths at once, so each prefill chunk gathered its keys and values and ran its
 own flash SDPA call, per layer: ~70 GFLOP/s on the short prompts of a serving burst, ~11%
 of a 2,048-token step. The C loop takes every chunk of the step in one call (float32 or
-bfloat16, bf16 multiplied in pairs by VDPBF16PS where the CPU has AVX512-BF16; AVX-512:
-without it `native_prefill()` is None; other dtypes or shapes are declined; SDPA runs there).
+bfloat16, bf16 multiplied in pairs by VDPBF16PS where the CPU has AVX512-BF16; AVX-512 or
+AVX2: without them `native_prefill()` is None; other dtypes or shapes are declined; SDPA runs
+there).
 The torch reference (kernels/paged_attention.py) is the test oracle.
 """
 
@@ -25,7 +26,7 @@ NativePrefill = Callable[..., int]
 
 
 def _declare(library: ctypes.CDLL) -> bool:
-    if not library.paged_prefill_available():  # built without AVX-512: nothing here
+    if not library.paged_prefill_available():  # built without AVX2: nothing here
         return False
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.paged_prefill.argtypes = [p, i64, p, p, p, p, p, p, p, p, i32, i32, i32, i32, ctypes.c_float, i32, i32]

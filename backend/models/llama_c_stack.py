@@ -43,8 +43,6 @@ class LlamaCStack:
             return None
         model = self.model
         plan = step_plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, stack.block_size)
-        if plan.prefills and not stack.takes_prompts:  # no C prefill on this CPU: SDPA, in Python
-            return None
         chunks, rest = plan.native_prefills(model.config.head_dim) if plan.prefills else (None, [])
         if rest:  # prompts longer than the C prefill takes: SDPA, in Python
             return None

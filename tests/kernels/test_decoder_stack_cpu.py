@@ -1,7 +1,7 @@
 """The decoder layers in one C call (kernels/decoder_stack_cpu.py) against the same layers
 run one kernel at a time from Python: the same logits to the bit and the same greedy tokens,
-over plain batches, chunked prefill mixed with decodes, and preemption; with the AVX2 code an
-AVX2-only CPU runs (no C prefill there), decode steps in C and prompts in Python."""
+over plain batches, chunked prefill mixed with decodes, and preemption; also in the AVX2 code
+an AVX2-only CPU runs."""
 
 from __future__ import annotations
 
@@ -136,19 +136,17 @@ def test_float32_steps_on_the_checkpoint_blocks_give_the_python_layers_tokens(en
     assert_engine_idle(engine)
 
 
-def test_avx2_code_runs_decode_steps_in_c_and_prompts_in_python(prompts, monkeypatch):
-    """An AVX2-only CPU has no C prefill: steps with prompts run the Python layers, every other
-    step the C loop, and the tokens are the Python layers' (float32, the GGUF blocks)."""
+def test_avx2_code_gives_the_python_layers_tokens(prompts, monkeypatch):
+    """Every kernel in the AVX2 code an AVX2-only CPU runs (float32, the GGUF blocks): every
+    step, prompts included, in the C loop, with the Python layers' tokens."""
     if not runs_avx2():
         pytest.skip("this CPU does not run AVX2 code")
     build_every_kernel_for(monkeypatch, "haswell")
     engine = LLMEngine(dtype="float32", max_num_seqs=4, num_kv_blocks=256, enable_prefix_caching=False)
-    stack = engine.runner.model.c_stack.stack(engine.runner.kv_caches)
-    if stack is None:
+    if engine.runner.model.c_stack.stack(engine.runner.kv_caches) is None:
         pytest.skip("this float32 engine's linears are not all GGUF blocks (another layout)")
-    assert not stack.takes_prompts
     calls = StackCalls(monkeypatch)
     in_c = greedy(engine, prompts[:4], c_stack=True, max_tokens=12)
-    assert calls.count >= 11  # the decode steps
+    assert calls.count >= 12  # the prompts' steps and the decodes'
     assert in_c == greedy(engine, prompts[:4], c_stack=False, max_tokens=12)
     assert_engine_idle(engine)

@@ -3,9 +3,9 @@
 Prefill chunks of every kind a step holds (a fresh prompt, the rest of a prompt after its
 cached prefix, one token past a prefix, whole and partial 16-key tiles) over NaN-poisoned
 caches (tests/kernels/paged_batch.py: a read past a sequence's end shows as NaN), float32
-and bfloat16, within paged_batch.TOL (float32 1e-4; measured ~3e-7). Runs where the C loop is built with AVX-512;
-elsewhere the library is not used (tests/kernels/test_native_build.py) and SDPA's results are
-checked instead.
+and bfloat16, within paged_batch.TOL (float32 1e-4; measured ~3e-7), in the CPU's own code and in
+the AVX2 code. Runs where the C loop is built (AVX2 or AVX-512); elsewhere the library is not used
+(tests/kernels/test_native_build.py) and SDPA's results are checked instead.
 """
 
 from __future__ import annotations
@@ -30,27 +30,27 @@ def prefill_batch(heads: int, kv_heads: int, head_dim: int, seed: int = 0, dtype
 
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (4, 4), (32, 4)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_prefill_chunks_match_the_reference(heads, kv_heads, head_dim):
+def test_prefill_chunks_match_the_reference(heads, kv_heads, head_dim, instruction_set):
     b = prefill_batch(heads, kv_heads, head_dim, seed=heads + head_dim)
     assert rel_err(b.run(paged_attention_cpu), b.reference()) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (32, 4, 128)])
-def test_bfloat16_chunks_match_the_reference(heads, kv_heads, head_dim):
+def test_bfloat16_chunks_match_the_reference(heads, kv_heads, head_dim, instruction_set):
     """bf16 queries and caches: read as float32, summed in float32, rounded once on output."""
     b = prefill_batch(heads, kv_heads, head_dim, seed=heads, dtype=torch.bfloat16)
     out = b.run(paged_attention_cpu)
     assert out.dtype == torch.bfloat16 and rel_err(out, b.reference()) < TOL[torch.bfloat16]
 
 
-def test_the_c_loop_computes_the_short_chunks_and_leaves_long_ones():
+def test_the_c_loop_computes_the_short_chunks_and_leaves_long_ones(instruction_set):
     b = prefill_batch(9, 3, 64)
     plan = build_plan(b.block_tables, b.seq_lens, b.query_start_loc, 16)
     chunks, rest = plan.native_prefills(64)
     assert chunks.q_lens.tolist() == [17, 16, 130, 40, 7] and [p.end - p.start for p in rest] == [300]
     function = paged_prefill_cpu.native_prefill()
     if function is None:
-        pytest.skip("the C prefill is not built here (no C compiler, or no AVX-512: SDPA runs, checked above)")
+        pytest.skip("the C prefill is not built here (no C compiler, or no AVX2: SDPA runs, checked above)")
     out = torch.full_like(b.query, float("nan"))
     assert paged_prefill_cpu.paged_prefill(function, b.query, b.key_cache, b.value_cache, out, chunks, b.scale)
     reference = b.reference()

@@ -11,19 +11,7 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.silu_mul_cpu import silu_mul
 
-from .instruction_sets import build_every_kernel_for, runs_avx2
-
 built = pytest.mark.skipif(silu_mul(torch.zeros(1, 32)) is None, reason="the C SiLU needs a C compiler and AVX2 or AVX-512")
-
-
-@pytest.fixture(params=["native", "haswell"])
-def instruction_set(request, monkeypatch) -> str:
-    """The CPU's own code, and the AVX2 code an AVX2-only CPU runs."""
-    if request.param == "haswell":
-        if not runs_avx2():
-            pytest.skip("this CPU does not run AVX2 code")
-        build_every_kernel_for(monkeypatch, "haswell")
-    return request.param
 
 
 @built
