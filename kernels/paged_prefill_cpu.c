@@ -41,8 +41,8 @@
 
 #if defined(VECTORS)
 #define TILE 16     /* keys a step, query positions an item */
-#define MAX_ROWS 4  /* query rows multiplied at once: 4 (head dim 64), 2 (128): 16 accumulators of the output */
-#define MAX_DIM 128 /* head dims taken: 64 and 128 (dim / 16 vectors a row) */
+#define MAX_ROWS 4  /* query rows multiplied at once: 4 (head dim 64), 2 (128; AVX2: 4): AVX-512's 16 accumulators */
+#define MAX_DIM 128 /* head dims taken: 64 and 128 (dim / 16 vectors a row, dim / 8 in AVX2) */
 
 /* kt[d * TILE + i] = key row i's element d (rows past `count` zero): a key tile dim-major. */
 static inline void transpose_tile(const void* cache, const int64_t* slots, int t0, int count, int64_t token_stride,
