@@ -1,7 +1,8 @@
 """Greedy decoding's argmax for CPU float32 logits in C (kernels/first_max_cpu.c).
 
 torch's max(dim) over a step's logits ([sequences, vocab], float32) ran ~2 G elements/s on
-2 cores, ~2% of a 32-sequence decode step; one AVX-512 pass a row is ~5x that. Same answer
+2 cores, ~2% of a 32-sequence decode step; one AVX-512 pass a row is ~5x that (AVX2: 8 lanes
+a pass). Same answer
 as argmax: the first index of the maximum, a NaN counting as the largest. Built at first use
 (kernels/native_build.py); `first_max_index` returns None where it does not apply and the
 caller runs torch.
@@ -18,7 +19,7 @@ from .native_build import NativeLibrary
 
 
 def _declare(library: ctypes.CDLL) -> bool:
-    if not library.first_max_available():  # built without AVX-512: nothing here
+    if not library.first_max_available():  # built without AVX2: nothing here
         return False
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     library.first_max.argtypes = [p, i64, i64, p, ctypes.c_int]

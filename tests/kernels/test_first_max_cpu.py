@@ -1,7 +1,7 @@
 """Greedy decoding's argmax in C (kernels/first_max_cpu.py) against torch's argmax: the same
 index on every row, ties (the first maximum), +-inf and NaN (the first NaN, as torch), rows
-of -inf only, widths that are not whole vectors; the same on one thread as on two; declined
-where it does not apply (torch runs there)."""
+of -inf only, widths that are not whole vectors; the same on one thread as on two; in the
+CPU's own code and the AVX2 code; declined where it does not apply (torch runs there)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pagedserve.kernels.first_max_cpu import first_max_index
 from .threads import same_on_one_thread
 
 built = pytest.mark.skipif(first_max_index(torch.zeros(1, 16)) is None,
-                           reason="the C argmax needs a C compiler and AVX-512")
+                           reason="the C argmax needs a C compiler and AVX2 or AVX-512")
 
 
 @built
 @pytest.mark.parametrize("rows, width", [(64, 49152), (3, 100), (5, 17), (7, 1), (2, 15), (1, 16)])
-def test_first_maximum_as_argmax(rows, width):
+def test_first_maximum_as_argmax(rows, width, instruction_set):
     generator = torch.Generator().manual_seed(rows * width)
     ties = torch.randint(0, 4, (rows, width), generator=generator).float()  # many tied maxima
     spread = torch.randn(rows, width, generator=generator)
@@ -28,7 +28,7 @@ def test_first_maximum_as_argmax(rows, width):
 
 
 @built
-def test_infinities_and_nan_as_argmax():
+def test_infinities_and_nan_as_argmax(instruction_set):
     odd = torch.zeros(5, 100)
     odd[0, 5], odd[0, 9] = float("nan"), 1.0  # NaN counts as the largest
     odd[1, 7], odd[1, 9] = float("inf"), float("inf")
