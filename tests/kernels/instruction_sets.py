@@ -5,10 +5,10 @@ what an AVX2-only one would). A plain module (not collected)."""
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import pytest
 
+from pagedserve.backend.device import cpuinfo
 from pagedserve.kernels import (bf16_matmul_cpu, block_matmul_cpu, cache_write_cpu, decoder_stack_cpu, first_max_cpu,
                                 gemv_cpu, native_build, paged_decode_cpu, paged_prefill_cpu, rms_norm_cpu, rotary_cpu,
                                 silu_mul_cpu)
@@ -20,9 +20,7 @@ LIBRARIES = [module.LIBRARY for module in (bf16_matmul_cpu, block_matmul_cpu, ca
 
 def runs_avx2() -> bool:
     """An x86 CPU with AVX2 and FMA (gcc's -march=haswell code runs here)."""
-    if platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists():
-        return False
-    return {"avx2", "fma"} <= set(Path("/proc/cpuinfo").read_text().split())
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= set(cpuinfo().split())
 
 
 def build_every_kernel_for(monkeypatch: pytest.MonkeyPatch, march: str) -> None:
