@@ -77,7 +77,7 @@ static int64_t row_first_max(const float* x, int64_t n) {
     float top = -INFINITY;
     int64_t first = 0; /* a row of -inf only: index 0 */
     for (int i = 0; i < 8; ++i)
-        if (lane_best[i] > top || (lane_best[i] == top && lane_best[i] > -INFINITY && lane_at[i] < first))
+        if (lane_best[i] > top || (lane_best[i] == top && lane_at[i] < first)) /* -inf lanes hold index 0 */
             top = lane_best[i], first = lane_at[i];
     for (int64_t j = whole; j < n; ++j) /* later indices: only a larger value replaces */
         if (x[j] > top) top = x[j], first = j;
