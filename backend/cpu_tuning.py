@@ -4,6 +4,9 @@ glibc returns large freed blocks to the OS (mmap threshold, heap trimming), so
 every step's multi-megabyte activations come back as fresh pages and are
 faulted in again: on a 2-core machine that cost several times the attention
 math itself. Raising both thresholds keeps freed memory in the heap for reuse.
+
+Also the names our threads carry in the OS (`top -H`, `perf`, /proc), which Python
+does not set: every thread of a Triton stub is otherwise `triton_python_b`.
 """
 
 from __future__ import annotations
@@ -60,9 +63,26 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return False
 
 
+_PR_SET_NAME = 15
+_NAME_BYTES = 15  # the kernel keeps 15 bytes and a terminating zero
+
+
+def name_native_thread(name: str) -> bool:
+    """Give the calling thread `name` (its first 15 bytes) in the OS, so per-thread CPU
+    readings tell the engine, its OpenMP workers (they inherit the name of the thread that
+    starts them) and the response thread apart. False where the OS has no such call."""
+    libc = _libc()
+    if libc is None:
+        return False
+    try:
+        return libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:_NAME_BYTES]), 0, 0, 0) == 0
+    except AttributeError:
+        return False
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """The C library on Linux (both tunings are Linux calls), else None; looked up once
+    """The C library on Linux (these are Linux calls), else None; looked up once
     (find_library runs ldconfig, and the KV cache asks for every layer's tensors)."""
     name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
     try:

@@ -22,6 +22,7 @@ import threading
 from collections import deque
 from typing import Callable, Iterator, Sequence as Seq
 
+from .cpu_tuning import name_native_thread
 from .engine import LLMEngine
 from .errors import EngineDeadError, EngineStepError
 from .outputs import RequestOutput
@@ -98,6 +99,7 @@ class EngineThread:
 
     # -- engine thread ---------------------------------------------------------
     def _build_and_run(self, make_engine: Callable[[], LLMEngine]) -> None:
+        name_native_thread(self._thread.name)  # before the engine starts its OpenMP workers, which inherit it
         try:
             self.engine = make_engine()
         except BaseException as error:

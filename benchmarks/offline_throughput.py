@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from core_accounting import CoreUse, CoreWindow  # noqa: E402
 from single_stream import time_single_stream  # noqa: E402
 from workload import WorkItem, machine, offline_workload, single_stream  # noqa: E402
 
@@ -45,6 +46,8 @@ class Row:
     """Single stream: seconds to the first token of a 128-token prompt."""
     decode: float | None = None
     """Single stream: decode tokens/s."""
+    cores: CoreUse | None = None
+    """Where the cores went over the measured run, where it was read."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,8 +55,9 @@ class Row:
 
 
 def run_pagedserve(work: list[WorkItem], dtype: str, policy: str, batch: int, progress: bool = True,
-                   single: WorkItem | None = None, **engine_args) -> Row:
-    """engine_args: further LLMEngine settings (benchmarks/cpu_attention.py passes attention_backend)."""
+                   single: WorkItem | None = None, cores: CoreWindow | None = None, **engine_args) -> Row:
+    """engine_args: further LLMEngine settings (benchmarks/cpu_attention.py passes attention_backend);
+    `cores`: read over the measured generate (Row.cores)."""
     engine = LLMEngine(
         dtype=dtype,
         scheduling_policy=policy,
@@ -64,15 +68,18 @@ def run_pagedserve(work: list[WorkItem], dtype: str, policy: str, batch: int, pr
     )
     params = [SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True) for w in work]
     engine.generate([w.prompt_token_ids for w in work[:2]], params[:2], use_tqdm=False)  # warm-up
+    if cores is not None:
+        cores.start()
     start = time.perf_counter()
     results = engine.generate([w.prompt_token_ids for w in work], params, use_tqdm=progress)
     seconds = time.perf_counter() - start
+    used = cores.stop() if cores is not None else None
     tokens = sum(len(r.token_ids) for r in results)
     assert tokens == sum(w.output_len for w in work)
     name = "pagedserve in-flight batching" if policy == "inflight" else f"pagedserve static batching ({batch})"
     if engine_args.get("compile") == "on":
         name += ", compiled"
-    row = Row(name, dtype, len(work), tokens, seconds)
+    row = Row(name, dtype, len(work), tokens, seconds, cores=used)
     if single:
         def generate(prompt: list[int], max_tokens: int) -> None:
             engine.generate([prompt], [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)], use_tqdm=False)

@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from core_accounting import PARTS, CoreUse, CoreWindow
 from peers import vllm_cpu
 
 from pagedserve.client.loadgen import (BenchConfig, BenchResult, RequestRecord, Summary, Workload, load_workload,
@@ -99,6 +100,8 @@ class Point:
     wall_s: float
     round: int = 1
     """Which of the run's rounds (--rounds) measured it."""
+    cores: CoreUse | None = None
+    """Where the cores went while it ran (pagedserve's points, closed loop, on Linux)."""
 
 
 @dataclass
@@ -296,9 +299,12 @@ def run_points(run: SystemRun, target: Target, round_number: int, args: argparse
             for attempt in (1, 2):
                 config = point_config(mode, load, args, target.url(protocol), protocol, warmup=0 if warm else args.warmup)
                 warm = True
+                window = core_window(target, mode)
                 t = time.perf_counter()
-                result = asyncio.run(run_benchmark_async(config, workload, progress=args.progress))
-                point = Point(system, mode, load, result.summary, time.perf_counter() - t, round_number)
+                result = asyncio.run(run_benchmark_async(config, workload, progress=args.progress,
+                                                         on_measured_start=window and window.start))
+                point = Point(system, mode, load, result.summary, time.perf_counter() - t, round_number,
+                              window and window.stop())
                 report(f"[{system}] {describe(point)}")
                 if not result.summary.num_errors or attempt == 2:
                     break
@@ -319,6 +325,13 @@ def run_points(run: SystemRun, target: Target, round_number: int, args: argparse
         run.failure = f"stopped early: {type(exc).__name__}: {exc}"
         report(f"[{system}] {run.failure}")
         target.stop()
+
+
+def core_window(target: Target, mode: str) -> CoreWindow | None:
+    """A CoreWindow over the load generator and a pagedserve server (closed loop only)."""
+    if mode != "closed" or not isinstance(target.server, TritonServer) or target.server.pid is None or not CoreWindow.supported():
+        return None
+    return CoreWindow(target.server.pid, "load generator")
 
 
 def point_config(mode: str, load: float, args: argparse.Namespace, url: str = "", protocol: str = "grpc",
@@ -356,11 +369,13 @@ def run_offline_reference(args: argparse.Namespace, workload: Workload, run: Sys
             work = [WorkItem(encode_prompt(tokenizer, spec.prompt), spec.max_tokens) for spec in specs]
             t = time.perf_counter()
             row = run_pagedserve(work, args.dtype, "inflight", batch=concurrency, progress=args.progress,
+                                 cores=CoreWindow(None, "engine") if CoreWindow.supported() else None,
                                  stream_interval=args.stream_interval)
             records = [RequestRecord(spec.index, 0.0, 0.0, end=row.seconds, prompt_tokens=len(item.prompt_token_ids),
                                      output_tokens=item.output_len, requested_output_tokens=item.output_len)
                        for spec, item in zip(specs, work)]
-            point = Point("offline", "closed", float(concurrency), summarize(records), time.perf_counter() - t, round_number)
+            point = Point("offline", "closed", float(concurrency), summarize(records), time.perf_counter() - t, round_number,
+                          row.cores)
             run.points.append(point)
             report(f"[offline] {describe(point)}")
             if raw is not None:
@@ -425,6 +440,34 @@ def table(runs: list[SystemRun], mode: str) -> list[str]:
                 f"{_ms(s.tpot.p50)} | {_sec(s.e2e.p50)} | {_sec(s.e2e.p99)} | {_us(s.client_cpu_per_response_us)} |"
             )
     return lines
+
+
+def core_table(runs: list[SystemRun]) -> list[str]:
+    """Where the cores went at each closed-loop point of pagedserve (served and offline): the
+    engine's threads' CPU and their time waiting for a core, in cores, and every part's CPU per
+    output token. Equal engine CPU per token served and offline means the served loss is the
+    other parts' CPU, not slower engine work."""
+    points = [p for run in runs for p in run.points if p.cores is not None and p.summary.total_output_tokens]
+    if not points:
+        return []
+    several = len(rounds_of(runs)) > 1
+    lines = [
+        "### Where the cores went (closed loop)", "",
+        "Over each point's measured requests (warm-up excluded), every thread's CPU and its time runnable but waiting "
+        "for a core (Linux schedstat): the engine is the engine thread and its OpenMP workers (served) or the "
+        "benchmark's process (offline), in cores (1.0: one core all the time); then each part's CPU per output "
+        "token, in microseconds.", "",
+        "| system | concurrency | output tok/s | engine CPU (cores) | engine waiting for a core (cores) | "
+        + " | ".join(f"{part} (us/token)" for part in PARTS) + " |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(PARTS),
+    ]
+    for p in points:
+        cores, tokens = p.cores, p.summary.total_output_tokens
+        name = SYSTEM_NAMES[p.system] + (f", round {p.round}" if several else "")
+        per_token = " | ".join(_us(cores.us_per(part, tokens)) if part in cores.parts else "-" for part in PARTS)
+        lines.append(f"| {name} | {p.load:g} | {p.summary.output_tokens_per_s:.1f} | {cores.cores('engine'):.2f} | "
+                     f"{cores.waiting_cores('engine'):.2f} | {per_token} |")
+    return lines + [""]
 
 
 def plot(runs: list[SystemRun], plots_dir: Path) -> dict[str, Path]:
@@ -552,7 +595,7 @@ def write_report(path: Path, runs: list[SystemRun], plots: dict[str, Path], line
     if any(p.mode == "open" for run in runs for p in run.points):
         out += ["### Open loop: Poisson arrivals", ""] + table(runs, "open") + [""]
         out += [f"![TTFT vs request rate]({rel['ttft']})", ""]
-    out += headline(runs) + references(runs)
+    out += headline(runs) + references(runs) + core_table(runs)
     replace_section(path, "\n".join(out).rstrip())
 
 

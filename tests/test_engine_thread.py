@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import queue
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -130,6 +132,8 @@ def test_engine_is_built_on_its_own_thread_and_build_errors_reach_the_caller(sma
     loop = EngineThread(make)
     try:
         assert built_on == ["pagedserve-engine"]
+        if sys.platform.startswith("linux"):  # `top -H` and /proc show it by name (its OpenMP workers inherit it)
+            assert Path(f"/proc/self/task/{loop._thread.native_id}/comm").read_text().strip() == "pagedserve-engi"
         assert list(loop.stream("r", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0)))[-1].finished
     finally:
         loop.shutdown()

@@ -48,3 +48,18 @@ def test_the_headline_averages_throughput_over_the_rounds():
     lines = serving.headline(runs({"inflight": [340.0, 320.0], "vllm": [300.0, 300.0]}))
     assert lines[0].startswith("At concurrency 32, in-flight batching delivers 330 output tok/s (mean of the rounds): ")
     assert "(its OpenAI server) 1.1x" in lines[0]
+
+
+def test_the_core_table_shows_each_parts_cpu_per_output_token():
+    from core_accounting import CoreUse, ThreadTime
+
+    served = point("inflight", 400.0, 1)
+    served.cores = CoreUse(2.0, {"engine": ThreadTime(3.6, 0.4), "response thread": ThreadTime(0.04),
+                                 "tritonserver": ThreadTime(0.06), "load generator": ThreadTime(0.08)})
+    offline = point("offline", 450.0, 1)
+    offline.cores = CoreUse(2.0, {"engine": ThreadTime(3.98, 0.02)})
+    lines = serving.core_table([serving.SystemRun("offline", points=[offline]), serving.SystemRun("inflight", points=[served])])
+    text = "\n".join(lines)
+    assert "| pagedserve offline (in-process, same requests) | 32 | 450.0 | 1.99 | 0.01 | 8844 | - | - | - | - |" in text
+    assert "| pagedserve in-flight batching | 32 | 400.0 | 1.80 | 0.20 | 9000 | 100 | - | 150 | 200 |" in text
+    assert serving.core_table(runs({"inflight": [400.0]})) == []  # not read (another OS, or vLLM's points)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..config import EngineConfig
+from ..cpu_tuning import name_native_thread
 from ..engine import LLMEngine
 from ..engine_thread import EngineThread
 from ..errors import InvalidRequestError
@@ -196,6 +197,7 @@ class EngineModel:
 
     # -- responses out -------------------------------------------------------------
     def _response_loop(self) -> None:
+        name_native_thread(self.response_thread.name)
         while (output := self.outbox.get()) is not None:
             try:
                 self._handle(output)

@@ -129,8 +129,10 @@ async def _open_loop(transport: Transport, workload: Workload, sampling: dict[st
     return list(await asyncio.gather(*tasks))
 
 
-async def run_benchmark_async(config: BenchConfig, workload: Workload | None = None, progress: bool = True) -> BenchResult:
-    """Warm up (not recorded), then the measured run; see the module docstring."""
+async def run_benchmark_async(config: BenchConfig, workload: Workload | None = None, progress: bool = True,
+                              on_measured_start: Callable[[], None] | None = None) -> BenchResult:
+    """Warm up (not recorded), then the measured run, which `on_measured_start` is told of
+    (benchmarks/serving.py starts its CPU readings there); see the module docstring."""
     config.validate()
     workload = workload or load_workload(config)
     sampling: dict[str, Any] = {"temperature": config.temperature}
@@ -155,6 +157,8 @@ async def run_benchmark_async(config: BenchConfig, workload: Workload | None = N
             if errors:
                 bar.set_postfix(errors=errors)
 
+        if on_measured_start is not None:
+            on_measured_start()
         cpu_started = time.process_time()
         try:
             if config.request_rate:
