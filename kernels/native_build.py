@@ -85,6 +85,11 @@ def build(source: Path, cc: str, march: str = "native") -> Path:
     return target
 
 
+LIBRARIES: list[NativeLibrary] = []
+"""Every NativeLibrary made in this process (one per kernel module, made at its import): the
+tests rebuild them all for another -march through this list."""
+
+
 class NativeLibrary:
     """One C source, built and loaded once per process on first `get()`; `declare` sets its
     functions' ctypes signatures once, after loading, and returns False where the library has
@@ -95,6 +100,7 @@ class NativeLibrary:
         self.source, self.what, self.fallback, self.declare = source, what, fallback, declare
         self._lock = threading.Lock()
         self._loaded: list[ctypes.CDLL | None] = []
+        LIBRARIES.append(self)
 
     def get(self) -> ctypes.CDLL | None:
         if self._loaded:  # every call after the first: no lock on the step's hot path

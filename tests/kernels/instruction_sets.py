@@ -4,18 +4,20 @@ what an AVX2-only one would). A plain module (not collected)."""
 
 from __future__ import annotations
 
+import importlib
 import platform
+import pkgutil
 
 import pytest
 
+from pagedserve import kernels
 from pagedserve.backend.device import cpuinfo
-from pagedserve.kernels import (bf16_matmul_cpu, block_matmul_cpu, cache_write_cpu, decoder_stack_cpu, first_max_cpu,
-                                gemv_cpu, native_build, paged_decode_cpu, paged_prefill_cpu, rms_norm_cpu, rotary_cpu,
-                                silu_mul_cpu)
+from pagedserve.kernels import native_build
 
-LIBRARIES = [module.LIBRARY for module in (bf16_matmul_cpu, block_matmul_cpu, cache_write_cpu, decoder_stack_cpu,
-                                           first_max_cpu, gemv_cpu, paged_decode_cpu, paged_prefill_cpu, rms_norm_cpu,
-                                           rotary_cpu, silu_mul_cpu)]
+for _module in pkgutil.iter_modules(kernels.__path__):
+    if _module.name.endswith("_cpu"):  # the C kernels' modules: each makes its NativeLibrary at import
+        importlib.import_module(f"{kernels.__name__}.{_module.name}")
+LIBRARIES = native_build.LIBRARIES
 
 
 def runs_avx2() -> bool:

@@ -57,3 +57,14 @@ def test_the_instruction_set_can_be_named(monkeypatch, tmp_path):
     assert SILU_MUL.load() is None  # no vector code for plain x86-64
     monkeypatch.delenv(native_build.MARCH_ENV)
     assert RMS_NORM.load() is not None
+
+
+def test_every_c_kernel_is_rebuilt_when_the_tests_switch_instruction_sets():
+    """The AVX2 cases rebuild the libraries `native_build.LIBRARIES` lists: every C source under
+    kernels/ is there (a new kernel registers itself by making its NativeLibrary)."""
+    from pathlib import Path
+
+    from .instruction_sets import LIBRARIES
+
+    sources = {path.name for path in Path(native_build.__file__).parent.glob("*.c")}
+    assert sources and sources <= {library.source.name for library in LIBRARIES}
