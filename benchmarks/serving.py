@@ -26,6 +26,10 @@ their ratio: --rounds N measures every system N times, the order rotated each ro
 the servers kept up between their turns, and reports each round and the ratios' mean and
 range (the offline reference reruns each round too).
 
+On Linux it also reads where the cores went at pagedserve's closed-loop points
+(core_accounting.py): the engine's CPU and its waits for a core, and each part's CPU per
+output token (engine, response thread, other stub threads, tritonserver, load generator).
+
 Writes its section of RESULTS.md (tables, plots, conditions) and the PNGs under plots/:
 
     python benchmarks/serving.py            # full sweep, ~30-45 min on 2 CPU cores
