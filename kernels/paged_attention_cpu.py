@@ -48,6 +48,7 @@ query dtype), as the reference does.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -79,19 +80,16 @@ def native_prefill_max_keys(head_dim: int) -> int:
 
 
 @dataclass
-class DecodePlan:
-    """Split-KV layout of the step's decodes: each chunk reads chunk_keys consecutive keys of
-    one decode; slots are cache rows (block * block_size + offset)."""
+class SplitKV:
+    """Split-KV layout of the step's decodes for the torch-op decode: each chunk reads
+    chunk_keys consecutive keys of one decode; slots are cache rows (block * block_size + offset)."""
 
     chunk_keys: int
-    tokens: torch.Tensor  # [num_decodes] query rows of the decodes
     chunk_tokens: torch.Tensor  # [num_chunks] query row of each chunk
     slots: torch.Tensor  # [num_chunks * chunk_keys] cache rows; past a sequence's end: its slot 0
     key_valid: torch.Tensor | None  # [num_chunks, chunk_keys]; None when every chunk is full
     merge_index: torch.Tensor | None  # [num_chunks] cell in a [num_decodes * max_chunks] grid; None: one chunk each
     max_chunks: int
-    tables: torch.Tensor  # int32 [num_decodes, max_blocks]: the decodes' block-table rows (the C decode's input)
-    lens: torch.Tensor  # int32 [num_decodes]
     masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -101,6 +99,25 @@ class DecodePlan:
         if dtype not in self.masks:
             self.masks[dtype] = _additive(self.key_valid, dtype)[:, None, None, :]
         return self.masks[dtype]
+
+
+@dataclass
+class DecodePlan:
+    """The step's decodes as the C decode reads them; the torch-op decode's split-KV layout
+    (`split`) is built on first use, since a step the C code runs never needs it (building it
+    took ~0.2 ms a step, 3-5% of a one-sequence decode step)."""
+
+    tokens: torch.Tensor  # [num_decodes] query rows of the decodes
+    tables: torch.Tensor  # int32 [num_decodes, max_blocks]: the decodes' block-table rows
+    lens: torch.Tensor  # int32 [num_decodes]
+    block_size: int
+    requested_chunk_keys: int | None = None
+    """The split size asked for (tests); None: choose_chunk_keys decides."""
+
+    @functools.cached_property
+    def split(self) -> SplitKV:
+        lens = self.lens.long()
+        return _split_kv(self.tables.long(), lens, self.tokens, self.block_size, choose_chunk_keys(lens, self.requested_chunk_keys))
 
 
 @dataclass
@@ -229,8 +246,9 @@ def _native_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return rest
 
 
-def _decode(query: torch.Tensor, keys: KVRows, values: KVRows, plan: DecodePlan, scale: float) -> torch.Tensor:
+def _decode(query: torch.Tensor, keys: KVRows, values: KVRows, decode: DecodePlan, scale: float) -> torch.Tensor:
     """All decodes: one flash call over every chunk, then the log-sum-exp merge. [num_decodes, heads, dim]"""
+    plan = decode.split
     num_chunks = plan.chunk_tokens.numel()
     kv_heads, head_dim = keys.shape
     q = query.index_select(0, plan.chunk_tokens).view(num_chunks, kv_heads, -1, head_dim)
@@ -238,7 +256,7 @@ def _decode(query: torch.Tensor, keys: KVRows, values: KVRows, plan: DecodePlan,
     v = values.gather(plan.slots).view(num_chunks, plan.chunk_keys, kv_heads, head_dim).transpose(1, 2)
     out, lse = _flash(q, k, v, attn_mask=plan.mask(query.dtype), scale=scale)[:2]
     if plan.merge_index is not None:
-        out = _merge_chunks(out, lse, plan.merge_index, plan.tokens.numel(), plan.max_chunks)
+        out = _merge_chunks(out, lse, plan.merge_index, decode.tokens.numel(), plan.max_chunks)
     return out.reshape(-1, query.shape[1], head_dim).to(query.dtype)
 
 
@@ -306,9 +324,8 @@ def build_plan(
     decode = None
     if bool(is_decode.any()):
         seqs = is_decode.nonzero().squeeze(1)
-        lens = seq_lens[seqs]
-        decode = _decode_plan(block_tables.index_select(0, seqs), lens, starts[seqs], block_size,
-                              choose_chunk_keys(lens, chunk_keys))
+        decode = DecodePlan(starts[seqs], block_tables.index_select(0, seqs).to(torch.int32).contiguous(),
+                            seq_lens[seqs].to(torch.int32), block_size, chunk_keys)
     prefills = [
         PrefillPlan(int(starts[i]), int(starts[i + 1]), _slots(block_tables[i : i + 1], torch.arange(int(seq_lens[i]))[None], block_size)[0])
         for i in (~is_decode).nonzero().squeeze(1).tolist()
@@ -327,7 +344,7 @@ def choose_chunk_keys(lens: torch.Tensor, requested: int | None = None) -> int:
     return CHUNK_KEYS if lens.numel() * longest > SPLIT_MIN_SAVING * split_keys else longest
 
 
-def _decode_plan(tables: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor, block_size: int, chunk_keys: int) -> DecodePlan:
+def _split_kv(tables: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor, block_size: int, chunk_keys: int) -> SplitKV:
     """Chunks of chunk_keys keys per decode, in decode order; positions past a sequence's end
     read its slot 0 (finite, masked) so nothing outside its tokens is ever touched."""
     num_chunks = cdiv(lens, chunk_keys)
@@ -338,16 +355,13 @@ def _decode_plan(tables: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor,
     valid = positions < lens[owner][:, None]
     slots = _slots(tables.index_select(0, owner), positions * valid, block_size)
     max_chunks = int(num_chunks.max())
-    return DecodePlan(
+    return SplitKV(
         chunk_keys=chunk_keys,
-        tokens=tokens,
         chunk_tokens=tokens[owner],
         slots=slots.reshape(-1),
         key_valid=None if bool(valid.all()) else valid,
         merge_index=owner * max_chunks + chunk if max_chunks > 1 else None,
         max_chunks=max_chunks,
-        tables=tables.to(torch.int32).contiguous(),
-        lens=lens.to(torch.int32).contiguous(),
     )
 
 

@@ -39,6 +39,8 @@ from pagedserve.kernels.paged_attention_cpu import (
     step_plan,
 )
 
+from pagedserve.kernels.paged_decode_cpu import native_decode
+
 from .paged_batch import FP8, TOL, Batch, rel_err
 
 CPU = torch.device("cpu")
@@ -97,7 +99,7 @@ def test_full_chunks_need_no_mask():
     """Contexts that are whole chunks: no key mask, one merge across two chunks."""
     b = Batch([1, 1], [CHUNK_KEYS, 2 * CHUNK_KEYS], 9, 3, 64, seed=3, device=CPU)
     plan = build_plan(b.block_tables, b.seq_lens, b.query_start_loc, 16, CHUNK_KEYS)
-    assert plan.decode.key_valid is None and plan.decode.max_chunks == 2
+    assert plan.decode.split.key_valid is None and plan.decode.split.max_chunks == 2
     assert rel_err(b.run(paged_attention_cpu, chunk_keys=CHUNK_KEYS, native=False), b.reference()) < TOL[torch.float32]
 
 
@@ -144,7 +146,7 @@ def test_plan_is_built_once_per_step():
     assert step_plan(tables, seq_lens, starts, 16) is first
     table[0, 1] = 7
     refilled = step_plan(tables, seq_lens, starts, 16)
-    assert refilled is not first and int(refilled.decode.slots[19]) == 7 * 16 + 3
+    assert refilled is not first and int(refilled.decode.split.slots[19]) == 7 * 16 + 3
     assert step_plan(tables, seq_lens, starts, 32) is not refilled
 
 
@@ -175,3 +177,14 @@ def test_engine_attention_call():
         meta = AttentionMetadata(slots, table, b.seq_lens, b.query_start_loc, max_query_len=40, max_seq_len=300)
         outs.append(attention(kernels, b.query, key, value, LayerKVCache(k_cache.clone(), v_cache.clone()), meta, b.scale))
     assert rel_err(outs[1], outs[0]) < TOL[torch.float32]
+
+
+def test_a_step_the_c_decode_runs_never_builds_the_split_layout():
+    """The split-KV layout is the torch-op decode's alone: the C decode's step does without it."""
+    if native_decode() is None:
+        pytest.skip("the C decode is not built here")
+    b = Batch([1, 1, 1], [40, 300, 77], 9, 3, 64, seed=5, device=CPU)
+    plan = step_plan(b.block_tables, b.seq_lens, b.query_start_loc, 16)
+    assert rel_err(b.run(paged_attention_cpu), b.reference()) < TOL[torch.float32]
+    assert step_plan(b.block_tables, b.seq_lens, b.query_start_loc, 16) is plan  # the plan the step ran
+    assert "split" not in vars(plan.decode)
