@@ -52,6 +52,7 @@ import functools
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -300,14 +301,14 @@ def step_plan(
     """The plan for this metadata: the last one while the metadata is equal (every layer of
     one step), else a new one. Compared by value, not identity: a caller may refill the
     same tensors in place (through numpy, which torch's version counter does not see)."""
-    metadata = (block_tables, seq_lens, query_start_loc)
+    metadata = tuple(t.numpy() for t in (block_tables, seq_lens, query_start_loc))
     settings = (block_size, chunk_keys)
     same = _last.plan is not None and settings == _last.settings and all(
-        a.shape == b.shape and torch.equal(a, b) for a, b in zip(metadata, _last.metadata)
+        a.shape == b.shape and np.array_equal(a, b) for a, b in zip(metadata, _last.metadata)
     )
     if not same:
-        _last.plan = build_plan(*metadata, block_size, chunk_keys)
-        _last.settings, _last.metadata = settings, tuple(t.clone() for t in metadata)
+        _last.plan = build_plan(block_tables, seq_lens, query_start_loc, block_size, chunk_keys)
+        _last.settings, _last.metadata = settings, tuple(a.copy() for a in metadata)
     return _last.plan
 
 
@@ -315,21 +316,20 @@ def build_plan(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
     chunk_keys: int | None = None,
 ) -> StepPlan:
-    """Split the flat batch into decodes (one batched plan) and prefill chunks (one plan each)."""
-    block_tables = block_tables.long()
-    seq_lens = seq_lens.long()
-    starts = query_start_loc.long()
-    q_lens = starts[1:] - starts[:-1]
-    is_decode = q_lens == 1
+    """Split the flat batch into decodes (one batched plan) and prefill chunks (one plan each).
+    In numpy: as torch ops on these few dozen numbers each step's plan took ~0.2 ms."""
+    tables, lens = block_tables.numpy(), seq_lens.numpy()
+    starts = query_start_loc.numpy().astype(np.int64)
+    is_decode = np.diff(starts) == 1
     decode = None
-    if bool(is_decode.any()):
-        seqs = is_decode.nonzero().squeeze(1)
-        decode = DecodePlan(starts[seqs], block_tables.index_select(0, seqs).to(torch.int32).contiguous(),
-                            seq_lens[seqs].to(torch.int32), block_size, chunk_keys)
-    prefills = [
-        PrefillPlan(int(starts[i]), int(starts[i + 1]), _slots(block_tables[i : i + 1], torch.arange(int(seq_lens[i]))[None], block_size)[0])
-        for i in (~is_decode).nonzero().squeeze(1).tolist()
-    ]
+    if is_decode.any():
+        decode = DecodePlan(torch.from_numpy(starts[:-1][is_decode]), torch.from_numpy(tables[is_decode].astype(np.int32)),
+                            torch.from_numpy(lens[is_decode].astype(np.int32)), block_size, chunk_keys)
+    prefills = []
+    for i in np.flatnonzero(~is_decode).tolist():
+        positions = np.arange(int(lens[i]))
+        slots = tables[i, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        prefills.append(PrefillPlan(int(starts[i]), int(starts[i + 1]), torch.from_numpy(slots)))
     return StepPlan(decode, prefills)
 
 
