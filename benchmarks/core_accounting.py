@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedserve.client.process import proc_stat_fields
+
 PROC = Path("/proc")
 PARTS = ("engine", "response thread", "stubs, other", "tritonserver", "load generator")
 
@@ -107,10 +109,10 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def _process_cpu_s(pid: int) -> float:
     """A process's user + system CPU, ended threads included (clock ticks: 10 ms steps)."""
+    fields = proc_stat_fields(pid)
     try:
-        fields = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
-    except (OSError, ValueError, IndexError):
+        return (int(fields[11]) + int(fields[12])) / _TICKS if fields else 0.0  # utime, stime
+    except (ValueError, IndexError):
         return 0.0
 
 
@@ -128,10 +130,10 @@ def _process_tree(root: int) -> list[int]:
     """`root` and its descendants (tritonserver's stubs are its children)."""
     parents = {}
     for entry in PROC.iterdir():
-        if entry.name.isdigit():
+        if entry.name.isdigit() and (fields := proc_stat_fields(entry.name)):
             try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])  # state ppid ...
-            except (OSError, ValueError, IndexError):
+                parents[int(entry.name)] = int(fields[1])  # ppid
+            except (ValueError, IndexError):
                 continue
     tree, frontier = [root], [root]
     while frontier:

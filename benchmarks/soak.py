@@ -57,7 +57,7 @@ import numpy as np
 
 from pagedserve.client.client import build_inputs, parse_result
 from pagedserve.client.loadgen import Distribution, SyntheticWorkload
-from pagedserve.client.process import http_status
+from pagedserve.client.process import http_status, proc_stat_fields
 from pagedserve.client.repository import write_repository
 from pagedserve.client.triton_server import TritonServer
 
@@ -262,9 +262,9 @@ def group_processes(pgid: int) -> dict[str, dict[str, int]]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                if int(f.read().rsplit(b")", 1)[1].split()[2]) != pgid:
-                    continue
+            fields = proc_stat_fields(entry)
+            if fields is None or int(fields[2]) != pgid:  # pgrp
+                continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
             status = dict(line.split(":", 1) for line in Path(f"/proc/{entry}/status").read_text().splitlines() if ":" in line)
@@ -335,10 +335,8 @@ class Watcher(threading.Thread):
 
 
 def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
+    fields = proc_stat_fields(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")  # state: zombie or dead
 
 
 def find_server_pid(grpc_port: int) -> int | None:

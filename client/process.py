@@ -21,11 +21,22 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["ServerProcess", "ServerProcessError", "free_port", "http_status"]
+__all__ = ["ServerProcess", "ServerProcessError", "free_port", "http_status", "proc_stat_fields"]
 
 
 class ServerProcessError(RuntimeError):
     """A server process could not be started, did not become ready, or would not stop."""
+
+
+def proc_stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of Linux /proc/<pid>/stat after the command name: state, ppid, pgrp, ...,
+    utime, stime at 0, 1, 2, ..., 11, 12 (the name may hold spaces and parentheses, so the
+    split is at the last ")"); None when the process is gone or the file is not there."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].decode().split()
+    except (OSError, IndexError):
+        return None
 
 
 def free_port(exclude: set[int] | frozenset[int] = frozenset()) -> int:
@@ -182,10 +193,8 @@ class ServerProcess:
             if not entry.isdigit():
                 continue
             try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    stat = f.read()
-                # Fields after the ")" closing the command name: state ppid pgrp ...
-                if int(stat.rsplit(b")", 1)[1].split()[2]) != self._proc.pid:
+                fields = proc_stat_fields(entry)
+                if fields is None or int(fields[2]) != self._proc.pid:  # pgrp
                     continue
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
                     args = f.read().split(b"\0")
