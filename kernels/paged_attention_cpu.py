@@ -37,9 +37,6 @@ C compiler), for float16 and fp8 caches, and with native=False. It copies K/V ro
 no CPU matmul that reads through a block table (benchmarks/RESULTS.md, "CPU paged
 attention", for the torch-op variants measured).
 
-Over 300 lines because the step plan and the three ways it runs (C prefill, C decode, torch
-ops) share one layout: split up, one step's index tensors would be built in several files.
-
 The decode path calls `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`, the
 op behind CPU flash SDPA, for its log-sum-exp (the public SDPA does not return it).
 FP8 KV cache: the gathered rows are dequantized (stored * scale, in float32, then the
