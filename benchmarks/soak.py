@@ -57,7 +57,7 @@ import numpy as np
 
 from pagedserve.client.client import build_inputs, parse_result
 from pagedserve.client.loadgen import Distribution, SyntheticWorkload
-from pagedserve.client.process import http_status, proc_stat_fields
+from pagedserve.client.process import group_command_lines, http_status, proc_stat_fields
 from pagedserve.client.repository import write_repository
 from pagedserve.client.triton_server import TritonServer
 
@@ -258,17 +258,11 @@ def group_processes(pgid: int) -> dict[str, dict[str, int]]:
     """Processes of a process group (Linux /proc): label -> pid, rss, threads. The
     server is `tritonserver`, a python stub is `stub:<model>`."""
     found: dict[str, dict[str, int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, command_line in group_command_lines(pgid).items():
+        args = [a for a in command_line if a]
         try:
-            fields = proc_stat_fields(entry)
-            if fields is None or int(fields[2]) != pgid:  # pgrp
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-            status = dict(line.split(":", 1) for line in Path(f"/proc/{entry}/status").read_text().splitlines() if ":" in line)
-        except (OSError, ValueError, IndexError):
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        except OSError:
             continue
         if not args or "VmRSS" not in status:
             continue
@@ -276,8 +270,8 @@ def group_processes(pgid: int) -> dict[str, dict[str, int]]:
         if label == STUB:
             model = next((Path(a).parts[-3] for a in args if a.endswith("/model.py")), args[1] if len(args) > 1 else "?")
             label = f"stub:{model}"
-        found[label if label not in found else f"{label}:{entry}"] = {
-            "pid": int(entry), "rss": int(status["VmRSS"].split()[0]) * 1024, "threads": int(status["Threads"])}
+        found[label if label not in found else f"{label}:{pid}"] = {
+            "pid": pid, "rss": int(status["VmRSS"].split()[0]) * 1024, "threads": int(status["Threads"])}
     return found
 
 

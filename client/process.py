@@ -21,7 +21,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["ServerProcess", "ServerProcessError", "free_port", "http_status", "proc_stat_fields"]
+__all__ = ["ServerProcess", "ServerProcessError", "free_port", "group_command_lines", "http_status", "proc_stat_fields"]
 
 
 class ServerProcessError(RuntimeError):
@@ -37,6 +37,28 @@ def proc_stat_fields(pid: int | str) -> list[str] | None:
             return f.read().rsplit(b")", 1)[1].decode().split()
     except (OSError, IndexError):
         return None
+
+
+def group_command_lines(pgid: int) -> dict[int, list[str]]:
+    """pid -> command line (its NUL-split fields) of each live process in process group
+    `pgid` (Linux ``/proc``; empty elsewhere)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}
+    lines = {}
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            fields = proc_stat_fields(entry)
+            if fields is None or int(fields[2]) != pgid:  # pgrp
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                lines[int(entry)] = [arg.decode(errors="replace") for arg in f.read().split(b"\0")]
+        except (OSError, ValueError, IndexError):
+            continue
+    return lines
 
 
 def free_port(exclude: set[int] | frozenset[int] = frozenset()) -> int:
@@ -182,26 +204,7 @@ class ServerProcess:
 
     def group_command_lines(self) -> list[list[str]]:
         """Command lines of the live processes in the server's group (Linux ``/proc``)."""
-        if self._proc is None:
-            return []
-        try:
-            entries = os.listdir("/proc")
-        except OSError:
-            return []
-        lines = []
-        for entry in entries:
-            if not entry.isdigit():
-                continue
-            try:
-                fields = proc_stat_fields(entry)
-                if fields is None or int(fields[2]) != self._proc.pid:  # pgrp
-                    continue
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    args = f.read().split(b"\0")
-            except (OSError, ValueError, IndexError):
-                continue
-            lines.append([arg.decode(errors="replace") for arg in args])
-        return lines
+        return [] if self._proc is None else list(group_command_lines(self._proc.pid).values())
 
     # --- log ---------------------------------------------------------------
     def read_log(self, max_bytes: int = 4 * 1024 * 1024) -> str:
