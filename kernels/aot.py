@@ -2,8 +2,8 @@
 
 Past 300 lines on purpose: one pipeline (a device model and recorders running the real
 launchers, the scenarios, the keys that fold launches into configurations, the compile in
-this process or a child), each stage's private types feeding the next; split, the module
-boundaries would pass those private types around.
+this process or a child), each stage's private types (the Launch and KernelConfig records)
+feeding the next; split, the module boundaries would pass those private types around.
 
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs entirely on
 the CPU (Triton's MLIR passes, then the wheel's own ptxas), so CI can check that
@@ -52,9 +52,6 @@ Resource numbers come from the cubin (`cuobjdump --dump-resource-usage`, shipped
 the triton wheel): registers per thread, and spills = local memory bytes / 4, the
 same figures `CompiledKernel.n_regs` / `n_spills` report after loading on a GPU;
 shared memory is Triton's own `metadata.shared` (its dynamic allocation).
-
-One module past 300 lines: the device model, the scenarios, the configuration records
-and the compile step share the Launch / KernelConfig records and change as a unit.
 """
 
 from __future__ import annotations
