@@ -23,8 +23,8 @@
  *   MR x (vectors) accumulators that never leave their registers. With AVX-512 the tile is 8
  *   rows x 48 outputs (24 of 32 registers; 3 loads and 8 broadcasts feed 24 FMAs): 87-92% of
  *   a 2-core Xeon's FMA peak from 32 rows, where the lane-sum tile it replaced reached 73-82%.
- *   AVX2: 6 rows x 16 outputs (12 of 16 registers). Rows go MC at a time, so the rows being
- *   multiplied stay in L2 while the weights pass.
+ *   AVX2: 6 rows x 16 outputs (12 of 16 registers). Rows go MC at a time (fewer for long
+ *   inputs), so the rows being multiplied stay in L2 while the weights pass.
  * Built at first use by kernels/native_build.py (-O3 -march=native -fopenmp); threads split the
  * outputs.
  */
@@ -33,6 +33,7 @@
 #define GROUP 16   /* outputs interleaved in the layout: kernels/block_matmul_cpu.py's GROUP */
 #define GEMV_ROWS 8 /* kernels/block_matmul_cpu.py's GEMV_ROWS */
 #define MC 128      /* rows the GEMM multiplies per pass over the weights */
+#define L2_ROWS_BYTES (288 * 1024) /* most bytes of x rows a pass keeps (fewer rows than MC for long inputs) */
 #define GEMV_UP_TO GEMV_ROWS /* the few-row loop wins up to 8 rows (2-core Xeon, AVX-512 and AVX2 code) */
 enum { BLOCK_Q4_1 = 0, BLOCK_Q8_0 = 1 }; /* kernels/block_matmul_cpu.py's BLOCK_KINDS */
 
@@ -310,21 +311,32 @@ static void block_gemm(const float* x, const uint8_t* q, const float* d, const f
     const int64_t blocks = in / 32, out = groups * GROUP;
     const int64_t chunks = (in + KC - 1) / KC, chunk = (blocks + chunks - 1) / chunks * 32; /* even chunks */
     const int64_t panels = (groups + PANEL_GROUPS - 1) / PANEL_GROUPS;
+    /* Rows per pass: MC, fewer for long inputs, so that a pass's rows (mc x in floats) fit in
+     * L2_ROWS_BYTES and stay in L2 while every panel of the pass reads them: down_proj's 1,536
+     * inputs at 128 rows (768 KB) came from L3 for each panel, which a busy neighbour on the same
+     * L3 slowed down (2-core AVX2 EPYC, every decoder linear, median pass: 2,048 rows 107 -> 127
+     * GFLOP/s, 512 rows 106 -> 116; the sums unchanged, rows are independent). */
+    int mc = (int)(L2_ROWS_BYTES / (4 * in)) / MR * MR;
+    mc = mc > MC ? MC : mc < 8 * MR ? 8 * MR : mc;
+    const int64_t passes = (rows + mc - 1) / mc;
 #pragma omp parallel num_threads(num_threads) if (out * in >= 65536)
     {
         float scratch[KC * NR] __attribute__((aligned(64)));
-        for (int r0 = 0; r0 < rows; r0 += MC) {
-            const int pass_rows = rows - r0 < MC ? rows - r0 : MC;
-            /* Handed out one panel at a time, not halved up front: on a 2-core machine serving
-             * requests, another process (tritonserver, the client) takes a core now and then, and
-             * a static half would leave the other thread waiting at the barrier. */
+        /* One item = a pass's rows times one panel, handed out one at a time, not halved up front: on a
+         * 2-core machine serving requests, another process (tritonserver, the client) takes a
+         * core now and then, and a static half would leave the other thread waiting at the
+         * barrier. Items go pass by pass, so both threads share the pass's rows in cache; one loop
+         * over every pass's items, not a loop per pass, so the threads meet at one barrier per
+         * call instead of one per pass (2-core AVX2 EPYC, every decoder linear at 2,048 rows:
+         * the median pass 12% faster, at 512 rows 5%; the sums unchanged). */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t p = 0; p < panels; ++p) {
-                const int64_t g0 = p * PANEL_GROUPS;
-                const int ng = groups - g0 < PANEL_GROUPS ? (int)(groups - g0) : PANEL_GROUPS;
-                panel(x + (int64_t)r0 * in, in, pass_rows, q, d, m, bias, y + (int64_t)r0 * out, out, g0, ng, chunk,
-                      scratch, kind);
-            }
+        for (int64_t item = 0; item < passes * panels; ++item) {
+            const int r0 = (int)(item / panels) * mc;
+            const int pass_rows = rows - r0 < mc ? rows - r0 : mc;
+            const int64_t g0 = item % panels * PANEL_GROUPS;
+            const int ng = groups - g0 < PANEL_GROUPS ? (int)(groups - g0) : PANEL_GROUPS;
+            panel(x + (int64_t)r0 * in, in, pass_rows, q, d, m, bias, y + (int64_t)r0 * out, out, g0, ng, chunk,
+                  scratch, kind);
         }
     }
 }

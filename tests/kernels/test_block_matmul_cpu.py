@@ -78,11 +78,12 @@ def test_block_weights_multiply_like_their_float32_values(rows, bias, kind):
 
 @built
 @pytest.mark.parametrize("in_features, out_features", [(1536, 576), (1600, 7), (32, 13), (800, 1), (64, 49152 // 64)])
-@pytest.mark.parametrize("rows", [3, 9, 40])
+@pytest.mark.parametrize("rows", [3, 9, 40, 100])
 def test_shapes_that_are_not_whole_tiles(in_features, out_features, rows):
     """Outputs not a multiple of 16 (a group) or 48 (the GEMM's panel), inputs in one or several
     chunks of its scratch (160 inputs with AVX-512, 256 with AVX2; 1,600 = 10 even ones), a
-    single block, a single output."""
+    single block, a single output; 100 rows of 1,536 or 1,600 inputs: passes of fewer rows than
+    of short inputs (their rows kept within L2), the last one partial."""
     g = torch.Generator().manual_seed(in_features + out_features + rows)
     weight = grid_weight("q4_1", out_features, in_features, seed=rows)
     assert_matches_float32_weight(torch.randn(rows, in_features, generator=g), weight, torch.randn(out_features, generator=g))
