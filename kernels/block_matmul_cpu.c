@@ -32,8 +32,8 @@
 
 #define GROUP 16   /* outputs interleaved in the layout: kernels/block_matmul_cpu.py's GROUP */
 #define GEMV_ROWS 8 /* kernels/block_matmul_cpu.py's GEMV_ROWS */
-#define MC 128      /* rows the GEMM multiplies per pass over the weights */
-#define L2_ROWS_BYTES (288 * 1024) /* most bytes of x rows a pass keeps (fewer rows than MC for long inputs) */
+#define MC 128      /* most rows the GEMM multiplies per pass over the weights */
+#define L2_ROWS_BYTES (288 * 1024) /* most bytes of x a pass takes: fewer rows than MC for long inputs */
 #define GEMV_UP_TO GEMV_ROWS /* the few-row loop wins up to 8 rows (2-core Xeon, AVX-512 and AVX2 code) */
 enum { BLOCK_Q4_1 = 0, BLOCK_Q8_0 = 1 }; /* kernels/block_matmul_cpu.py's BLOCK_KINDS */
 
@@ -322,13 +322,13 @@ static void block_gemm(const float* x, const uint8_t* q, const float* d, const f
 #pragma omp parallel num_threads(num_threads) if (out * in >= 65536)
     {
         float scratch[KC * NR] __attribute__((aligned(64)));
-        /* One item = a pass's rows times one panel, handed out one at a time, not halved up front: on a
-         * 2-core machine serving requests, another process (tritonserver, the client) takes a
-         * core now and then, and a static half would leave the other thread waiting at the
-         * barrier. Items go pass by pass, so both threads share the pass's rows in cache; one loop
-         * over every pass's items, not a loop per pass, so the threads meet at one barrier per
-         * call instead of one per pass (2-core AVX2 EPYC, every decoder linear at 2,048 rows:
-         * the median pass 12% faster, at 512 rows 5%; the sums unchanged). */
+        /* One item = a pass's rows times one panel, handed out one at a time, not halved up
+         * front: on a 2-core machine serving requests, another process (tritonserver, the
+         * client) takes a core now and then, and a static half would leave the other thread
+         * waiting at the barrier. Items go pass by pass, so both threads share the pass's rows in
+         * cache; one loop over every pass's items, not a loop per pass, so the threads meet at one
+         * barrier per call instead of one per pass (2-core AVX2 EPYC, every decoder linear at
+         * 2,048 rows: the median pass 12% faster, at 512 rows 5%; the sums unchanged). */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < passes * panels; ++item) {
             const int r0 = (int)(item / panels) * mc;
