@@ -136,11 +136,12 @@ class ModelRunner:
             pad = self.compiled.rows(len(input_ids)) - len(input_ids)
             input_ids, positions, pieces = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad)), self.compiled.pieces
         hidden = self.model(
-            input_ids, positions, kv_caches or self.kv_caches, inputs.meta, attention or self.attention_kernels, pieces
+            input_ids, positions, kv_caches or self.kv_caches, inputs.meta, attention or self.attention_kernels, pieces,
+            inputs.logits_indices,
         )
         if len(inputs.logits_indices) == 0:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.model.compute_logits(hidden)
 
     def recover(self) -> None:
         """After a failed step: nothing to rebuild on one rank (tensor parallelism restarts its workers)."""

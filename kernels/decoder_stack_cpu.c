@@ -13,6 +13,7 @@
  * Built at first use by kernels/native_build.py.
  */
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu_dtypes.h"
 
@@ -95,6 +96,9 @@ typedef struct {
     const int32_t* seq_lens;
     const void* final_norm;
     int few_rows; /* the linears with blocks multiply those (float32 rows in xf, out in yf) */
+    int num_outputs;           /* rows whose hidden states the caller wants (those it samples) */
+    const int64_t* output_rows; /* NULL: every row; else num_outputs rows, ascending, distinct */
+    int few_output_rows;       /* few_rows for num_outputs rows */
     float* xf;
     float* yf;
     void* h;       /* [tokens, hidden]: the embeddings in, the residual stream (in place) */
@@ -105,18 +109,19 @@ typedef struct {
     void* delta;   /* [tokens, hidden]: o_proj's, then down_proj's output */
     void* gate_up; /* [tokens, 2 * intermediate] */
     void* act;     /* [tokens, intermediate] */
-    void* out;     /* [tokens, hidden]: the final norm's output */
+    void* out;     /* [tokens, hidden]: the final norm's output (its first num_outputs rows where output_rows) */
 } Step;
 
 /* y = x @ W^T (+ bias), as Linear.forward computes it for these rows: float32 rows through the
  * GGUF blocks (a float32 layer keeps no other weight), bf16 rows through the pairs, or for a
  * few rows through the blocks in float32. */
-static void linear(const Kernels* k, const Linear* w, const void* x, void* y, int rows, int64_t in, const Step* s) {
+static void linear(const Kernels* k, const Linear* w, const void* x, void* y, int rows, int64_t in, int few_rows,
+                   const Step* s) {
     if (!w->pairs) {
         k->block_matmul(x, w->codes, w->scales, w->offsets, w->bias, y, rows, in, w->groups, w->kind, s->num_threads);
         return;
     }
-    if (!(s->few_rows && w->codes)) {
+    if (!(few_rows && w->codes)) {
         k->matmul(x, w->pairs, w->bias, y, rows, in, w->groups, s->num_threads);
         return;
     }
@@ -125,6 +130,14 @@ static void linear(const Kernels* k, const Linear* w, const void* x, void* y, in
     k->block_matmul(s->xf, w->codes, w->scales, w->offsets, w->bias, s->yf, rows, in, w->groups, w->kind,
                     s->num_threads);
     for (int64_t i = 0; i < n_out; ++i) ((uint16_t*)y)[i] = f32_to_bf16(s->yf[i]);
+}
+
+/* rows[i] of a [*, width bytes] buffer moved to row i: rows ascending and distinct, so no row is
+ * overwritten before it moves. */
+static void keep_rows(void* buffer, const int64_t* rows, int count, int64_t width) {
+    char* base = (char*)buffer;
+    for (int i = 0; i < count; ++i)
+        if (rows[i] != i) memmove(base + i * width, base + rows[i] * width, (size_t)width);
 }
 
 /* The layers' forward, as LlamaForCausalLM.forward runs it eagerly. Returns 0, or -1 when an
@@ -142,7 +155,7 @@ int decoder_stack(const Kernels* k, const Layer* layers, int num_layers, const S
             k->norm(s->h, L->input_norm, s->x, T, H, s->eps, dt, nt);
         else
             k->add_norm(s->h, s->delta, s->h, L->input_norm, s->x, T, H, s->eps, dt, nt);
-        linear(k, &L->qkv, s->x, s->qkv, T, H, s);
+        linear(k, &L->qkv, s->x, s->qkv, T, H, s->few_rows, s);
         k->rotary(s->qkv, qkv_width, s->qk, s->cos, s->sin, T, s->heads + s->kv_heads, D, dt, nt);
         if (k->write_cache(k_rows, qk_width * elem, v_rows, qkv_width * elem, L->key_cache, L->value_cache,
                            s->slot_mapping, T, (int64_t)s->kv_heads * D * elem, s->num_slots))
@@ -155,12 +168,21 @@ int decoder_stack(const Kernels* k, const Layer* layers, int num_layers, const S
             k->prefill(s->qk, qk_width, L->key_cache, L->value_cache, s->attn, s->chunk_slots, s->slot_starts,
                        s->q_starts, s->q_lens, s->seq_lens, s->num_chunks, s->heads, s->kv_heads, D, s->scale, nt, dt))
             return -1;
-        linear(k, &L->o, s->attn, s->delta, T, (int64_t)s->heads * D, s);
-        k->add_norm(s->h, s->delta, s->h, L->post_norm, s->x, T, H, s->eps, dt, nt);
-        linear(k, &L->gate_up, s->x, s->gate_up, T, H, s);
-        k->silu_mul(s->gate_up, s->act, T, s->intermediate, nt, dt);
-        linear(k, &L->down, s->act, s->delta, T, s->intermediate, s);
+        /* The last layer past its attention only for the rows asked for: a prefill chunk's
+         * other rows feed no later layer (their keys and values are written above). */
+        int rows = T, few = s->few_rows;
+        if (l == num_layers - 1 && s->output_rows) {
+            keep_rows(s->attn, s->output_rows, s->num_outputs, (int64_t)s->heads * D * elem);
+            keep_rows(s->h, s->output_rows, s->num_outputs, (int64_t)H * elem);
+            rows = s->num_outputs, few = s->few_output_rows;
+            if (rows == 0) return 0;
+        }
+        linear(k, &L->o, s->attn, s->delta, rows, (int64_t)s->heads * D, few, s);
+        k->add_norm(s->h, s->delta, s->h, L->post_norm, s->x, rows, H, s->eps, dt, nt);
+        linear(k, &L->gate_up, s->x, s->gate_up, rows, H, few, s);
+        k->silu_mul(s->gate_up, s->act, rows, s->intermediate, nt, dt);
+        linear(k, &L->down, s->act, s->delta, rows, s->intermediate, few, s);
+        if (l == num_layers - 1) k->add_norm(s->h, s->delta, s->h, s->final_norm, s->out, rows, H, s->eps, dt, nt);
     }
-    k->add_norm(s->h, s->delta, s->h, s->final_norm, s->out, T, H, s->eps, dt, nt);
     return 0;
 }

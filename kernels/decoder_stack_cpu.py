@@ -62,7 +62,8 @@ class StepArgs(ctypes.Structure):
         ("num_slots", _i64), ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("slot_mapping", _p),
         ("num_decodes", _i32), ("tables", _p), ("table_width", _i64), ("lens", _p), ("decode_rows", _p),
         ("num_chunks", _i32), ("chunk_slots", _p), ("slot_starts", _p), ("q_starts", _p), ("q_lens", _p),
-        ("seq_lens", _p), ("final_norm", _p), ("few_rows", _i32), ("xf", _p), ("yf", _p),
+        ("seq_lens", _p), ("final_norm", _p), ("few_rows", _i32), ("num_outputs", _i32), ("output_rows", _p),
+        ("few_output_rows", _i32), ("xf", _p), ("yf", _p),
     ] + [(name, _p) for name in ("h", "x", "qkv", "qk", "attn", "delta", "gate_up", "act", "out")]
 
 
@@ -163,6 +164,15 @@ class LayerTensors:
 
 
 @dataclass(frozen=True)
+class OutputRows:
+    """The rows of a step whose hidden states are wanted (those sampled): int64, ascending and
+    distinct; `few_rows` says whether Linear.forward multiplies that many rows by the GGUF blocks."""
+
+    rows: torch.Tensor
+    few_rows: bool
+
+
+@dataclass(frozen=True)
 class StackShape:
     """The model's sizes and constants the loop needs."""
 
@@ -195,12 +205,13 @@ class DecoderStack:
         return self.layers is not None
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-            decode: DecodePlan | None, prefill: PrefillChunks | None, few_rows: bool = False) -> torch.Tensor | None:
+            decode: DecodePlan | None, prefill: PrefillChunks | None, few_rows: bool = False,
+            output_rows: OutputRows | None = None) -> torch.Tensor | None:
         """The final norm's output [tokens, hidden] for the embeddings `h` (overwritten: it
-        carries the residual stream); None where the C loop declined the step (a kernel's
-        shape limits, a cache slot out of range): the caller runs the layers in Python.
-        `few_rows`: the linears with GGUF blocks multiply those, as Linear.forward does for
-        this many rows."""
+        carries the residual stream), or for the rows `output_rows` names alone; None where the
+        C loop declined the step (a kernel's shape limits, a cache slot out of range): the
+        caller runs the layers in Python. `few_rows`: the linears with GGUF blocks multiply
+        those, as Linear.forward does for this many rows."""
         s = self.shape
         tokens = h.shape[0]
         if (self.layers is None or h.dtype != self.dtype or not h.is_contiguous() or tokens == 0
@@ -219,7 +230,10 @@ class DecoderStack:
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slot_mapping.data_ptr(), final_norm=self.final_norm.data_ptr(),
             h=h.data_ptr(), **{name: tensor.data_ptr() for name, tensor in buffers.items()},
         )
-        if few_rows and self.dtype == torch.bfloat16:
+        if output_rows is not None:
+            rows = output_rows.rows
+            args.num_outputs, args.output_rows, args.few_output_rows = rows.numel(), rows.data_ptr(), output_rows.few_rows
+        if (few_rows or (output_rows is not None and output_rows.few_rows)) and self.dtype == torch.bfloat16:
             widest = max(qkv_width, 2 * s.intermediate, s.hidden, s.heads * s.head_dim)
             scratch = torch.empty((2, tokens, widest), dtype=torch.float32)
             args.few_rows, args.xf, args.yf = 1, scratch[0].data_ptr(), scratch[1].data_ptr()
@@ -230,7 +244,9 @@ class DecoderStack:
             args.num_chunks, args.chunk_slots, args.slot_starts = prefill.q_lens.numel(), prefill.slots.data_ptr(), prefill.slot_starts.data_ptr()
             args.q_starts, args.q_lens, args.seq_lens = prefill.q_starts.data_ptr(), prefill.q_lens.data_ptr(), prefill.seq_lens.data_ptr()
         status = LIBRARY.get().decoder_stack(ctypes.byref(self.kernels), self.layers, len(self.layers), ctypes.byref(args))
-        return buffers["out"] if status == 0 else None
+        if status != 0:
+            return None
+        return buffers["out"] if output_rows is None else buffers["out"][: output_rows.rows.numel()]
 
 
-__all__ = ["DecoderStack", "LayerTensors", "LinearTensors", "StackShape", "kernels"]
+__all__ = ["DecoderStack", "LayerTensors", "LinearTensors", "OutputRows", "StackShape", "kernels"]

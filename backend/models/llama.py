@@ -223,23 +223,33 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kernels: AttentionKernels,
         pieces: ForwardPieces | None = None,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states of every input token, [num_tokens, hidden].
+        """Hidden states of every input token, [num_tokens, hidden], or of the rows
+        `output_rows` names (ascending, distinct: the rows a step samples).
 
         The layers run as pieces between their attentions (`ForwardPieces`), so that the
         compiled step (backend/compiled_forward.py) can swap in compiled pieces while the
-        paged attention, whose layout changes every step, stays eager."""
+        paged attention, whose layout changes every step, stays eager. Eagerly, the last
+        layer's work past its attention runs for `output_rows` alone: a prompt chunk's other
+        rows feed no later layer (~3% of a 30-layer prefill's arithmetic)."""
         if pieces is None:
-            hidden = self.c_stack.forward(input_ids, positions, kv_caches, meta, kernels)
+            hidden = self.c_stack.forward(input_ids, positions, kv_caches, meta, kernels, output_rows)
             if hidden is not None:
                 return hidden
-        pieces = pieces or EAGER_PIECES
+        eager, pieces = pieces is None, pieces or EAGER_PIECES
         h, q, k, v = pieces.first(self, input_ids, positions)
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             attn = attention(kernels, q, k, v, kv_cache, meta, layer.self_attn.scale)
             if i == last:
-                return pieces.last(self, layer, h, attn)
+                if output_rows is None or output_rows.numel() == h.shape[0]:
+                    return pieces.last(self, layer, h, attn)
+                if not eager:  # compiled pieces keep the shapes they were compiled for
+                    return pieces.last(self, layer, h, attn)[output_rows]
+                if output_rows.numel() == 0:
+                    return h.new_empty((0, h.shape[1]))
+                return pieces.last(self, layer, h[output_rows], attn[output_rows])
             h, q, k, v = pieces.middle(self, layer, self.layers[i + 1], h, attn, positions)
         raise ValueError("a model without layers")
 

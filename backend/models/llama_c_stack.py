@@ -33,8 +33,10 @@ class LlamaCStack:
         self._built: tuple[list[LayerKVCache], decoder_stack_cpu.DecoderStack | None] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
-                meta: AttentionMetadata, kernels: AttentionKernels) -> torch.Tensor | None:
-        """The final norm's output for the step, or None where the C loop does not apply."""
+                meta: AttentionMetadata, kernels: AttentionKernels,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The final norm's output for the step (for the rows `output_rows` names, ascending, where
+        given), or None where the C loop does not apply."""
         if (not self.enabled or input_ids.device.type != "cpu" or kernels.attend is not paged_attention_cpu
                 or kernels.write_cache is not write_kv_cache_cpu or torch.compiler.is_compiling()):
             return None
@@ -48,8 +50,14 @@ class LlamaCStack:
             return None
         h = model.embed_tokens(input_ids)
         cos, sin = model.rotary.tables(positions, h.dtype)
-        few_rows = input_ids.shape[0] <= model.layers[0].self_attn.qkv_proj.few_block_rows
-        return stack.run(h, cos, sin, meta.slot_mapping, plan.decode, chunks, few_rows)
+        few_block_rows = model.layers[0].self_attn.qkv_proj.few_block_rows
+        kept = None
+        if output_rows is not None and output_rows.numel() < input_ids.shape[0]:
+            if output_rows.numel() > 1 and not bool((output_rows[1:] > output_rows[:-1]).all()):
+                return None  # the C loop keeps rows in order; the Python layers take any
+            kept = decoder_stack_cpu.OutputRows(output_rows.to(torch.int64).contiguous(),
+                                                output_rows.numel() <= few_block_rows)
+        return stack.run(h, cos, sin, meta.slot_mapping, plan.decode, chunks, input_ids.shape[0] <= few_block_rows, kept)
 
     def stack(self, kv_caches: list[LayerKVCache]) -> decoder_stack_cpu.DecoderStack | None:
         """The C layers over these caches (None where they do not apply)."""

@@ -150,3 +150,44 @@ def test_avx2_code_gives_the_python_layers_tokens(prompts, monkeypatch):
     assert calls.count >= 12  # the prompts' steps and the decodes'
     assert in_c == greedy(engine, prompts[:4], c_stack=False, max_tokens=12)
     assert_engine_idle(engine)
+
+
+def test_the_last_layer_runs_for_the_sampled_rows_alone_with_the_same_logits(engine, prompts, monkeypatch):
+    """A step's logits come from its sampled rows (a prompt's last token, each decode): the last
+    layer past its attention runs for those rows alone, in C as in Python to the bit, with the
+    logits of running every row and picking them (a few rows are summed in another order: the
+    few-row loop) and their greedy tokens; no sampled row, no logits."""
+    from pagedserve.backend.sampling_params import SamplingParams
+    from pagedserve.backend.scheduler import ScheduledBatch
+    from pagedserve.backend.sequence import Sequence
+
+    runner, model = engine.runner, engine.runner.model
+    if model.c_stack.stack(runner.kv_caches) is None:
+        pytest.skip("this float32 engine's linears are not all GGUF blocks (no C compiler, or another layout)")
+    batch, first_block = ScheduledBatch(), 10
+    for i, prompt in enumerate(prompts[3:6]):
+        seq = Sequence(f"rows-{i}", list(prompt), SamplingParams())
+        blocks = -(-len(prompt) // runner.block_size)
+        seq.block_table, first_block = list(range(first_block, first_block + blocks)), first_block + blocks
+        batch.add(seq, len(prompt))
+    inputs = runner.prepare(batch)
+    sampled = inputs.logits_indices
+    assert 1 < len(sampled) < len(inputs.input_ids)
+    try:
+        model.c_stack.enabled = False
+        inputs.logits_indices = torch.arange(len(inputs.input_ids))
+        every_row = runner.run(inputs)[sampled]
+        inputs.logits_indices = sampled
+        in_python = runner.run(inputs)
+        model.c_stack.enabled = True
+        calls = StackCalls(monkeypatch)
+        assert torch.equal(runner.run(inputs), in_python)
+        assert calls.count == 1
+        torch.testing.assert_close(in_python, every_row, rtol=1e-4, atol=1e-4)
+        assert torch.equal(in_python.argmax(-1), every_row.argmax(-1))
+        inputs.logits_indices = sampled[:0]
+        for c_stack in (True, False):
+            model.c_stack.enabled = c_stack
+            assert runner.run(inputs).shape == (0, every_row.shape[1])
+    finally:
+        model.c_stack.enabled = True
