@@ -107,6 +107,28 @@ _ENDED = -1
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _machine_busy_s() -> tuple[float, float] | None:
+    """Seconds the machine's cores have been busy and idle since boot (/proc/stat), or None."""
+    try:
+        fields = (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = [int(f) for f in fields]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle, iowait
+    return (sum(ticks[:8]) - idle) / _TICKS, idle / _TICKS  # guest time is already in user
+
+
+def busy_cores(seconds: float = 0.5) -> float | None:
+    """How many cores were busy, on average, over the next `seconds` (None off Linux)."""
+    before = _machine_busy_s()
+    time.sleep(seconds)
+    after = _machine_busy_s()
+    if before is None or after is None:
+        return None
+    busy, idle = after[0] - before[0], after[1] - before[1]
+    return (os.cpu_count() or 1) * busy / (busy + idle) if busy + idle > 0 else 0.0
+
+
 def _process_cpu_s(pid: int) -> float:
     """A process's user + system CPU, ended threads included (clock ticks: 10 ms steps)."""
     fields = proc_stat_fields(pid)

@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from core_accounting import PARTS, CoreUse, CoreWindow
+from core_accounting import PARTS, CoreUse, CoreWindow, busy_cores
 from peers import vllm_cpu
 
 from pagedserve.client.loadgen import (BenchConfig, BenchResult, RequestRecord, Summary, Workload, load_workload,
@@ -259,6 +259,7 @@ def run_sweep(args: argparse.Namespace, workload: Workload, workdir: Path, repor
                 run.loadavg_before = os.getloadavg()
             if args.rounds > 1:
                 report(f"[{system}] round {round_number} of {args.rounds}")
+            wait_until_quiet(system, report)
             if system == "offline":
                 run_offline_reference(args, workload, run, round_number, report, raw)
             else:
@@ -271,6 +272,20 @@ def run_sweep(args: argparse.Namespace, workload: Workload, workdir: Path, repor
         for target in targets.values():
             target.stop()
     return list(runs.values())
+
+
+def wait_until_quiet(system: str, report: Callable[[str], None], most_cores: float = 0.25,
+                     longest_s: float = 20.0) -> float | None:
+    """Before a system's turn, wait for the last one's work to end: vLLM's offline engine keeps a
+    core spinning ~1 s after each generate (its OpenMP workers), which the next system would pay
+    for. Gives up after `longest_s`, saying so; returns the busy cores last seen (None off Linux)."""
+    deadline = time.monotonic() + longest_s
+    busy = busy_cores()
+    while busy is not None and busy > most_cores and time.monotonic() < deadline:
+        busy = busy_cores()
+    if busy is not None and busy > most_cores:
+        report(f"[{system}] the machine stayed busy ({busy:.2f} cores) for {longest_s:.0f} s; measuring anyway")
+    return busy
 
 
 def run_points(run: SystemRun, target: Target, round_number: int, args: argparse.Namespace, workload: Workload,

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # after everything: its scripts shadow nothing
 
-from core_accounting import CoreWindow, _process_tree  # noqa: E402
+from core_accounting import CoreWindow, _process_tree, busy_cores  # noqa: E402
 
 from pagedserve.backend.cpu_tuning import name_native_thread  # noqa: E402
 
@@ -93,3 +93,13 @@ def test_a_servers_stub_threads_are_told_apart_by_name():
     assert 0.05 <= cpu["stubs, other"] <= 0.3  # the unnamed thread (a process's total moves in 10 ms ticks)
     assert 0.1 <= cpu["tritonserver"] <= 0.4
     assert cpu["load generator"] < 0.5  # this test's process, sleeping
+
+
+def test_busy_cores_sees_another_process_spinning():
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert busy_cores(0.5) >= 0.7
+    finally:
+        spinner.kill()
+        spinner.wait()

@@ -63,3 +63,22 @@ def test_the_core_table_shows_each_parts_cpu_per_output_token():
     assert "| pagedserve offline (in-process, same requests) | 32 | 450.0 | 1.99 | 0.01 | 8844 | - | - | - | - |" in text
     assert "| pagedserve in-flight batching | 32 | 400.0 | 1.80 | 0.20 | 9000 | 100 | - | 150 | 200 |" in text
     assert serving.core_table(runs({"inflight": [400.0]})) == []  # not read (another OS, or vLLM's points)
+
+
+def test_a_system_waits_for_the_last_ones_spinning_and_says_when_it_gave_up():
+    """A process still spinning after its turn (vLLM's offline engine's workers do, ~1 s) is
+    waited out, up to a limit; past it the report says the machine stayed busy."""
+    import subprocess
+    import time
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    lines: list[str] = []
+    try:
+        time.sleep(0.3)
+        busy = serving.wait_until_quiet("vllm", lines.append, longest_s=1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    if busy is None:
+        return  # not Linux: nothing to read, nothing waited for
+    assert busy > 0.25 and lines and "stayed busy" in lines[0]
