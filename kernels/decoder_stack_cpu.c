@@ -149,6 +149,7 @@ int decoder_stack(const Kernels* k, const Layer* layers, int num_layers, const S
     const int64_t qkv_width = layers[0].qkv.groups * 16, qk_width = (int64_t)(s->heads + s->kv_heads) * D;
     const char* v_rows = (const char*)s->qkv + (int64_t)(s->heads + s->kv_heads) * D * elem;
     const char* k_rows = (const char*)s->qk + (int64_t)s->heads * D * elem;
+    int rows = T, few = s->few_rows; /* past the last attention: the rows asked for */
     for (int l = 0; l < num_layers; ++l) {
         const Layer* L = &layers[l];
         if (l == 0)
@@ -170,7 +171,6 @@ int decoder_stack(const Kernels* k, const Layer* layers, int num_layers, const S
             return -1;
         /* The last layer past its attention only for the rows asked for: a prefill chunk's
          * other rows feed no later layer (their keys and values are written above). */
-        int rows = T, few = s->few_rows;
         if (l == num_layers - 1 && s->output_rows) {
             keep_rows(s->attn, s->output_rows, s->num_outputs, (int64_t)s->heads * D * elem);
             keep_rows(s->h, s->output_rows, s->num_outputs, (int64_t)H * elem);
@@ -182,7 +182,7 @@ int decoder_stack(const Kernels* k, const Layer* layers, int num_layers, const S
         linear(k, &L->gate_up, s->x, s->gate_up, rows, H, few, s);
         k->silu_mul(s->gate_up, s->act, rows, s->intermediate, nt, dt);
         linear(k, &L->down, s->act, s->delta, rows, s->intermediate, few, s);
-        if (l == num_layers - 1) k->add_norm(s->h, s->delta, s->h, s->final_norm, s->out, rows, H, s->eps, dt, nt);
     }
+    k->add_norm(s->h, s->delta, s->h, s->final_norm, s->out, rows, H, s->eps, dt, nt);
     return 0;
 }

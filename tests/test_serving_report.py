@@ -1,7 +1,9 @@
 """benchmarks/serving.py's report: the ratios a reader takes from a run (served over
 offline, pagedserve over vLLM), per round and, with --rounds, their mean and range."""
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # after everything: its scripts shadow nothing
@@ -68,9 +70,6 @@ def test_the_core_table_shows_each_parts_cpu_per_output_token():
 def test_a_system_waits_for_the_last_ones_spinning_and_says_when_it_gave_up():
     """A process still spinning after its turn (vLLM's offline engine's workers do, ~1 s) is
     waited out, up to a limit; past it the report says the machine stayed busy."""
-    import subprocess
-    import time
-
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     lines: list[str] = []
     try:
