@@ -21,6 +21,7 @@ QUANTIZATIONS = ("none", "fp8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 COMPILE_MODES = ("auto", "on", "off")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass
@@ -29,6 +30,8 @@ class EngineConfig:
 
     model: str = ""
     """Hugging Face model directory or .gguf file; empty: bundled SmolLM2-135M-Instruct."""
+    load_format: str = "auto"
+    """auto reads the checkpoint's weights; dummy gives random weights of the checkpoint's shape (only its config and tokenizer are read), as vLLM's `--load-format dummy`: for speed measurements of a model too large to ship (benchmarks/gpu.py)."""
     dtype: str = "auto"
     """Compute and KV dtype: auto (bfloat16 on CUDA; on CPU, bfloat16 where the flags show native bf16 math (avx512_bf16, amx_bf16, Arm bf16) and it measures faster than float32 on the model's matmul shape at start-up, else float32), float32, bfloat16, float16."""
     device: str = "auto"
@@ -108,6 +111,7 @@ class EngineConfig:
         _choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         _choice(self, "attention_backend", ATTENTION_BACKENDS)
         _choice(self, "compile", COMPILE_MODES)
+        _choice(self, "load_format", LOAD_FORMATS)
         if self.compile == "on" and not self.compile_supported:
             raise ConfigError(
                 "compile",

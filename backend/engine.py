@@ -58,7 +58,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
         self.model_path = resolve_model_path(config.model)
-        self.dtype = resolve_dtype(config.dtype, self.device, read_checkpoint(self.model_path).config)
+        self.dtype = resolve_dtype(config.dtype, self.device, read_checkpoint(self.model_path, config.load_format).config)
 
         started = time.perf_counter()
         self.workers = start_workers(config, self.model_path, self.dtype, self.device)
@@ -67,7 +67,7 @@ class LLMEngine:
         few_row_blocks = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
                           and not compiled and config.quantization == "none" and not self.workers)
         parallel = self.workers.parallel if self.workers else SINGLE_RANK
-        loaded = load_model(self.model_path, self.dtype, self.device, parallel, few_row_blocks)
+        loaded = load_model(self.model_path, self.dtype, self.device, parallel, few_row_blocks, config.load_format)
         if config.quantization != "none":
             quantize_model(loaded.model, config.quantization)
         elif not compiled:

@@ -16,8 +16,9 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoints import Checkpoint
+from .checkpoints.dummy import dummy_checkpoint, randomize
 from .checkpoints.gguf import read_gguf_checkpoint
-from .checkpoints.hf import read_hf_checkpoint
+from .checkpoints.hf import hf_dir_config, read_hf_checkpoint
 from .checkpoints.packed_int4 import PackedInt4Loader
 from .errors import ConfigError
 from .model_config import ModelConfig
@@ -35,19 +36,22 @@ class LoadedModel:
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
 
 
-def read_checkpoint(path: str) -> Checkpoint:
-    """The config and tensor stream of a GGUF file or a Hugging Face directory."""
+def read_checkpoint(path: str, load_format: str = "auto") -> Checkpoint:
+    """The config and tensor stream of a GGUF file or a Hugging Face directory; with
+    load_format "dummy" the config alone (random weights, checkpoints/dummy.py)."""
+    if load_format == "dummy":
+        return dummy_checkpoint(read_gguf_checkpoint(path).config if is_gguf(path) else hf_dir_config(path))
     return read_gguf_checkpoint(path) if is_gguf(path) else read_hf_checkpoint(path)
 
 
 def load_model(
     path: str, dtype: torch.dtype, device: torch.device, parallel: TensorParallel = SINGLE_RANK,
-    few_row_blocks: bool = False,
+    few_row_blocks: bool = False, load_format: str = "auto",
 ) -> LoadedModel:
     """The model (this rank's share of it with tensor parallelism) and its tokenizer;
     few_row_blocks: keep each linear's exact GGUF blocks too (`Linear.few_row_blocks`)."""
     path = resolve_model_path(path)
-    checkpoint = read_checkpoint(path)
+    checkpoint = read_checkpoint(path, load_format)
     model = load_checkpoint(checkpoint, dtype, device, parallel, few_row_blocks)
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer(path))
 
@@ -59,6 +63,9 @@ def load_checkpoint(
     """The checkpoint's weights in a model (this rank's slices of them), in eval mode."""
     config = checkpoint.config
     model = build_empty_model(config, dtype, device, config.max_position_embeddings, parallel)
+    if checkpoint.random_weights:
+        randomize(model)
+        return model.eval()
     packed = None
     if config.packed_int4:
         packed = PackedInt4Loader(model.packed_modules, config.packed_int4, config.source_group_size)

@@ -1,7 +1,8 @@
 """Checkpoint formats. Each reads a model into one ModelConfig and a stream of
 tensors under Hugging Face names, so the model loader knows no format:
 hf.py (config.json + safetensors), gguf.py (llama.cpp GGUF, dequantized), and
-packed_int4.py (AWQ / GPTQ projections, collected from the stream and fused after it).
+packed_int4.py (AWQ / GPTQ projections, collected from the stream and fused after it),
+and dummy.py (random weights of a config's shape, for speed measurements).
 """
 
 from __future__ import annotations
@@ -21,3 +22,5 @@ class Checkpoint:
     """(Hugging Face name, tensor) pairs, read lazily."""
     num_tensors: int
     """How many `tensors` yields, for the progress bar."""
+    random_weights: bool = False
+    """No stored weights: the loader draws random ones of the config's shape (checkpoints/dummy.py)."""

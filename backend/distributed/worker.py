@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     store.set(f"worker/{rank}", str(os.getpid()))
     collectives = GroupCollectives(connect(store, rank, spec.size, device))
     channel = StepChannel(collectives, device)
-    model = load_checkpoint(read_checkpoint(spec.model_path), DTYPES[spec.dtype], device,
+    model = load_checkpoint(read_checkpoint(spec.model_path, spec.load_format), DTYPES[spec.dtype], device,
                             TensorParallel(rank, spec.size, collectives))
     pack_weights(model)  # tensor parallelism runs unquantized and eager, as rank 0 (backend/engine.py)
 

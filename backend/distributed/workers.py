@@ -64,6 +64,7 @@ class WorkerSpec:
     size: int
     port: int = 0
     parent_pid: int = 0
+    load_format: str = "auto"
 
 
 def start_workers(config: EngineConfig, model_path: str, dtype: torch.dtype, device: torch.device) -> WorkerPool | None:
@@ -82,7 +83,8 @@ def start_workers(config: EngineConfig, model_path: str, dtype: torch.dtype, dev
             "lower it or make more GPUs visible (CUDA_VISIBLE_DEVICES)",
         )
     spec = WorkerSpec(model_path, str(dtype).removeprefix("torch."), device.type, config.block_size,
-                      config.attention_backend, config.num_threads, size, parent_pid=os.getpid())
+                      config.attention_backend, config.num_threads, size, parent_pid=os.getpid(),
+                      load_format=config.load_format)
     return WorkerPool(spec, device)
 
 
