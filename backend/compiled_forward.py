@@ -12,22 +12,18 @@ Each piece takes its layers as arguments, so one compiled graph serves all of th
 Token rows are symbolic (dynamic shapes): one graph covers every token count; torch
 specialises a count of 1, so warm-up at load runs 1 and 2 rows of every piece and no
 request pays compilation. Where a shape-keyed cache sits under the graph (oneDNN's bf16
-kernels on CPU; CUDA graphs), the runner pads the step's rows to `row_bucket` sizes first
-and the warm-up covers every bucket up to the step's token budget.
+kernels on CPU), the runner pads the step's rows to `row_bucket` sizes first and the
+warm-up covers every bucket up to the step's token budget.
 
-On CUDA the pieces are compiled with inductor's CUDA graphs (its "cudagraph trees"): each
-bucket's chain of pieces (first, every middle layer in turn, last) is captured on first
-use (at warm-up) and replayed after, the eager attention launching between them. A step
-tells torch where it begins (`begin_step`): a graph's outputs live until the next step,
-so the chain may feed one piece's outputs to the next without copies.
+On CUDA the pieces are plain inductor kernels (no CUDA graphs of inductor's own): decode
+steps are captured whole, pieces and attention together, by backend/cuda_graphs.py, and
+prompt steps launch the pieces' fused kernels between the attentions.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-import threading
 import time
 from typing import Callable
 
@@ -57,28 +53,11 @@ class CompiledForward:
         self.model = model
         self.device = device
         half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        self.pads_rows = device.type == "cuda" or half
-        """Rows padded to buckets: CUDA graphs and oneDNN's kernels are keyed by shape."""
-        self.options = {"triton.cudagraphs": device.type == "cuda", "emulate_precision_casts": True}
+        self.pads_rows = device.type == "cpu" and half
+        """Rows padded to buckets: oneDNN's kernels are keyed by shape."""
+        self.options = {"triton.cudagraphs": False, "emulate_precision_casts": True}
         self.compilations = 0
-        self.max_tokens = 0
-        self.this_thread = threading.local()
-        """`warmed` on a thread that ran the warm-up (torch's CUDA graph trees are thread-local too)."""
         self.pieces = ForwardPieces(self._compile(first_piece), self._compile(middle_piece), self._compile(last_piece))
-
-    def begin_step(self) -> None:
-        """A new step: on CUDA the previous step's graph outputs may now be overwritten
-        (the caller has read its logits); without this mark, torch would take the next
-        step's first piece for part of the last one and refuse to replay. torch keeps CUDA
-        graphs per thread: a step on another thread than the warm-up's (an engine built on
-        one thread and stepped on another) captures that thread's graphs first."""
-        if self.device.type != "cuda":
-            return
-        if not getattr(self.this_thread, "warmed", False):
-            logger.info("compiled step: stepping on a new thread; capturing its CUDA graphs")
-            torch.cuda.current_blas_handle()  # cuBLAS makes a handle per thread, never inside a capture
-            self.warm_up(self.max_tokens)
-        torch.compiler.cudagraph_mark_step_begin()
 
     def _compile(self, function: Callable) -> Callable:
         return torch.compile(function, backend=self._inductor, dynamic=True, fullgraph=True)
@@ -96,51 +75,26 @@ class CompiledForward:
     def warm_up(self, max_tokens: int) -> None:
         """Compile (and on CUDA capture) every shape a step of up to max_tokens tokens can take."""
         started = time.perf_counter()
-        self.max_tokens = max_tokens
-        self.this_thread.warmed = True
-        if self.device.type == "cuda":
-            give_this_thread_cudagraph_trees()
         sizes = sorted({self.rows(n) for n in range(1, max_tokens + 1)}) if self.pads_rows else [1, 2]
-        # torch runs a CUDA graph's function eagerly on its first call and captures it on the next
-        passes = 2 if self.device.type == "cuda" else 1
         with torch.inference_mode():
             for rows in sizes:
-                for _ in range(passes):
-                    self._run_pieces(rows)
+                self._run_pieces(rows)
         logger.info("compiled step ready in %.1fs: %d graphs, %d row counts warmed",
                     time.perf_counter() - started, self.compilations, len(sizes))
 
     def _run_pieces(self, rows: int) -> None:
         """The step's chain of pieces at `rows` rows, on placeholder inputs (the KV cache is
-        not touched): on CUDA every layer's place in the chain is a graph of its own; on CPU
-        one middle piece compiles the graph all layers share."""
+        not touched): one middle piece compiles the graph all layers share."""
         model, layers = self.model, self.model.layers
-        if self.device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
         input_ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
         # position 0 for every row: a bucket may hold more rows than the model has positions
         # (CUDA checks the rotary table's index; the CPU read past it unchecked)
         positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
         h, q, _, _ = self.pieces.first(model, input_ids, positions)
         attn = torch.zeros_like(q)
-        chain = len(layers) - 1 if self.device.type == "cuda" else min(1, len(layers) - 1)
-        for i in range(chain):
+        for i in range(min(1, len(layers) - 1)):
             h, *_ = self.pieces.middle(model, layers[i], layers[i + 1], h, attn, positions)
         self.pieces.last(model, layers[-1], h, attn)
-
-
-def give_this_thread_cudagraph_trees() -> None:
-    """torch releases without the fix for pytorch#123177 (2.11 among them) set up their CUDA
-    graph trees' per-thread state on the importing thread only, and capturing on any other
-    Python thread - our engine thread - fails an assertion. Give this thread the same empty
-    state torch gives the first one (newer releases do it themselves, lazily)."""
-    from torch._inductor import cudagraph_trees
-
-    local = getattr(cudagraph_trees, "local", None)
-    if local is None or hasattr(local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
-        return
-    local.tree_manager_containers = {}
-    local.tree_manager_locks = collections.defaultdict(threading.Lock)
 
 
 def compile_wanted(config: EngineConfig, device: torch.device) -> bool:

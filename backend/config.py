@@ -69,7 +69,7 @@ class EngineConfig:
     num_threads: int = 0
     """CPU threads for torch; 0 keeps torch's default (all cores)."""
     compile: str = "auto"
-    """The compiled step (backend/compiled_forward.py): torch.compile of each layer's work between its attentions, warmed up at load; CUDA graphs on CUDA. auto: on for CUDA where it is implemented (unquantized weights, one rank); off on CPU, where the eager step with oneDNN-packed weights measured faster (benchmarks/RESULTS.md). on, off (eager)."""
+    """The compiled step (backend/compiled_forward.py): torch.compile of each layer's work between its attentions, warmed up at load; and on CUDA every decode step replayed as one CUDA graph per batch-size bucket (backend/cuda_graphs.py; quantized models too). auto: compiled on CUDA where it is implemented (unquantized weights, one rank) and CUDA graphs on CUDA with one rank; off on CPU, where the eager step with oneDNN-packed weights measured faster (benchmarks/RESULTS.md). on: compiled (refused where not implemented); off: eager everywhere, no CUDA graphs."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (Megatron-style tensor parallelism): one process per rank, each holding its share of the weights and of the KV cache; rank 0 runs the engine and spawns the others. Must divide the attention heads, the intermediate size and the vocabulary. On CUDA one GPU per rank (NCCL), on CPU gloo."""
 

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from .block_manager import BlockManager
 from .compiled_forward import compile_wanted
+from .cuda_graphs import decode_graphs_wanted
 from .config import EngineConfig
 from .cpu_tuning import keep_freed_memory_in_heap
 from .device import max_model_len, num_kv_blocks, resolve_device, resolve_dtype
@@ -91,9 +92,14 @@ class LLMEngine:
         )
         runner_args = (loaded.model, num_blocks, config.block_size, self.kv_dtype, self.device, config.attention_backend,
                        config.max_num_batched_tokens if compiled else 0)
-        self.runner = TensorParallelRunner(self.workers, *runner_args) if self.workers else ModelRunner(*runner_args)
+        if self.workers:
+            self.runner = TensorParallelRunner(self.workers, *runner_args)
+        else:
+            graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) else 0
+            self.runner = ModelRunner(*runner_args, graphs, self.max_model_len)
         if config.kv_cache_dtype == "fp8":
             calibrate_kv_scales(self.runner, self.encode(CALIBRATION_TEXT)[: self.max_model_len])
+        self.runner.capture_graphs()  # after calibration: the captured kernels take the KV scales as constants
         self.sampler = Sampler(self.model_config.eos_token_ids, config.seed, self.device)
         self.renderers: dict[str, OutputRenderer] = {}
         self.groups = SampleGroups()

@@ -2,7 +2,8 @@
 
 The flat batch holds every scheduled token: prefill chunks and decodes side by
 side. Inputs are built with numpy (no per-token Python work), and logits are
-computed only for sequences that sample this step.
+computed only for sequences that sample this step. On CUDA a decode step replays a
+captured graph of the whole forward (backend/cuda_graphs.py); other steps run it piecewise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pagedserve.kernels.dispatch import build_cpu_kernels
 
 from .attention import AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
 from .compiled_forward import CompiledForward
+from .cuda_graphs import DecodeGraphs, StepArrays
 from .cpu_tuning import advise_huge_pages
 from .models.llama import LlamaForCausalLM
 from .sampling_params import SamplingParams
@@ -43,9 +45,13 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "auto",
         compile_max_tokens: int = 0,
+        graph_max_seqs: int = 0,
+        max_model_len: int = 0,
     ):
         """compile_max_tokens > 0: run the compiled step (backend/compiled_forward.py),
-        warmed up now for steps of up to that many tokens."""
+        warmed up now for steps of up to that many tokens. graph_max_seqs > 0 (CUDA):
+        decode steps of up to that many sequences replay whole CUDA graphs
+        (backend/cuda_graphs.py), captured by `capture_graphs` for contexts up to max_model_len."""
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -57,6 +63,12 @@ class ModelRunner:
         self.compiled = CompiledForward(model, device) if compile_max_tokens else None
         if self.compiled:
             self.compiled.warm_up(compile_max_tokens)
+        self.graphs = DecodeGraphs(self, graph_max_seqs, max_model_len) if graph_max_seqs and device.type == "cuda" else None
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs (once the KV scales are final); nothing without them."""
+        if self.graphs is not None:
+            self.graphs.capture()
 
     def allocate_kv(self, num_blocks: int, dtype: torch.dtype) -> list[LayerKVCache]:
         """Paged K and V per layer for this rank's KV heads (all of them with one rank)."""
@@ -69,7 +81,8 @@ class ModelRunner:
 
         return [LayerKVCache(cache(), cache()) for _ in range(self.config.num_layers)]
 
-    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+    def plan(self, batch: ScheduledBatch) -> StepArrays:
+        """The step's inputs as numpy arrays (no device copy yet)."""
         seqs = batch.seqs
         query_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
@@ -95,23 +108,30 @@ class ModelRunner:
 
         num_tokens_now = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         sampling = seq_lens == num_tokens_now
-        logits_indices = query_start[1:][sampling] - 1
+        return StepArrays(input_ids=input_ids, positions=positions, slots=slots, block_tables=block_tables,
+                          seq_lens=seq_lens, query_start=query_start, logits_indices=query_start[1:][sampling] - 1,
+                          sampling_seqs=[s for s, keep in zip(seqs, sampling) if keep])
 
+    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+        """The step's inputs as device tensors (the piecewise forward's and the tensor-parallel workers')."""
+        return self.to_inputs(self.plan(batch))
+
+    def to_inputs(self, arrays: StepArrays) -> ModelInputs:
         to = self._to_device
         meta = AttentionMetadata(
-            slot_mapping=to(slots),
-            block_tables=to(block_tables),
-            seq_lens=to(seq_lens.astype(np.int32)),
-            query_start_loc=to(query_start.astype(np.int32)),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
+            slot_mapping=to(arrays.slots),
+            block_tables=to(arrays.block_tables),
+            seq_lens=to(arrays.seq_lens.astype(np.int32)),
+            query_start_loc=to(arrays.query_start.astype(np.int32)),
+            max_query_len=int((arrays.query_start[1:] - arrays.query_start[:-1]).max()),
+            max_seq_len=int(arrays.seq_lens.max()),
         )
         return ModelInputs(
-            input_ids=to(input_ids),
-            positions=to(positions),
+            input_ids=to(arrays.input_ids),
+            positions=to(arrays.positions),
             meta=meta,
-            logits_indices=to(logits_indices),
-            sampling_seqs=[s for s, keep in zip(seqs, sampling) if keep],
+            logits_indices=to(arrays.logits_indices),
+            sampling_seqs=arrays.sampling_seqs,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -121,7 +141,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one forward; logits [num_sampling_seqs, vocab] float32 and those sequences."""
-        inputs = self.prepare(batch)
+        arrays = self.plan(batch)
+        if self.graphs is not None and self.graphs.fits(arrays):
+            return self.graphs.run(arrays), arrays.sampling_seqs
+        inputs = self.to_inputs(arrays)
         return self.run(inputs), inputs.sampling_seqs
 
     @torch.inference_mode()
@@ -132,7 +155,6 @@ class ModelRunner:
         [len(logits_indices), vocab] float32 (the one call a tensor-parallel worker makes per step)."""
         input_ids, positions, pieces = inputs.input_ids, inputs.positions, None
         if self.compiled:
-            self.compiled.begin_step()
             pad = self.compiled.rows(len(input_ids)) - len(input_ids)
             input_ids, positions, pieces = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad)), self.compiled.pieces
         hidden = self.model(

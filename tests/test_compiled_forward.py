@@ -112,26 +112,3 @@ def test_compile_is_parsed_and_refused_where_it_does_not_apply():
     with pytest.raises(ConfigError, match="compile.*unquantized"):
         EngineConfig(compile="on", quantization="int4")
     assert not EngineConfig(compile="auto", quantization="int4").compile_supported
-
-
-def test_a_new_thread_gets_cuda_graph_trees_state_of_its_own():
-    """The engine thread captures the CUDA graphs; torch 2.11 asserted there (pytorch#123177)."""
-    import threading
-
-    from torch._inductor import cudagraph_trees
-
-    from pagedserve.backend.compiled_forward import give_this_thread_cudagraph_trees
-
-    found: list = []
-
-    def on_engine_thread() -> None:
-        give_this_thread_cudagraph_trees()
-        found.append(cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers"))
-        found.append(cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_locks")[0])
-
-    thread = threading.Thread(target=on_engine_thread)
-    thread.start()
-    thread.join()
-    containers, lock = found
-    assert containers == {} and containers is not cudagraph_trees.local.tree_manager_containers
-    assert hasattr(lock, "acquire")

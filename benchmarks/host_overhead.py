@@ -1,0 +1,142 @@
+"""Host overhead: CPU time per engine step spent outside the model's forward.
+
+On a GPU a decode step of an 8B model takes ~5 ms at the bandwidth roofline; whatever the
+host does around it (scheduling, input preparation, sampling bookkeeping, applying the
+output, rendering text) either hides behind that or adds to it. This measures that host
+work on the CPU, with the forward replaced by a stand-in that returns logits of the right
+shape at once, at 1, 64 and 256 running requests (all decoding), and splits it by phase.
+
+    python benchmarks/host_overhead.py [--running 1,64,256] [--steps 200]
+
+The model is a tiny random one (its forward is replaced anyway); the vocabulary is small,
+so the stand-in's argmax costs nothing a GPU would not do on its side. Goal (the GPU
+issue): at most 0.3 ms a step at 1 request and 2 ms at 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_shapes import write_model_dir  # noqa: E402
+from workload import machine  # noqa: E402
+
+from pagedserve.backend import LLMEngine, SamplingParams  # noqa: E402
+
+PHASES = ("schedule", "prepare", "sample", "update", "render")
+
+
+class PhaseClock:
+    """Wall time per phase, accumulated over the current step."""
+
+    def __init__(self) -> None:
+        self.step: dict[str, float] = defaultdict(float)
+
+    def wrap(self, phase: str, function: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.step[phase] += time.perf_counter() - start
+
+        return timed
+
+
+def stand_in_forward(vocab: int) -> Callable:
+    """Logits [rows, vocab] where token 3 + (row % 7) wins: the real forward's output shape."""
+    cache: dict[int, torch.Tensor] = {}
+
+    def run(inputs, *args, **kwargs) -> torch.Tensor:
+        rows = len(inputs.logits_indices)
+        if rows not in cache:
+            logits = torch.zeros(rows, vocab)
+            logits[torch.arange(rows), 3 + torch.arange(rows) % 7] = 1.0
+            cache[rows] = logits
+        return cache[rows]
+
+    return run
+
+
+def measure(engine: LLMEngine, clock: PhaseClock, running: int, steps: int) -> dict[str, float]:
+    """Median ms per phase (and in all) over `steps` decode steps at `running` requests."""
+    params = SamplingParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
+    for i in range(running):
+        engine.add_request([5 + (i + j) % 400 for j in range(32)], params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.requests.values()):
+        engine.step()  # prompts in
+    samples: dict[str, list[float]] = defaultdict(list)
+    for _ in range(steps):
+        clock.step.clear()
+        start = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - start - clock.step.pop("forward", 0.0)
+        samples["total"].append(total)
+        for phase in PHASES:
+            samples[phase].append(clock.step.get(phase, 0.0))
+    for request_id in list(engine.scheduler.requests):
+        engine.abort(request_id)
+    return {phase: statistics.median(values) * 1000 for phase, values in samples.items()}
+
+
+def instrument(engine: LLMEngine) -> PhaseClock:
+    clock = PhaseClock()
+    runner = engine.runner
+    runner.run = clock.wrap("forward", stand_in_forward(engine.model_config.vocab_size))
+    runner.prepare = clock.wrap("prepare", runner.prepare)
+    engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
+    engine.scheduler.update_from_output = clock.wrap("update", engine.scheduler.update_from_output)
+    engine.sampler = _Timed(engine.sampler, clock.wrap("sample", engine.sampler.__call__))
+    engine._render = clock.wrap("render", engine._render)  # the sampler: a wrapper, since __call__ is looked up on the class
+    return clock
+
+
+class _Timed:
+    """A callable stand-in that forwards attribute reads to the wrapped object."""
+
+    def __init__(self, inner, call: Callable) -> None:
+        self._inner, self._call = inner, call
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--running", default="1,64,256")
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args(argv)
+    counts = [int(n) for n in args.running.split(",")]
+    with tempfile.TemporaryDirectory() as root:
+        engine = LLMEngine(model=write_model_dir("tiny", os.path.join(root, "tiny")), load_format="dummy",
+                           device="cpu", dtype="float32", compile="off", max_num_seqs=max(counts),
+                           max_num_batched_tokens=max(2048, 32 * max(counts)), num_kv_blocks=64 * max(counts) + 64,
+                           enable_prefix_caching=True)
+        clock = instrument(engine)
+        rows = []
+        for running in counts:
+            timings = measure(engine, clock, running, args.steps)
+            rows.append(dict(running=running, **timings))
+    print("\n" + machine())
+    print("| running requests | host ms / step | " + " | ".join(PHASES) + " | other |")
+    print("|---:|---:|" + "---:|" * (len(PHASES) + 1))
+    for row in rows:
+        other = row["total"] - sum(row[p] for p in PHASES)
+        print(f"| {row['running']} | {row['total']:.3f} | " + " | ".join(f"{row[p]:.3f}" for p in PHASES) + f" | {other:.3f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
