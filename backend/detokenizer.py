@@ -3,6 +3,13 @@
 Tokens whose text would end in a split multi-byte character stay pending until
 later tokens complete it, so no delta ever carries U+FFFD from a split, and
 the deltas concatenate exactly to the decode of all output tokens.
+
+With a fast (Rust) tokenizer each new token is one call of the `tokenizers`
+package's DecodeStream, seeded with the last prompt tokens so a first output
+token keeps its leading space; otherwise each step decodes the pending tokens
+with a little context (`decode_delta`), two full decodes a token. Rendering runs
+for every running request at every step, so on a GPU serving hundreds of streams
+this is most of the host's work per step (benchmarks/host_overhead.py).
 """
 
 from __future__ import annotations
@@ -10,6 +17,11 @@ from __future__ import annotations
 from typing import Any
 
 from .tokenizer import CONTEXT_TOKENS, decode_delta
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
 
 
 class IncrementalDetokenizer:
@@ -19,6 +31,12 @@ class IncrementalDetokenizer:
         self.num_prompt_tokens = num_prompt_tokens
         self.skip_special_tokens = skip_special_tokens
         self.rendered = num_prompt_tokens  # tokens before this index are in the text
+        self.stepped = num_prompt_tokens  # tokens before this index went through the stream
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self.backend = backend if DecodeStream is not None and backend is not None else None
+        self.stream = None
+        if self.backend is not None:
+            self.stream = DecodeStream(ids=self.context(num_prompt_tokens), skip_special_tokens=skip_special_tokens)
 
     @property
     def num_rendered_output_tokens(self) -> int:
@@ -35,6 +53,24 @@ class IncrementalDetokenizer:
         """
         if self.rendered == len(self.token_ids):
             return ""
+        if self.stream is not None:
+            text = self._step_stream()
+            if self.rendered == len(self.token_ids) or not final:
+                return text
+            return text + self._decode_pending(final)  # a split character left at the end
+        return self._decode_pending(final)
+
+    def _step_stream(self) -> str:
+        pieces = []
+        while self.stepped < len(self.token_ids):
+            chunk = self.stream.step(self.backend, self.token_ids[self.stepped])
+            self.stepped += 1
+            if chunk is not None:
+                pieces.append(chunk)
+                self.rendered = self.stepped
+        return "".join(pieces)
+
+    def _decode_pending(self, final: bool) -> str:
         delta = decode_delta(
             self.tokenizer,
             self.context(self.rendered),

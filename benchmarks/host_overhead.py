@@ -92,7 +92,8 @@ def instrument(engine: LLMEngine) -> PhaseClock:
     clock = PhaseClock()
     runner = engine.runner
     runner.run = clock.wrap("forward", stand_in_forward(engine.model_config.vocab_size))
-    runner.prepare = clock.wrap("prepare", runner.prepare)
+    runner.plan = clock.wrap("prepare", runner.plan)
+    runner.to_inputs = clock.wrap("prepare", runner.to_inputs)
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
     engine.scheduler.update_from_output = clock.wrap("update", engine.scheduler.update_from_output)
     engine.sampler = _Timed(engine.sampler, clock.wrap("sample", engine.sampler.__call__))
