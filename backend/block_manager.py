@@ -150,10 +150,11 @@ class BlockManager:
         self.prefix_hit_tokens += num_hit_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Name the seq's blocks that are now full of computed tokens by their hash."""
+        """Name the seq's blocks that are now full of computed tokens by their hash (only
+        of tokens whose ids are known: a pending one is named once it arrives)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        num_full = min(min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size, len(seq.block_table))
         self._extend_hashes(seq, num_full)
         for index in range(num_full):
             block = self.blocks[seq.block_table[index]]

@@ -22,6 +22,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 COMPILE_MODES = ("auto", "on", "off")
 LOAD_FORMATS = ("auto", "dummy")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 
 
 @dataclass
@@ -70,6 +71,8 @@ class EngineConfig:
     """CPU threads for torch; 0 keeps torch's default (all cores)."""
     compile: str = "auto"
     """The compiled step (backend/compiled_forward.py): torch.compile of each layer's work between its attentions, warmed up at load; and on CUDA every decode step replayed as one CUDA graph per batch-size bucket (backend/cuda_graphs.py; quantized models too). auto: compiled on CUDA where it is implemented (unquantized weights, one rank) and CUDA graphs on CUDA with one rank; off on CPU, where the eager step with oneDNN-packed weights measured faster (benchmarks/RESULTS.md). on: compiled (refused where not implemented); off: eager everywhere, no CUDA graphs."""
+    async_scheduling: str = "auto"
+    """Schedule and prepare step k+1 on the CPU while the device runs step k, applying step k's tokens after (vLLM's async scheduling): the host's work per step hides behind the device's. auto: on CUDA with one rank; on, off. Requests whose sampling needs every earlier token on the host (penalties, bad words, min_tokens, logprobs) run their steps one after the other either way."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (Megatron-style tensor parallelism): one process per rank, each holding its share of the weights and of the KV cache; rank 0 runs the engine and spawns the others. Must divide the attention heads, the intermediate size and the vocabulary. On CUDA one GPU per rank (NCCL), on CPU gloo."""
 
@@ -112,6 +115,7 @@ class EngineConfig:
         _choice(self, "attention_backend", ATTENTION_BACKENDS)
         _choice(self, "compile", COMPILE_MODES)
         _choice(self, "load_format", LOAD_FORMATS)
+        _choice(self, "async_scheduling", ASYNC_SCHEDULING)
         if self.compile == "on" and not self.compile_supported:
             raise ConfigError(
                 "compile",
@@ -149,13 +153,13 @@ class EngineConfig:
 
     def _validate_tensor_parallel(self) -> None:
         """Settings whose sharded form is not implemented (the model's shapes are checked at load)."""
-        for name, neutral in (("quantization", "none"), ("kv_cache_dtype", "auto")):
+        for name, neutral in (("quantization", "none"), ("kv_cache_dtype", "auto"), ("async_scheduling", "auto")):
             value = getattr(self, name)
             if value != neutral:
                 raise ConfigError(
                     "tensor_parallel_size",
-                    f"{self.tensor_parallel_size} ranks with {name}={value!r} is not supported (quantized "
-                    f"weights and KV are not sharded); set {name}={neutral!r} or tensor_parallel_size=1",
+                    f"{self.tensor_parallel_size} ranks with {name}={value!r} is not supported (quantized weights "
+                    f"and KV are not sharded; ranks step in lockstep); set {name}={neutral!r} or tensor_parallel_size=1",
                 )
 
 

@@ -52,6 +52,8 @@ class StepArrays:
     query_start: np.ndarray  # [seqs + 1] int64
     logits_indices: np.ndarray  # [sampling seqs] int64
     sampling_seqs: list
+    device_rows: np.ndarray  # [k] int64: input rows whose token is still on the device
+    device_src: np.ndarray  # [k] int64: its row in the step before's sampled tokens
 
     @property
     def is_decode(self) -> bool:
@@ -72,11 +74,15 @@ class DecodeGraphs:
         n = self.max_seqs
         self.captures = self.device.type == "cuda"
         """Off CUDA (the tests' CPU check of the buffers' layout) each size runs eagerly over the same buffers."""
-        # int64 inputs [ids | positions | slots] and int32 ones [seq_lens | query_start | block tables]
-        self.host64 = torch.zeros(3 * n, dtype=torch.int64, pin_memory=self.captures)
-        self.host32 = torch.zeros(2 * n + 1 + n * self.max_blocks, dtype=torch.int32, pin_memory=self.captures)
-        self.dev64 = torch.zeros_like(self.host64, device=self.device)
-        self.dev32 = torch.zeros_like(self.host32, device=self.device)
+        # int64 inputs [ids | positions | slots] and int32 ones [seq_lens | query_start | block tables];
+        # two host sets, used in turn: a step's copy may still be reading one while the next
+        # step (async scheduling) writes the other
+        self.hosts = [(torch.zeros(3 * n, dtype=torch.int64, pin_memory=self.captures),
+                       torch.zeros(2 * n + 1 + n * self.max_blocks, dtype=torch.int32, pin_memory=self.captures))
+                      for _ in range(2)]
+        self.turn = 0
+        self.dev64 = torch.zeros_like(self.hosts[0][0], device=self.device)
+        self.dev32 = torch.zeros_like(self.hosts[0][1], device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -100,7 +106,7 @@ class DecodeGraphs:
         """Warm every size up (Triton compiles and picks tiles outside the capture), then
         capture each, largest first, all in one memory pool."""
         started = time.perf_counter()
-        self._write_padding(0, self.max_seqs)
+        self._write_padding()
         if not self.captures:
             self.graphs = dict.fromkeys(self.sizes)
             return
@@ -126,19 +132,18 @@ class DecodeGraphs:
         hidden = runner.model(ids, positions, runner.kv_caches, meta, runner.attention_kernels, pieces, None)
         return runner.model.compute_logits(hidden)
 
-    def _write_padding(self, start: int, end: int) -> None:
-        """Rows start..end of the host buffers as padding: token 0 at position 0, no KV
-        written (slot -1), one key read (block table rows keep whatever they held: valid ids)."""
+    def _write_padding(self) -> None:
+        """Every row as padding, on the host and the device: token 0 at position 0, no KV
+        written (slot -1), one key read (block table rows keep valid ids: zeros here,
+        whatever a step wrote later)."""
         n = self.max_seqs
-        self.host64[start:end] = 0
-        self.host64[n + start : n + end] = 0
-        self.host64[2 * n + start : 2 * n + end] = -1
-        self.host32[start:end] = 1
-        self.host32[n + start + 1 : n + end + 1] = torch.arange(start + 1, end + 1, dtype=torch.int32)
-        if start == 0:
-            self.host32[n] = 0
-        self.dev64.copy_(self.host64)
-        self.dev32.copy_(self.host32)
+        for host64, host32 in self.hosts:
+            host64[: 2 * n] = 0
+            host64[2 * n :] = -1
+            host32[:n] = 1
+            host32[n : 2 * n + 1] = torch.arange(n + 1, dtype=torch.int32)
+        self.dev64.copy_(self.hosts[0][0])
+        self.dev32.copy_(self.hosts[0][1])
 
     # -- replay -------------------------------------------------------------------------
     def run(self, arrays: StepArrays) -> torch.Tensor:
@@ -147,7 +152,9 @@ class DecodeGraphs:
         rows = len(arrays.seq_lens)
         size = self.bucket(rows)
         n = self.max_seqs
-        h64, h32 = self.host64.numpy(), self.host32.numpy()
+        host64, host32 = self.hosts[self.turn]
+        self.turn ^= 1
+        h64, h32 = host64.numpy(), host32.numpy()
         h64[:rows] = arrays.input_ids
         h64[n : n + rows] = arrays.positions
         h64[2 * n : 2 * n + rows] = arrays.slots
@@ -158,9 +165,10 @@ class DecodeGraphs:
         width = arrays.block_tables.shape[1]
         tables = h32[2 * n + 1 : 2 * n + 1 + n * self.max_blocks].reshape(n, self.max_blocks)
         tables[:rows, :width] = arrays.block_tables
-        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev64.copy_(host64, non_blocking=True)
         used = 2 * n + 1 + size * self.max_blocks
-        self.dev32[:used].copy_(self.host32[:used], non_blocking=True)
+        self.dev32[:used].copy_(host32[:used], non_blocking=True)
+        self.runner.fill_device_tokens(self.dev64[:rows], arrays)
         graph = self.graphs[size]
         if graph is None:
             return self._forward(size)[:rows]

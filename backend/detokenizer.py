@@ -53,17 +53,23 @@ class IncrementalDetokenizer:
         """
         if self.rendered == len(self.token_ids):
             return ""
+        text = ""
         if self.stream is not None:
             text = self._step_stream()
-            if self.rendered == len(self.token_ids) or not final:
+            if self.stream is not None and not final:
                 return text
-            return text + self._decode_pending(final)  # a split character left at the end
-        return self._decode_pending(final)
+        if self.rendered == len(self.token_ids):
+            return text
+        return text + self._decode_pending(final)  # a split character left at the end, or no stream
 
     def _step_stream(self) -> str:
         pieces = []
         while self.stepped < len(self.token_ids):
-            chunk = self.stream.step(self.backend, self.token_ids[self.stepped])
+            try:
+                chunk = self.stream.step(self.backend, self.token_ids[self.stepped])
+            except Exception:  # noqa: BLE001 - tokenizers' stream refuses some byte sequences
+                self.stream = None  # ("Invalid prefix encountered"): two-decode deltas from here on
+                break
             self.stepped += 1
             if chunk is not None:
                 pieces.append(chunk)

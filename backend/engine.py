@@ -10,6 +10,7 @@ wiring; every decision of its own lives in the module named after it. (A little 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import itertools
 import logging
 import time
@@ -30,7 +31,7 @@ from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from .model_files import resolve_model_path
 from .matmul_probe import weight_layouts
 from .model_loader import load_model, read_checkpoint
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StagedTokens
 from .models.linear import WeightLayouts, pack_weights
 from .models.parallel import SINGLE_RANK
 from .output_renderer import OutputRenderer
@@ -38,12 +39,32 @@ from .outputs import Completion, EngineStats, RequestOutput
 from .quantization import quantize_model
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sample_group import SampleGroup, SampleGroups, sample_id
 from .sequence import FinishReason, Sequence, SequenceStatus
 from .tokenizer import apply_chat_template, encode_prompt
 
 logger = logging.getLogger("pagedserve")
+
+
+@dataclass
+class InFlightStep:
+    """A step launched on the device whose sampled tokens the engine has not applied yet."""
+
+    batch: ScheduledBatch
+    tokens: StagedTokens | None
+    needs_host: bool = False
+    """A sampling request needs every token on the host before its next step (processors, logprobs)."""
+    logits: torch.Tensor | None = None
+    """The raw logits, kept where a request wants logprobs."""
+
+
+def async_scheduling_wanted(config: EngineConfig, device: torch.device) -> bool:
+    """`async_scheduling: auto` overlaps on CUDA with one rank; on CPU the forward runs on the
+    engine's own thread, so there is nothing to overlap."""
+    if config.async_scheduling == "auto":
+        return device.type == "cuda" and config.tensor_parallel_size == 1
+    return config.async_scheduling == "on"
 
 
 class LLMEngine:
@@ -101,6 +122,9 @@ class LLMEngine:
             calibrate_kv_scales(self.runner, self.encode(CALIBRATION_TEXT)[: self.max_model_len])
         self.runner.capture_graphs()  # after calibration: the captured kernels take the KV scales as constants
         self.sampler = Sampler(self.model_config.eos_token_ids, config.seed, self.device)
+        self.async_scheduling = async_scheduling_wanted(config, self.device)
+        """Schedule step k+1 while step k runs on the device (`step`)."""
+        self._in_flight: InFlightStep | None = None
         self.renderers: dict[str, OutputRenderer] = {}
         self.groups = SampleGroups()
         """Requests with n > 1."""
@@ -218,6 +242,7 @@ class LLMEngine:
             self.scheduler.abort(request_id)
         self.renderers.clear()
         self.groups.clear()
+        self._in_flight = None
         self.scheduler.block_manager.reset_prefix_cache()
         self.num_recoveries += 1
         self.runner.recover()
@@ -227,21 +252,54 @@ class LLMEngine:
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests not finished, or a launched step whose results are not applied yet."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- stepping --------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample, update, and return each request's new output."""
+        """Schedule, run one forward, sample, update, and return each request's new output.
+
+        With async scheduling the step launched here is finished by the next call: this
+        call schedules and launches step k, then applies step k-1's tokens (the device
+        runs step k meanwhile), so the outputs returned are the step before's. Requests
+        whose sampling needs every earlier token on the host (penalties, bad words,
+        min_tokens, logprobs) make the engine finish a step before scheduling the next."""
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self._in_flight.needs_host:
+            outputs += self._finish(self._in_flight)
+            self._in_flight = None
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        logits, sampling_seqs = self.runner.execute(batch)
-        sampled = self.sampler(logits, sampling_seqs) if sampling_seqs else None
-        advanced = self.scheduler.update_from_output(batch, sampling_seqs, sampled)
-        outputs = [output for seq in advanced if (output := self._render(seq)) is not None]
+        launched = self._launch(batch) if batch.seqs else None
+        if self._in_flight is not None:
+            outputs += self._finish(self._in_flight)
+        self._in_flight = launched if self.async_scheduling else None
+        if launched is not None and not self.async_scheduling:
+            outputs += self._finish(launched)
         if self.groups:
             outputs = self._merge_samples(outputs)
         return outputs
+
+    def _launch(self, batch: ScheduledBatch) -> InFlightStep:
+        """Run the step's forward and sampling on the device; nothing waits for them."""
+        logits, sampling_seqs = self.runner.execute(batch)
+        assert len(sampling_seqs) == len(batch.sampling_seqs), "the runner and the scheduler disagree on who samples"
+        if not sampling_seqs:
+            return InFlightStep(batch, None)
+        tokens = self.sampler.sample(logits, sampling_seqs)
+        self.runner.remember(sampling_seqs, tokens)
+        needs_host = any(seq.params.needs_host_tokens for seq in sampling_seqs)
+        wants_logprobs = any(seq.params.logprobs is not None for seq in sampling_seqs)
+        return InFlightStep(batch, self.runner.stage_tokens(tokens), needs_host, logits if wants_logprobs else None)
+
+    def _finish(self, step: InFlightStep) -> list[RequestOutput]:
+        """Apply a launched step's tokens (waiting for them) and render each request's delta."""
+        if step.tokens is None:
+            self.scheduler.update_from_output(step.batch, [])
+            return []
+        tokens = step.tokens.tolist()
+        logprobs = self.sampler.logprobs(step.logits, step.batch.sampling_seqs, tokens) if step.logits is not None else None
+        advanced = self.scheduler.update_from_output(step.batch, tokens, logprobs)
+        return [output for seq in advanced if (output := self._render(seq)) is not None]
 
     def _merge_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """One output per request (n > 1 samples merged); forks whose prompt is ready start."""

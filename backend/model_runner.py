@@ -27,6 +27,19 @@ from .sequence import Sequence
 
 
 @dataclass
+class StagedTokens:
+    """A step's sampled token ids on their way to the host."""
+
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def tolist(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -64,6 +77,10 @@ class ModelRunner:
         if self.compiled:
             self.compiled.warm_up(compile_max_tokens)
         self.graphs = DecodeGraphs(self, graph_max_seqs, max_model_len) if graph_max_seqs and device.type == "cuda" else None
+        self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)
+        self.last_rows: dict[int, int] = {}
+        self._token_hosts: list[torch.Tensor] | None = None
+        self._token_turn = 0
 
     def capture_graphs(self) -> None:
         """Capture the decode graphs (once the KV scales are final); nothing without them."""
@@ -82,35 +99,79 @@ class ModelRunner:
         return [LayerKVCache(cache(), cache()) for _ in range(self.config.num_layers)]
 
     def plan(self, batch: ScheduledBatch) -> StepArrays:
-        """The step's inputs as numpy arrays (no device copy yet)."""
+        """The step's inputs as numpy arrays (no device copy yet). A committed batch (the
+        scheduler's) says where each sequence starts and which sample; a token still on
+        the device (sampled by the step before, async scheduling) is named by its row there."""
         seqs = batch.seqs
         query_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        if batch.starts:
+            starts = np.asarray(batch.starts, dtype=np.int64)
+            sampling = np.asarray(batch.samples, dtype=bool)
+        else:  # a batch built outside the scheduler (run_prefill)
+            starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+            sampling = starts + query_lens == np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         seq_lens = starts + query_lens
         query_start = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start[1:])
         num_tokens = int(query_start[-1])
 
-        input_ids = np.empty(num_tokens, dtype=np.int64)
+        input_ids = np.zeros(num_tokens, dtype=np.int64)
         max_blocks = max(len(s.block_table) for s in seqs)
         block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        device_rows, device_src = [], []
         for i, seq in enumerate(seqs):
-            begin, end = query_start[i], query_start[i + 1]
+            begin, end, start = query_start[i], query_start[i + 1], starts[i]
             if end - begin == 1:
-                input_ids[begin] = seq.token_ids[starts[i]]
+                if start < len(seq.token_ids):
+                    input_ids[begin] = seq.token_ids[start]
+                else:  # its token is still on the device
+                    device_rows.append(begin)
+                    device_src.append(self.last_rows[id(seq)])
             else:
-                input_ids[begin:end] = seq.token_ids[starts[i] : seq_lens[i]]
+                input_ids[begin:end] = seq.token_ids[start : seq_lens[i]]
             block_tables[i, : len(seq.block_table)] = seq.block_table
         rows = np.repeat(np.arange(len(seqs)), query_lens)
         positions = np.arange(num_tokens, dtype=np.int64) - query_start[rows] + starts[rows]
         slots = block_tables[rows, positions // self.block_size].astype(np.int64) * self.block_size
         slots += positions % self.block_size
-
-        num_tokens_now = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
-        sampling = seq_lens == num_tokens_now
         return StepArrays(input_ids=input_ids, positions=positions, slots=slots, block_tables=block_tables,
                           seq_lens=seq_lens, query_start=query_start, logits_indices=query_start[1:][sampling] - 1,
-                          sampling_seqs=[s for s, keep in zip(seqs, sampling) if keep])
+                          sampling_seqs=[s for s, keep in zip(seqs, sampling) if keep],
+                          device_rows=np.asarray(device_rows, dtype=np.int64),
+                          device_src=np.asarray(device_src, dtype=np.int64))
+
+    def remember(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        """The tokens a step sampled, on the device, for the next step's inputs (async
+        scheduling plans that step before they reach the host)."""
+        self.last_tokens = tokens
+        self.last_rows = {id(seq): row for row, seq in enumerate(seqs)}
+
+    def stage_tokens(self, tokens: torch.Tensor) -> "StagedTokens":
+        """Start the step's one device-to-host copy (the sampled ids) without waiting for it."""
+        if tokens.device.type == "cpu":
+            return StagedTokens(tokens, None)
+        turn = self._token_turn = 1 - self._token_turn
+        hosts = self._token_hosts
+        if hosts is None or len(hosts[0]) < len(tokens):
+            size = max(len(tokens), 256)
+            hosts = self._token_hosts = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        host = hosts[turn][: len(tokens)]  # two buffers in turn: the step before may still be copying into the other
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StagedTokens(host, event)
+
+    def fill_device_tokens(self, input_ids: torch.Tensor, arrays: StepArrays) -> None:
+        """Write the inputs still on the device (the step before sampled them) into input_ids."""
+        count = len(arrays.device_rows)
+        if count == 0:
+            return
+        if count == len(input_ids) and count <= len(self.last_tokens) and _is_range(arrays.device_rows) \
+                and _is_range(arrays.device_src):
+            input_ids[:count].copy_(self.last_tokens[:count])  # every row decodes, in the same order
+            return
+        rows, src = self._to_device(arrays.device_rows), self._to_device(arrays.device_src)
+        input_ids.index_copy_(0, rows, self.last_tokens.index_select(0, src))
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         """The step's inputs as device tensors (the piecewise forward's and the tensor-parallel workers')."""
@@ -126,8 +187,10 @@ class ModelRunner:
             max_query_len=int((arrays.query_start[1:] - arrays.query_start[:-1]).max()),
             max_seq_len=int(arrays.seq_lens.max()),
         )
+        input_ids = to(arrays.input_ids)
+        self.fill_device_tokens(input_ids, arrays)
         return ModelInputs(
-            input_ids=to(arrays.input_ids),
+            input_ids=input_ids,
             positions=to(arrays.positions),
             meta=meta,
             logits_indices=to(arrays.logits_indices),
@@ -189,3 +252,9 @@ class ModelRunner:
         inputs = self.prepare(batch)
         inputs.logits_indices = torch.arange(len(token_ids), device=self.device)
         return self.run(inputs, kv_caches, attention)
+
+
+def _is_range(values: np.ndarray) -> bool:
+    """values == 0, 1, 2, ... (the common case: a decode-only batch in last step's order)."""
+    return bool(values[0] == 0 and values[-1] == len(values) - 1 and (len(values) < 3 or np.all(np.diff(values) == 1)))
+

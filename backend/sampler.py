@@ -35,15 +35,17 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits [num_seqs, vocab] float32, one row per sequence."""
-        raw = logits
+        token_list = self.sample(logits, seqs).tolist()
+        return SamplerOutput(token_ids=token_list, logprobs=self.logprobs(logits, seqs, token_list))
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The next token of each row, left on the logits' device: nothing here waits for
+        the device, so the engine can schedule the next step while this one runs."""
         logits = self.apply_processors(logits, seqs)
-        params = [seq.params for seq in seqs]
-        if all(p.greedy for p in params):
-            tokens = first_max_index(logits)
-        else:
-            tokens = self._sample(logits, seqs)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, params, token_list))
+        if all(seq.params.greedy for seq in seqs):
+            return first_max_index(logits)
+        return self._sample(logits, seqs)
 
     # -- logit processors ------------------------------------------------------
     def apply_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -85,8 +87,8 @@ class Sampler:
         params = [s.params for s in seqs]
         greedy = first_max_index(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        index = torch.tensor(rows, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=logits.dtype)
+        index = _to(rows, logits.device, torch.int64)
+        temps = _to([params[i].temperature for i in rows], logits.device, logits.dtype)
         scaled = logits[index] / temps[:, None]
         scaled = _top_k_top_p_min_p(scaled, [params[i] for i in rows])
         probs = scaled.softmax(dim=-1)
@@ -97,9 +99,10 @@ class Sampler:
         greedy[index] = first_max_index(probs / noise)
         return greedy
 
-    def _logprobs(
-        self, raw: torch.Tensor, params: list[SamplingParams], tokens: list[int]
-    ) -> list[TokenLogprob | None]:
+    def logprobs(self, raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
+        """Logprobs of the sampled tokens (and the top alternatives) for the rows that ask,
+        from the model's raw distribution."""
+        params = [seq.params for seq in seqs]
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         result: list[TokenLogprob | None] = [None] * len(params)
         if not rows:
@@ -129,22 +132,28 @@ def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     if any(k < logits.shape[-1] for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(logits.shape[-1], device=logits.device)
-        k = torch.tensor(top_k, device=logits.device)
+        k = _to(top_k, logits.device, torch.int64)
         drop = ranks[None, :] >= k[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-        p = torch.tensor(top_p, device=logits.device, dtype=probs.dtype)
+        p = _to(top_p, logits.device, probs.dtype)
         drop |= before > p[:, None]
         logits = torch.full_like(logits, float("-inf")).scatter(
             -1, order, sorted_logits.masked_fill(drop, float("-inf"))
         )
     if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        m = torch.tensor(min_p, device=logits.device, dtype=probs.dtype)
+        m = _to(min_p, logits.device, probs.dtype)
         threshold = probs.max(dim=-1, keepdim=True).values * m[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
+
+
+def _to(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list on the device without waiting for the device (torch.tensor(...,
+    device=cuda) copies synchronously: it would wait for the step in flight)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def first_max_index(rows: torch.Tensor) -> torch.Tensor:

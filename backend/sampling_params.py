@@ -75,6 +75,13 @@ class SamplingParams:
         return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
 
     @property
+    def needs_host_tokens(self) -> bool:
+        """Whether sampling this request's next token needs all its earlier tokens on the
+        host (penalties, bad words, min_tokens) or hands values back (logprobs): the engine
+        then finishes each step before scheduling the next (no async scheduling)."""
+        return self.needs_penalties or bool(self.bad_words_ids) or self.min_tokens > 0 or self.logprobs is not None
+
+    @property
     def needs_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0

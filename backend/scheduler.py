@@ -20,16 +20,13 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from .block_manager import BlockManager
 from .errors import InvalidRequestError, QueueFullError
 from .outputs import StepCounts
 from .sampling_params import SamplingParams
 from .sequence import FinishReason, Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from .sampler import SamplerOutput
 
 
 @dataclass
@@ -39,10 +36,28 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    starts: list[int] = field(default_factory=list)
+    """Each sequence's computed tokens before this step (set when the step is committed)."""
+    sampling_seqs: list[Sequence] = field(default_factory=list)
+    """The sequences that sample a token this step (their last scheduled token is their last)."""
+    samples: list[bool] = field(default_factory=list)
+    """Per sequence: whether it samples this step (set when the step is committed)."""
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
+
+    def commit(self) -> None:
+        """Count the step's tokens as computed now, and its samples as pending, so the next
+        step can be scheduled before this one's results are back (async scheduling)."""
+        self.starts = [seq.num_computed_tokens for seq in self.seqs]
+        for seq, num_new in zip(self.seqs, self.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            samples = seq.num_computed_tokens == seq.num_tokens
+            self.samples.append(samples)
+            if samples:
+                seq.num_pending_tokens += 1
+                self.sampling_seqs.append(seq)
 
     @property
     def num_tokens(self) -> int:
@@ -122,6 +137,8 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)  # preempted while its last step ran, then ended by that step's token
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -167,12 +184,16 @@ class Scheduler:
                 self.prompt_tokens_total += seq.num_prompt_tokens
         if batch.seqs:
             self.last_step = StepCounts.of(batch, self.last_step.iteration + 1)
+        batch.commit()
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.num_pending_tokens and seq.reaches_limit(self.max_model_len):
+                index += 1  # its token in flight ends it: it finishes when that token arrives
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running[-1]
@@ -188,6 +209,8 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break  # preempted while its last step ran: back once that step's token is in
             cached = self._shared_prompt_blocks(seq) or self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
@@ -232,27 +255,33 @@ class Scheduler:
 
     # -- after the forward -----------------------------------------------------
     def update_from_output(
-        self, batch: ScheduledBatch, sampled_seqs: list[Sequence], sampled: "SamplerOutput | None"
+        self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None = None
     ) -> list[Sequence]:
-        """Apply one step: advance computed tokens, name newly full blocks, append each
-        sampled token and finish requests it ends. Returns the sequences that got a token."""
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
-        if sampled is None:
-            return []
+        """Apply one step's results: name newly full blocks, append each sampled token and
+        finish requests it ends. A sequence that ended while the step ran (a stop found in
+        the step before, with async scheduling) drops its token. Returns the sequences
+        that got a token."""
+        for seq in batch.seqs:
+            if not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)
         now = time.monotonic()
-        for seq, token, logprob in zip(sampled_seqs, sampled.token_ids, sampled.logprobs):
+        advanced = []
+        for index, (seq, token) in enumerate(zip(batch.sampling_seqs, token_ids)):
+            if seq.is_finished:
+                continue
+            seq.num_pending_tokens -= 1
             seq.append_token(token)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
+            if logprobs is not None and logprobs[index] is not None:
+                seq.logprobs.append(logprobs[index])
             if seq.first_token_time is None:
                 seq.first_token_time = now
             self.generation_tokens_total += 1
+            advanced.append(seq)
+            self.block_manager.cache_full_blocks(seq)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
-        return sampled_seqs
+        return advanced
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params
@@ -260,6 +289,6 @@ class Scheduler:
             return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
-        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+        if self.max_model_len is not None and len(seq.token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None

@@ -44,7 +44,12 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     """Prompt followed by the generated tokens."""
     num_computed_tokens: int = 0
-    """Tokens whose K/V are in the cache (prefix hits included)."""
+    """Tokens whose K/V are in the cache or being written by a step scheduled already
+    (prefix hits included): the scheduler counts a step's tokens when it schedules them."""
+    num_pending_tokens: int = 0
+    """Tokens sampled by a scheduled step whose ids have not reached the host yet (at most
+    one beyond the step being processed, with async scheduling): they count in num_tokens,
+    not in token_ids."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache when last admitted."""
     block_table: list[int] = field(default_factory=list)
@@ -71,10 +76,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens so far, the pending ones included (what the scheduler plans with)."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens whose ids are known (pending ones not counted)."""
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
@@ -83,7 +90,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
+
+    def reaches_limit(self, max_model_len: int | None) -> bool:
+        """Its pending tokens end it by length (max_tokens or max_model_len): no step more."""
+        outputs = self.num_tokens - self.num_prompt_tokens
+        return outputs >= self.params.max_tokens or (max_model_len is not None and self.num_tokens >= max_model_len)
 
     @property
     def is_finished(self) -> bool:

@@ -96,22 +96,9 @@ def instrument(engine: LLMEngine) -> PhaseClock:
     runner.to_inputs = clock.wrap("prepare", runner.to_inputs)
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
     engine.scheduler.update_from_output = clock.wrap("update", engine.scheduler.update_from_output)
-    engine.sampler = _Timed(engine.sampler, clock.wrap("sample", engine.sampler.__call__))
-    engine._render = clock.wrap("render", engine._render)  # the sampler: a wrapper, since __call__ is looked up on the class
+    engine.sampler.sample = clock.wrap("sample", engine.sampler.sample)
+    engine._render = clock.wrap("render", engine._render)
     return clock
-
-
-class _Timed:
-    """A callable stand-in that forwards attribute reads to the wrapped object."""
-
-    def __init__(self, inner, call: Callable) -> None:
-        self._inner, self._call = inner, call
-
-    def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

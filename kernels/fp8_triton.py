@@ -10,7 +10,10 @@
           is applied in the epilogue.
 
 Launch scaffolding (split-K with a deterministic reduction for small M, timed config
-choice, tile order) is shared with the INT4 kernel in `gemm_triton`.
+choice, tile order) is shared with the INT4 kernel in `gemm_triton`. In "fp8" mode on a
+GPU, cuBLASLt's row-wise-scaled FP8 GEMM (`torch._scaled_mm`, the same product of the same
+quantized operands) is one more candidate of the timed choice (`SCALED_MM`): per shape and
+M bucket the faster of it and our tiles runs.
 
 Under TRITON_INTERPRET=1 both paths run (the interpreter keeps fp8 as uint8 and decodes
 it for `tl.dot`); the default there is "fp8" (what an H100 runs), PAGEDSERVE_FP8_MODE
@@ -141,7 +144,19 @@ def _candidates(m: int, n: int, k: int, mode: str):
     return [GemmConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in raw]
 
 
-def _launch(a, a_scale, w: Fp8Weight, bias, out, cfg: GemmConfig, a_fp8: bool) -> None:
+SCALED_MM = GemmConfig(0, 0, 0)
+"""The candidate that runs torch._scaled_mm (cuBLASLt, row-wise scales) instead of our kernel."""
+
+
+def _scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, bias, out: torch.Tensor) -> torch.Tensor:
+    y = torch._scaled_mm(a, w.weight.t(), scale_a=a_scale.view(-1, 1), scale_b=w.scale.view(1, -1), out_dtype=out.dtype)
+    return y if bias is None else y.add_(bias.to(y.dtype))
+
+
+def _launch(a, a_scale, w: Fp8Weight, bias, out, cfg: GemmConfig, a_fp8: bool) -> torch.Tensor:
+    """The product into `out` (our kernel) or a new tensor (SCALED_MM); returns it."""
+    if cfg is SCALED_MM:
+        return _scaled_mm(a, a_scale, w, bias, out)
     m, k = a.shape
     n = w.weight.shape[0]
     tiles, split, k_per_split, dst = plan_split(cfg, m, n, k, out)
@@ -156,6 +171,7 @@ def _launch(a, a_scale, w: Fp8Weight, bias, out, cfg: GemmConfig, a_fp8: bool) -
     )
     if split > 1:
         launch_splitk_reduce(dst, bias, out)
+    return out
 
 
 def fp8_matmul_triton(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None, *,
@@ -185,7 +201,8 @@ def fp8_matmul_triton(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor
         a, a_scale = x2, None
     if config is None:
         key = ("fp8", x.device, bucket_m(m), n, k, x.dtype, mode, bias is not None)
-        config = timed_choice(key, _candidates(m, n, k, mode),
-                              lambda c: _launch(a, a_scale, w, bias, out, c, a_fp8))
-    _launch(a, a_scale, w, bias, out, config, a_fp8)
-    return out.view(*lead, n)
+        candidates = _candidates(m, n, k, mode)
+        if a_fp8 and x.is_cuda and hasattr(torch, "_scaled_mm"):
+            candidates.append(SCALED_MM)
+        config = timed_choice(key, candidates, lambda c: _launch(a, a_scale, w, bias, out, c, a_fp8))
+    return _launch(a, a_scale, w, bias, out, config, a_fp8).view(*lead, n)

@@ -67,3 +67,20 @@ def test_stateless_delta_of_any_clean_grouping_matches(tokenizer):
             start = end
     assert text == tokenizer.decode(ids)
     assert decode_delta(tokenizer, [], tokenizer.encode("🎉", add_special_tokens=False)[:1]) is None
+
+
+def test_random_byte_tokens_render_without_failing(sentencepiece_tokenizer):
+    """A random model emits byte-fallback tokens that form no valid UTF-8; the fast stream
+    refuses some such sequences mid-way ("Invalid prefix encountered"), and rendering goes
+    on with the two-decode deltas instead of failing the request. (Where bytes form no
+    character, how many U+FFFD stand for them differs between decoders; valid text is
+    exact, above.)"""
+    import random
+
+    rng = random.Random(0)
+    tok = sentencepiece_tokenizer
+    for _ in range(30):
+        prompt = [rng.randrange(3, len(tok)) for _ in range(5)]
+        output = [rng.randrange(3, len(tok)) for _ in range(40)]
+        deltas = stream(tok, prompt, output)
+        assert len(deltas) == len(output) + 1 and "".join(deltas).strip()

@@ -5,7 +5,6 @@ import pytest
 from pagedserve.backend.block_manager import BlockManager
 from pagedserve.backend.errors import QueueFullError
 from pagedserve.backend.sampling_params import SamplingParams
-from pagedserve.backend.sampler import SamplerOutput
 from pagedserve.backend.scheduler import Scheduler
 from pagedserve.backend.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -21,9 +20,7 @@ def seq(name, n, start=0, max_tokens=16):
 
 def run(sched, batch, token=7):
     """A forward that samples `token` for every sequence whose prompt is done."""
-    sampling = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
-    sampled = SamplerOutput(token_ids=[token] * len(sampling), logprobs=[None] * len(sampling))
-    return sched.update_from_output(batch, sampling, sampled)
+    return sched.update_from_output(batch, [token] * len(batch.sampling_seqs))
 
 
 def plan(batch):
