@@ -151,12 +151,15 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Name the seq's blocks that are now full of computed tokens by their hash (only
-        of tokens whose ids are known: a pending one is named once it arrives)."""
+        of tokens whose ids are known: a pending one is named once it arrives). Blocks
+        named before are not looked at again (`seq.num_named_blocks`)."""
         if not self.enable_prefix_caching:
             return
         num_full = min(min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_named_blocks:
+            return
         self._extend_hashes(seq, num_full)
-        for index in range(num_full):
+        for index in range(seq.num_named_blocks, num_full):
             block = self.blocks[seq.block_table[index]]
             if block.block_hash is not None:
                 continue
@@ -164,6 +167,7 @@ class BlockManager:
             if block_hash not in self.cached_blocks:  # a twin computed earlier keeps the name
                 self.cached_blocks[block_hash] = block
                 block.block_hash = block_hash
+        seq.num_named_blocks = num_full
 
     def _extend_hashes(self, seq: Sequence, num_full: int) -> None:
         size = self.block_size
@@ -209,6 +213,7 @@ class BlockManager:
                 else:
                     self.free_queue.append(block)
         seq.block_table = []
+        seq.num_named_blocks = 0
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .detokenizer import IncrementalDetokenizer
+from .tokenizer import CONTEXT_TOKENS
 from .outputs import RequestOutput
 from .sequence import Sequence
 
@@ -34,6 +35,8 @@ class OutputRenderer:
         self.sent_tokens = 0
         self.sent_chars = 0
         self.cumulative_logprob = 0.0
+        self.num_prompt_tokens = seq.num_prompt_tokens
+        self.wants_logprobs = params.logprobs is not None
 
     def on_token(self) -> bool:
         """Account for the token just appended to the sequence; True if a stop string hit."""
@@ -56,6 +59,17 @@ class OutputRenderer:
         self.stop_at = index + (len(stop) if self.seq.params.include_stop_str_in_output else 0)
         return True
 
+    def _releasable(self) -> int | None:
+        """The most output tokens that may be released now: up to the last clean boundary
+        whose text holds nothing that could start a stop string; None if none is new."""
+        boundaries = self.boundaries
+        if not boundaries or boundaries[-1] <= self.sent_tokens:
+            return None
+        if not self.stops:  # no holdback: the last boundary (the common case, at every step)
+            return boundaries[-1]
+        limit = len(self.text) - self.holdback
+        return next((b for b in reversed(boundaries) if b > self.sent_tokens and self.token_ends[b - 1] <= limit), None)
+
     def collect(self, finished: bool) -> RequestOutput | None:
         """The delta since the last call; None if nothing new can be released yet."""
         if finished:
@@ -64,34 +78,33 @@ class OutputRenderer:
             end_char = len(self.text) if self.stop_at is None else self.stop_at
             trim = len(self.text) - end_char
         else:
-            limit = len(self.text) - (self.holdback if self.stops else 0)
-            end_token = next(
-                (b for b in reversed(self.boundaries) if b > self.sent_tokens and self.token_ends[b - 1] <= limit),
-                None,
-            )
+            end_token = self._releasable()
             if end_token is None:
                 return None
             if self.sent_tokens and end_token - self.sent_tokens < self.stream_interval:
                 return None  # not the first delta, and fewer than stream_interval tokens ready
             end_char, trim = self.token_ends[end_token - 1], 0
-        seq = self.seq
-        first = seq.num_prompt_tokens + self.sent_tokens
-        logprobs = seq.logprobs[self.sent_tokens : end_token]
-        self.cumulative_logprob += sum(lp.logprob for lp in logprobs)
+        seq, prompt = self.seq, self.num_prompt_tokens
+        first = prompt + self.sent_tokens
+        logprobs, cumulative = [], None
+        if self.wants_logprobs:
+            logprobs = seq.logprobs[self.sent_tokens : end_token]
+            self.cumulative_logprob += sum(lp.logprob for lp in logprobs)
+            cumulative = self.cumulative_logprob
         output = RequestOutput(
             request_id=seq.request_id,
             index=seq.sample_index,
-            new_token_ids=seq.token_ids[first : seq.num_prompt_tokens + end_token],
-            context_token_ids=self.detokenizer.context(first),
+            new_token_ids=seq.token_ids[first : prompt + end_token],
+            context_token_ids=seq.token_ids[max(0, first - CONTEXT_TOKENS) : first],
             text=self.text[self.sent_chars : end_char] if end_char > self.sent_chars else "",
             finished=finished,
             finish_reason=seq.finish_reason.value if finished and seq.finish_reason else None,
             trim_chars=trim,
             logprobs=logprobs,
-            num_prompt_tokens=seq.num_prompt_tokens,
+            num_prompt_tokens=prompt,
             num_output_tokens=end_token,
             num_cached_tokens=seq.num_cached_tokens,
-            cumulative_logprob=self.cumulative_logprob if seq.params.logprobs is not None else None,
+            cumulative_logprob=cumulative,
         )
         self.sent_tokens, self.sent_chars = end_token, max(end_char, self.sent_chars)
         return output

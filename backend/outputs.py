@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from .scheduler import ScheduledBatch
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """One request's progress in one step (a delta; the last one has finished=True).
 

@@ -261,8 +261,8 @@ class Scheduler:
         finish requests it ends. A sequence that ended while the step ran (a stop found in
         the step before, with async scheduling) drops its token. Returns the sequences
         that got a token."""
-        for seq in batch.seqs:
-            if not seq.is_finished:
+        for seq, samples in zip(batch.seqs, batch.samples or [False] * len(batch.seqs)):
+            if not samples and not seq.is_finished:  # a sampling one is named after its token, below
                 self.block_manager.cache_full_blocks(seq)
         now = time.monotonic()
         advanced = []

@@ -55,6 +55,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     """Content hashes of this sequence's full blocks, in order."""
+    num_named_blocks: int = 0
+    """Leading blocks of block_table the block manager has named (or found named) already."""
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -224,8 +224,10 @@ def run_pagedserve(run: ModelRun, directory: str, device: str, plan: Plan, deadl
     started = time.perf_counter()
     engine = LLMEngine(model=directory, load_format="dummy", device=device, dtype="bfloat16",
                        quantization=run.quantization, max_num_seqs=256, enable_prefix_caching=False,
-                       gpu_memory_utilization=0.55, kv_cache_bytes=256 * 2**20, max_model_len=4096)
+                       gpu_memory_utilization=0.55, kv_cache_bytes=16 * 2**20, max_model_len=4096)
     row["load_s"] = round(time.perf_counter() - started, 1)
+    row.update(compiled=engine.runner.compiled is not None, decode_graphs=getattr(engine.runner, "graphs", None) is not None,
+               async_scheduling=getattr(engine, "async_scheduling", False))
     vocab = engine.model_config.vocab_size
     progress(f"{run.label}: engine ready in {row['load_s']} s")
 
@@ -370,13 +372,16 @@ def markdown(result: dict) -> str:
     lines = [f"Device: {device['name']}; copy {device['copy_gb_s']:,} GB/s (read + write); bf16 matmul "
              f"{device['bf16_tflops']} TFLOP/s; torch {result['torch']}, transformers {result['transformers']}; "
              f"commit {result['commit']}; {result['seconds']:.0f} s.", "",
-             "| system | model | weights GB / step | single-stream decode tok/s | roofline tok/s | share of roofline "
+             "| system | model | engine | weights GB / step | single-stream decode tok/s | roofline tok/s | share of roofline "
              "| TTFT 2,048 tokens (ms) | offline tok/s (requests) | engine load (s) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     show = lambda v, f="{}": "-" if v is None else f.format(v)  # noqa: E731
     for row in result["rows"]:
         offline = "-" if row.get("offline_tok_s") is None else f"{row['offline_tok_s']:,} ({row['offline_requests']})"
-        lines.append(f"| {row['system']} | {row['model']} | {show(row.get('weight_gb'))} | {show(row.get('decode_tok_s'))} "
+        engine = "-" if "compiled" not in row else ", ".join(
+            name for name, on in (("compiled", row["compiled"]), ("decode graphs", row["decode_graphs"]),
+                                  ("async", row["async_scheduling"])) if on) or "eager"
+        lines.append(f"| {row['system']} | {row['model']} | {engine} | {show(row.get('weight_gb'))} | {show(row.get('decode_tok_s'))} "
                      f"| {show(row.get('roofline_tok_s'))} | {show(row.get('roofline_share'), '{:.0%}')} "
                      f"| {show(row.get('ttft_2k_ms'))} | {offline} | {show(row.get('load_s'))} |")
     lines += [""] + [f"- {verdict}: {text}" for verdict, text in result["targets"]]
@@ -392,6 +397,8 @@ def progress(text: str) -> None:
 def commit() -> str:
     import subprocess
 
+    if os.environ.get("PAGEDSERVE_COMMIT"):  # a copy of the tree without its history (a lent GPU machine)
+        return os.environ["PAGEDSERVE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
