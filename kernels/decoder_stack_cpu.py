@@ -234,9 +234,13 @@ class DecoderStack:
             rows = output_rows.rows
             args.num_outputs, args.output_rows, args.few_output_rows = rows.numel(), rows.data_ptr(), output_rows.few_rows
         if (few_rows or (output_rows is not None and output_rows.few_rows)) and self.dtype == torch.bfloat16:
+            # The float32 scratch the few-row linears need, for the whole step's rows or for the
+            # last layer's kept rows alone: `few_rows` (every layer's rows) stays as given, else
+            # a prompt with one sampled row multiplied all its rows by the GGUF blocks in every
+            # layer, where the Python layers use the pairs (issue 43).
             widest = max(qkv_width, 2 * s.intermediate, s.hidden, s.heads * s.head_dim)
             scratch = torch.empty((2, tokens, widest), dtype=torch.float32)
-            args.few_rows, args.xf, args.yf = 1, scratch[0].data_ptr(), scratch[1].data_ptr()
+            args.few_rows, args.xf, args.yf = int(few_rows), scratch[0].data_ptr(), scratch[1].data_ptr()
         if decode is not None:
             args.num_decodes, args.tables, args.table_width = decode.tokens.numel(), decode.tables.data_ptr(), decode.tables.shape[1]
             args.lens, args.decode_rows = decode.lens.data_ptr(), decode.tokens.data_ptr()
