@@ -10,12 +10,17 @@ No compiler, a failed build, or PAGEDSERVE_NATIVE_CPU=0: `NativeLibrary.get()` r
 None (with one warning naming the cause) and callers run their torch ops instead.
 PAGEDSERVE_CPU_MARCH=x86-64-v3 (any gcc -march) builds an older instruction set's code
 instead of the CPU's own: how a machine with AVX-512 measures what an AVX2-only one runs.
+For tests, PAGEDSERVE_CPU_MARCH=simde-avx512 or simde-avx512bf16 (EMULATED) builds the
+AVX-512 (with AVX512-BF16) code for a CPU without it, every intrinsic emulated in portable C by
+SIMDe (kernels/cpu_simde.h; headers from the simde-py package): slow, but the same code paths,
+so an AVX2 machine tests what AVX-512 ones run.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.metadata
 import logging
 import os
 import platform
@@ -36,6 +41,13 @@ DISABLE_ENV = "PAGEDSERVE_NATIVE_CPU"
 MARCH_ENV = "PAGEDSERVE_CPU_MARCH"
 """gcc's -march for every C kernel (default native)."""
 
+
+EMULATED = {
+    "simde-avx512": ["-DPAGEDSERVE_EMULATE_AVX512"],
+    "simde-avx512bf16": ["-DPAGEDSERVE_EMULATE_AVX512", "-DPAGEDSERVE_EMULATE_AVX512BF16"],
+}
+"""The `march` values that build AVX-512 code emulated by SIMDe (tests only): the defines
+kernels/cpu_simde.h reads."""
 
 C_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """The dtype codes the C kernels take (cpu_dtypes.h)."""
@@ -65,12 +77,40 @@ def cpu_signature() -> str:
     return platform.machine() + "\n" + "\n".join(lines)
 
 
+def simde_include() -> str | None:
+    """The folder holding SIMDe's headers (simde/x86/avx512.h) from the simde-py package; None
+    without it (the emulated builds are then unavailable)."""
+    try:
+        import simde_py
+    except ImportError:
+        return None
+    folder = Path(simde_py.get_include())
+    return str(folder) if (folder / "simde" / "x86" / "avx512.h").is_file() else None
+
+
+def march_flags(march: str) -> list[str]:
+    """gcc's flags for `march`: -march=<it>, or for an EMULATED name the CPU's own code (older
+    than AVX-512: SIMDe must not find it native) with SIMDe force-included."""
+    if march not in EMULATED:
+        return [f"-march={march}"]
+    include = simde_include()
+    if include is None:
+        raise RuntimeError(f"{march}: SIMDe's headers are not installed (pip install simde-py)")
+    host = "x86-64-v3" if "avx512f" in cpu_signature().split() else "native"
+    version = importlib.metadata.version("simde-py")  # in the flags, so in the build's cache key
+    # -O1: at -O3 gcc takes ~7 min over paged_decode_cpu.c's 32 inlined variants of emulated code
+    return ["-O1", f"-march={host}", "-Wno-psabi", f"-DPAGEDSERVE_SIMDE_PY={version}", "-I", include,
+            "-include", str(Path(__file__).with_name("cpu_simde.h")), *EMULATED[march]]
+
+
 def build(source: Path, cc: str, march: str = "native") -> Path:
     """The shared library of `source` for these flags and this CPU, compiled unless cached.
     Written under a temporary name and renamed, so concurrent loads never see half a file.
-    `march` other than native: an older instruction set's code (tests run each one the CPU can)."""
-    flags = [*FLAGS, f"-march={march}"]
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may #include
+    `march` other than native: an older instruction set's code, or an EMULATED one (tests run
+    each one the CPU can)."""
+    flags = [*FLAGS, *march_flags(march)]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h"))  # what it may #include
+                       if march in EMULATED or h.name != "cpu_simde.h")
     key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *flags]).encode() + cpu_signature().encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
@@ -130,4 +170,5 @@ class NativeLibrary:
         return library
 
 
-__all__ = ["C_DTYPES", "DISABLE_ENV", "MARCH_ENV", "NativeLibrary", "build", "cache_root", "compiler"]
+__all__ = ["C_DTYPES", "DISABLE_ENV", "EMULATED", "MARCH_ENV", "NativeLibrary", "build", "cache_root", "compiler",
+           "simde_include"]
