@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -34,31 +32,19 @@ def decode_graphs_wanted(config, device: torch.device) -> bool:
     return device.type == "cuda" and config.compile != "off" and config.tensor_parallel_size == 1
 
 
+SHORT_CONTEXT = 511
+"""Decode batches of up to SHORT_BATCH sequences whose contexts are all at most this long
+replay a graph captured for such contexts: the attention then runs without its split over
+the keys (kernels/paged_attention_triton.py splits from 512 keys, 2 x MIN_KEYS_PER_SPLIT),
+one kernel a layer fewer. Longer contexts replay the graph captured for max_model_len."""
+SHORT_BATCH = 64
+"""Larger batches fill the GPU without splitting the keys anyway: one graph each."""
+
+
 def graph_sizes(max_seqs: int) -> list[int]:
     """Batch sizes captured: 1, 2, 4, 8, then every multiple of 8 up to max_seqs (as vLLM)."""
     sizes = [s for s in (1, 2, 4) if s < max_seqs] + list(range(8, max_seqs + 8, 8))
     return sorted({min(s, max_seqs) for s in sizes})
-
-
-@dataclass
-class StepArrays:
-    """One step's inputs on the host (numpy), before any device copy."""
-
-    input_ids: np.ndarray  # [tokens] int64
-    positions: np.ndarray  # [tokens] int64
-    slots: np.ndarray  # [tokens] int64
-    block_tables: np.ndarray  # [seqs, max_blocks] int32
-    seq_lens: np.ndarray  # [seqs] int64
-    query_start: np.ndarray  # [seqs + 1] int64
-    logits_indices: np.ndarray  # [sampling seqs] int64
-    sampling_seqs: list
-    device_rows: np.ndarray  # [k] int64: input rows whose token is still on the device
-    device_src: np.ndarray  # [k] int64: its row in the step before's sampled tokens
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence computes one token and samples it."""
-        return len(self.input_ids) == len(self.seq_lens) == len(self.logits_indices)
 
 
 class DecodeGraphs:
@@ -74,31 +60,57 @@ class DecodeGraphs:
         n = self.max_seqs
         self.captures = self.device.type == "cuda"
         """Off CUDA (the tests' CPU check of the buffers' layout) each size runs eagerly over the same buffers."""
-        # int64 inputs [ids | positions | slots] and int32 ones [seq_lens | query_start | block tables];
-        # two host sets, used in turn: a step's copy may still be reading one while the next
-        # step (async scheduling) writes the other
-        self.hosts = [(torch.zeros(3 * n, dtype=torch.int64, pin_memory=self.captures),
-                       torch.zeros(2 * n + 1 + n * self.max_blocks, dtype=torch.int32, pin_memory=self.captures))
+        # Per step: int64 [ids | positions | slots] and int32 [seq_lens | query_start], two host
+        # sets used in turn (a step's copy may still be reading one while the next step,
+        # async scheduling, writes the other), and the block-table rows that changed.
+        pin = self.captures
+        self.hosts = [(torch.zeros(3 * n, dtype=torch.int64, pin_memory=pin),
+                       torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=pin),
+                       torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=pin),
+                       torch.zeros(n, dtype=torch.int64, pin_memory=pin))
                       for _ in range(2)]
         self.turn = 0
-        self.dev64 = torch.zeros_like(self.hosts[0][0], device=self.device)
-        self.dev32 = torch.zeros_like(self.hosts[0][1], device=self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.dev64 = torch.zeros(3 * n, dtype=torch.int64, device=self.device)
+        self.dev32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=self.device)
+        self.dev_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=self.device)
+        # The persistent batch: each running sequence keeps its row (0..k-1 for k sequences),
+        # and its block table lives on the device, where a step writes only the rows that
+        # changed (new blocks, a sequence new to its row).
+        self.row_of: dict[int, int] = {}  # id(seq) -> row
+        self.row_seqs: list = []  # row -> seq
+        self.tables = np.zeros((n, self.max_blocks), dtype=np.int32)  # host copy of dev_tables
+        self.table_lens = np.zeros(n, dtype=np.int64)  # block ids of each row on the device
+        self.table_lists: list = [None] * n  # the block_table list each row's ids came from
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
+        """By (batch size, longest context captured for)."""
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
     # -- views of the static buffers --------------------------------------------------
-    def _views(self, buffer64: torch.Tensor, buffer32: torch.Tensor, rows: int):
+    def _views(self, rows: int):
         n = self.max_seqs
-        ids, positions, slots = buffer64[:rows], buffer64[n : n + rows], buffer64[2 * n : 2 * n + rows]
-        seq_lens, query_start = buffer32[:rows], buffer32[n : n + rows + 1]
-        tables = buffer32[2 * n + 1 : 2 * n + 1 + n * self.max_blocks].view(n, self.max_blocks)[:rows]
-        return ids, positions, slots, seq_lens, query_start, tables
+        ids, positions, slots = self.dev64[:rows], self.dev64[n : n + rows], self.dev64[2 * n : 2 * n + rows]
+        seq_lens, query_start = self.dev32[:rows], self.dev32[n : n + rows + 1]
+        return ids, positions, slots, seq_lens, query_start, self.dev_tables[:rows]
 
-    def fits(self, arrays: StepArrays) -> bool:
-        return arrays.is_decode and len(arrays.seq_lens) <= self.max_seqs and bool(self.graphs)
+    def takes(self, batch) -> bool:
+        """A committed step in which every sequence decodes one token and samples it."""
+        return (bool(self.graphs) and 0 < len(batch.seqs) <= self.max_seqs and len(batch.sampling_seqs) == len(batch.seqs)
+                and sum(batch.num_new_tokens) == len(batch.seqs))
 
     def bucket(self, rows: int) -> int:
         return next(s for s in self.sizes if s >= rows)
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (batch size, context) captured, largest first."""
+        keys = [(size, self.max_model_len) for size in self.sizes]
+        if self.max_model_len > SHORT_CONTEXT:
+            keys += [(size, SHORT_CONTEXT) for size in self.sizes if size <= SHORT_BATCH]
+        return sorted(keys, reverse=True)
+
+    def key(self, rows: int, longest: int) -> tuple[int, int]:
+        size = self.bucket(rows)
+        short = (size, SHORT_CONTEXT)
+        return short if longest <= SHORT_CONTEXT and short in self.graphs else (size, self.max_model_len)
 
     # -- capture ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -108,25 +120,25 @@ class DecodeGraphs:
         started = time.perf_counter()
         self._write_padding()
         if not self.captures:
-            self.graphs = dict.fromkeys(self.sizes)
+            self.graphs = dict.fromkeys(self.keys())
             return
         torch.cuda.synchronize(self.device)
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._forward(size)  # warm-up, outside the capture
+        for key in self.keys():
+            self._forward(*key)  # warm-up, outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
+                self.outputs[key] = self._forward(*key)
+            self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("decode CUDA graphs captured in %.1fs: %d batch sizes up to %d",
-                    time.perf_counter() - started, len(self.sizes), self.max_seqs)
+        logger.info("decode CUDA graphs captured in %.1fs: %d batch sizes up to %d (%d graphs)",
+                    time.perf_counter() - started, len(self.sizes), self.max_seqs, len(self.graphs))
 
-    def _forward(self, rows: int) -> torch.Tensor:
-        ids, positions, slots, seq_lens, query_start, tables = self._views(self.dev64, self.dev32, rows)
+    def _forward(self, rows: int, context: int) -> torch.Tensor:
+        ids, positions, slots, seq_lens, query_start, tables = self._views(rows)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
-                                 query_start_loc=query_start, max_query_len=1, max_seq_len=self.max_model_len)
+                                 query_start_loc=query_start, max_query_len=1, max_seq_len=context)
         runner = self.runner
         pieces = runner.compiled.pieces if runner.compiled else None
         hidden = runner.model(ids, positions, runner.kv_caches, meta, runner.attention_kernels, pieces, None)
@@ -137,40 +149,89 @@ class DecodeGraphs:
         written (slot -1), one key read (block table rows keep valid ids: zeros here,
         whatever a step wrote later)."""
         n = self.max_seqs
-        for host64, host32 in self.hosts:
+        for host64, host32, _, _ in self.hosts:
             host64[: 2 * n] = 0
             host64[2 * n :] = -1
             host32[:n] = 1
-            host32[n : 2 * n + 1] = torch.arange(n + 1, dtype=torch.int32)
+            host32[n:] = torch.arange(n + 1, dtype=torch.int32)
         self.dev64.copy_(self.hosts[0][0])
         self.dev32.copy_(self.hosts[0][1])
 
+    # -- the persistent batch -------------------------------------------------------------
+    def _rows(self, seqs: list) -> np.ndarray:
+        """Each sequence's row: kept from the step before where it had one; a sequence gone
+        frees its row, and the last rows move into the holes so that k sequences hold rows
+        0..k-1 (the graph of a batch size runs over its first rows)."""
+        keep = {id(seq) for seq in seqs}
+        if len(self.row_of) != len(seqs) or any(id(seq) not in self.row_of for seq in seqs):
+            survivors = [seq for seq in self.row_seqs if id(seq) in keep]
+            moved = {id(seq) for seq in survivors}
+            rows = [None] * len(seqs)
+            for seq in survivors:  # compact, keeping each survivor's row where it fits
+                row = self.row_of[id(seq)]
+                if row < len(seqs) and rows[row] is None:
+                    rows[row] = seq
+            placed = {id(seq) for seq in rows if seq is not None}
+            waiting = [seq for seq in survivors if id(seq) not in placed] + [seq for seq in seqs if id(seq) not in moved]
+            for row in range(len(seqs)):
+                if rows[row] is None:
+                    rows[row] = waiting.pop(0)
+                    self.table_lists[row] = None  # its block table uploads whole
+            self.row_seqs = rows
+            self.row_of = {id(seq): row for row, seq in enumerate(rows)}
+        return np.fromiter((self.row_of[id(seq)] for seq in seqs), dtype=np.int64, count=len(seqs))
+
+    def _update_tables(self, seqs: list, rows: np.ndarray, staged: torch.Tensor, staged_rows: torch.Tensor) -> None:
+        """Write the block-table rows that changed to the device: new blocks at the end of a
+        sequence's table, or a whole row where the row changed hands or the sequence's
+        table was rebuilt (preemption)."""
+        changed = 0
+        host = staged.numpy()
+        for seq, row in zip(seqs, rows.tolist()):
+            table = seq.block_table
+            done = self.table_lens[row] if self.table_lists[row] is table else 0
+            if len(table) > done:
+                self.tables[row, done : len(table)] = table[done:]
+                self.table_lens[row], self.table_lists[row] = len(table), table
+                host[changed] = self.tables[row]
+                staged_rows[changed] = row
+                changed += 1
+        if changed:
+            rows_on_device = staged_rows[:changed].to(self.device, non_blocking=True)
+            self.dev_tables.index_copy_(0, rows_on_device, staged[:changed].to(self.device, non_blocking=True))
+
     # -- replay -------------------------------------------------------------------------
-    def run(self, arrays: StepArrays) -> torch.Tensor:
-        """Logits [rows, vocab] float32 of a decode step (a view of the graph's output,
-        valid until the next replay)."""
-        rows = len(arrays.seq_lens)
-        size = self.bucket(rows)
-        n = self.max_seqs
-        host64, host32 = self.hosts[self.turn]
+    def run(self, batch) -> tuple[torch.Tensor, list]:
+        """Logits [k, vocab] float32 of a decode step of k sequences (a view of the graph's
+        output, valid until the next replay) and the sequences in the order of its rows."""
+        seqs, starts = batch.seqs, np.asarray(batch.starts, dtype=np.int64)
+        k = len(seqs)
+        rows = self._rows(seqs)
+        key = self.key(k, int(starts.max()) + 1)
+        size, n, bs = key[0], self.max_seqs, self.runner.block_size
+        host64, host32, staged, staged_rows = self.hosts[self.turn]
         self.turn ^= 1
+        self._update_tables(seqs, rows, staged, staged_rows)
         h64, h32 = host64.numpy(), host32.numpy()
-        h64[:rows] = arrays.input_ids
-        h64[n : n + rows] = arrays.positions
-        h64[2 * n : 2 * n + rows] = arrays.slots
-        h64[2 * n + rows : 2 * n + size] = -1  # padding rows write no KV
-        h32[:rows] = arrays.seq_lens
-        h32[rows:size] = 1
-        h32[n : n + size + 1] = np.arange(size + 1, dtype=np.int32)
-        width = arrays.block_tables.shape[1]
-        tables = h32[2 * n + 1 : 2 * n + 1 + n * self.max_blocks].reshape(n, self.max_blocks)
-        tables[:rows, :width] = arrays.block_tables
+        device_rows, device_src = [], []
+        last_rows = self.runner.last_rows
+        for seq, row, start in zip(seqs, rows.tolist(), batch.starts):
+            if start < len(seq.token_ids):
+                h64[row] = seq.token_ids[start]
+            else:  # sampled by the step before, still on the device
+                device_rows.append(row)
+                device_src.append(last_rows[id(seq)])
+        h64[n + rows] = starts
+        h64[2 * n + rows] = self.tables[rows, starts // bs].astype(np.int64) * bs + starts % bs
+        h64[2 * n + k : 2 * n + size] = -1  # padding rows write no KV
+        h32[rows] = starts + 1
+        h32[k:size] = 1
         self.dev64.copy_(host64, non_blocking=True)
-        used = 2 * n + 1 + size * self.max_blocks
-        self.dev32[:used].copy_(host32[:used], non_blocking=True)
-        self.runner.fill_device_tokens(self.dev64[:rows], arrays)
-        graph = self.graphs[size]
-        if graph is None:
-            return self._forward(size)[:rows]
+        self.dev32.copy_(host32, non_blocking=True)
+        self.runner.fill_device_tokens(self.dev64[:k], np.asarray(device_rows, dtype=np.int64),
+                                       np.asarray(device_src, dtype=np.int64))
+        graph = self.graphs[key]
+        if graph is None:  # off CUDA: the same buffers, eagerly
+            return self._forward(*key)[:k], self.row_seqs
         graph.replay()
-        return self.outputs[size][:rows]
+        return self.outputs[key][:k], self.row_seqs

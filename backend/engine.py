@@ -283,6 +283,7 @@ class LLMEngine:
         """Run the step's forward and sampling on the device; nothing waits for them."""
         logits, sampling_seqs = self.runner.execute(batch)
         assert len(sampling_seqs) == len(batch.sampling_seqs), "the runner and the scheduler disagree on who samples"
+        batch.sampling_seqs = sampling_seqs  # in the order of the logits' rows, which the tokens follow
         if not sampling_seqs:
             return InFlightStep(batch, None)
         tokens = self.sampler.sample(logits, sampling_seqs)

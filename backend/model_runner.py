@@ -18,12 +18,28 @@ from pagedserve.kernels.dispatch import build_cpu_kernels
 
 from .attention import AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
 from .compiled_forward import CompiledForward
-from .cuda_graphs import DecodeGraphs, StepArrays
+from .cuda_graphs import DecodeGraphs
 from .cpu_tuning import advise_huge_pages
 from .models.llama import LlamaForCausalLM
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+
+
+@dataclass
+class StepArrays:
+    """One step's inputs on the host (numpy), before any device copy."""
+
+    input_ids: np.ndarray  # [tokens] int64
+    positions: np.ndarray  # [tokens] int64
+    slots: np.ndarray  # [tokens] int64
+    block_tables: np.ndarray  # [seqs, max_blocks] int32
+    seq_lens: np.ndarray  # [seqs] int64
+    query_start: np.ndarray  # [seqs + 1] int64
+    logits_indices: np.ndarray  # [sampling seqs] int64
+    sampling_seqs: list
+    device_rows: np.ndarray  # [k] int64: input rows whose token is still on the device
+    device_src: np.ndarray  # [k] int64: its row in the step before's sampled tokens
 
 
 @dataclass
@@ -161,17 +177,17 @@ class ModelRunner:
         event.record()
         return StagedTokens(host, event)
 
-    def fill_device_tokens(self, input_ids: torch.Tensor, arrays: StepArrays) -> None:
-        """Write the inputs still on the device (the step before sampled them) into input_ids."""
-        count = len(arrays.device_rows)
+    def fill_device_tokens(self, input_ids: torch.Tensor, rows: np.ndarray, src: np.ndarray) -> None:
+        """Write the inputs still on the device into input_ids: row rows[i] takes the token
+        the step before sampled in its row src[i]."""
+        count = len(rows)
         if count == 0:
             return
-        if count == len(input_ids) and count <= len(self.last_tokens) and _is_range(arrays.device_rows) \
-                and _is_range(arrays.device_src):
+        if count == len(input_ids) and count <= len(self.last_tokens) and _is_range(rows) and _is_range(src):
             input_ids[:count].copy_(self.last_tokens[:count])  # every row decodes, in the same order
             return
-        rows, src = self._to_device(arrays.device_rows), self._to_device(arrays.device_src)
-        input_ids.index_copy_(0, rows, self.last_tokens.index_select(0, src))
+        rows_t, src_t = self._to_device(rows), self._to_device(src)
+        input_ids.index_copy_(0, rows_t, self.last_tokens.index_select(0, src_t))
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         """The step's inputs as device tensors (the piecewise forward's and the tensor-parallel workers')."""
@@ -188,7 +204,7 @@ class ModelRunner:
             max_seq_len=int(arrays.seq_lens.max()),
         )
         input_ids = to(arrays.input_ids)
-        self.fill_device_tokens(input_ids, arrays)
+        self.fill_device_tokens(input_ids, arrays.device_rows, arrays.device_src)
         return ModelInputs(
             input_ids=input_ids,
             positions=to(arrays.positions),
@@ -203,11 +219,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one forward; logits [num_sampling_seqs, vocab] float32 and those sequences."""
-        arrays = self.plan(batch)
-        if self.graphs is not None and self.graphs.fits(arrays):
-            return self.graphs.run(arrays), arrays.sampling_seqs
-        inputs = self.to_inputs(arrays)
+        """Run one forward; logits [num_sampling_seqs, vocab] float32 and those sequences, in
+        the order of the logits' rows (a decode graph's rows keep each sequence's row)."""
+        if self.graphs is not None and self.graphs.takes(batch):
+            return self.graphs.run(batch)
+        inputs = self.to_inputs(self.plan(batch))
         return self.run(inputs), inputs.sampling_seqs
 
     @torch.inference_mode()

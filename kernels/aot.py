@@ -336,17 +336,11 @@ def _record_gemms(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -
                     log.clear()
                     it._launch(x, w4, None, out_t, cfg)
                     out += [(f"{label} group={g}" + _TIMED * (i > 0), launch) for launch in log]
-            a_fp8 = mode == "fp8"
-            if a_fp8:
-                log.clear()
-                a, a_scale = ft.per_token_quant_fp8_triton(x)
-                out += [(label, launch) for launch in log]
-            else:
-                a, a_scale = x, None
             for i, cfg in enumerate(ft._candidates(mm, n, k, mode)):
                 log.clear()
-                ft._launch(a, a_scale, w8, None, out_t, cfg, a_fp8)
-                out += [(f"{label} fp8 {mode}" + _TIMED * (i > 0), launch) for launch in log]
+                ft._run(x, w8, None, out_t, cfg, mode)  # the per-token quantization too, where cfg takes it
+                out += [(f"{label} fp8 {mode}{' ' + cfg.variant if cfg.variant else ''}" + _TIMED * (i > 0), launch)
+                        for launch in log]
     return out
 
 

@@ -5,9 +5,11 @@
           the fp32 product is multiplied by x_scale[m] * w_scale[n] in the epilogue.
 * "w8a16" (older GPUs): the weight is read as raw bytes and decoded from e4m3 bits to
           fp32 with integer ops (`e4m3_triton.decode_e4m3`: exact; no fp8 type, which
-          Triton rejects before sm89),
+          Triton rejects before sm89), or converted by the hardware where it has e4m3,
           cast to the activation dtype and multiplied on 16-bit tensor cores; w_scale[n]
-          is applied in the epilogue.
+          is applied in the epilogue. On e4m3 hardware it is also a candidate of "fp8"
+          mode for decode-sized M (`GemmConfig.variant`): no per-token quantization
+          kernel before it.
 
 Launch scaffolding (split-K with a deterministic reduction for small M, timed config
 choice, tile order) is shared with the INT4 kernel in `gemm_triton`. In "fp8" mode on a
@@ -27,6 +29,7 @@ fp32->fp8 rounding is not round-to-nearest-even) and it compiles for every GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Tuple
 
@@ -68,6 +71,7 @@ def _fp8_gemm_kernel(
     stride_am, stride_ak, stride_bn, stride_bk, stride_om, stride_os,
     A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NATIVE_FP8: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -89,7 +93,10 @@ def _fp8_gemm_kernel(
             # per K tile, added to acc in float32, keeps the error within fp16's
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         else:
-            bf = decode_e4m3(b)
+            if NATIVE_FP8:  # e4m3 hardware (sm_89+): a conversion instruction, exact
+                bf = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                bf = decode_e4m3(b)
             if DOT_F32:
                 acc = tl.dot(a.to(tl.float32), bf, acc, input_precision="ieee")
             else:
@@ -134,7 +141,14 @@ def _candidates(m: int, n: int, k: int, mode: str):
         bk = max(32, min(128, triton.next_power_of_2(k)))
         return [GemmConfig(bm, bn, bk, split_k=1)]
     if m <= 16:
+        # split-K (the heuristic's) for few output tiles, and whole-K tiles narrow enough to
+        # give every SM one: a decode step is a chain of small GEMMs bound by reading the weight
         raw = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 64, 4, 4)]
+        whole_k = [GemmConfig(16, 32, 256, 4, 4, split_k=1), GemmConfig(16, 64, 256, 4, 4, split_k=1)]
+        configs = [GemmConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in raw] + whole_k
+        if mode == "fp8":  # also without the per-token quantization (one kernel less per linear)
+            configs += [dataclasses.replace(c, variant="w8a16") for c in configs[:2] + whole_k]
+        return configs
     elif m <= 64:
         raw = [(64, 64, 128, 4, 4), (32, 128, 128, 4, 4), (64, 128, 128, 4, 3)]
     elif mode == "fp8":
@@ -153,6 +167,19 @@ def _scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, bias, out: 
     return y if bias is None else y.add_(bias.to(y.dtype))
 
 
+def quantizes(cfg: GemmConfig, mode: str) -> bool:
+    """Whether a launch of `cfg` in `mode` takes per-token e4m3 activations."""
+    return mode == "fp8" and cfg.variant != "w8a16"
+
+
+def _run(x2: torch.Tensor, w: Fp8Weight, bias, out: torch.Tensor, cfg: GemmConfig, mode: str) -> torch.Tensor:
+    """Quantize the activations where `cfg` takes them in e4m3, then the product."""
+    if quantizes(cfg, mode):
+        a, a_scale = per_token_quant_fp8_triton(x2)
+        return _launch(a, a_scale, w, bias, out, cfg, True)
+    return _launch(x2, None, w, bias, out, cfg, False)
+
+
 def _launch(a, a_scale, w: Fp8Weight, bias, out, cfg: GemmConfig, a_fp8: bool) -> torch.Tensor:
     """The product into `out` (our kernel) or a new tensor (SCALED_MM); returns it."""
     if cfg is SCALED_MM:
@@ -166,6 +193,7 @@ def _launch(a, a_scale, w: Fp8Weight, bias, out, cfg: GemmConfig, a_fp8: bool) -
         m, n, k, k_per_split,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), n, m * n,
         A_FP8=a_fp8, HAS_BIAS=bias is not None, SPLIT=split > 1, DOT_F32=interpreting(),
+        NATIVE_FP8=not a_fp8 and native_fp8(a.device),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -194,15 +222,10 @@ def fp8_matmul_triton(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
-    a_fp8 = mode == "fp8"
-    if a_fp8:
-        a, a_scale = per_token_quant_fp8_triton(x2)
-    else:
-        a, a_scale = x2, None
     if config is None:
         key = ("fp8", x.device, bucket_m(m), n, k, x.dtype, mode, bias is not None)
         candidates = _candidates(m, n, k, mode)
-        if a_fp8 and x.is_cuda and hasattr(torch, "_scaled_mm"):
+        if mode == "fp8" and x.is_cuda and hasattr(torch, "_scaled_mm"):
             candidates.append(SCALED_MM)
-        config = timed_choice(key, candidates, lambda c: _launch(a, a_scale, w, bias, out, c, a_fp8))
-    return _launch(a, a_scale, w, bias, out, config, a_fp8).view(*lead, n)
+        config = timed_choice(key, candidates, lambda c: _run(x2, w, bias, out, c, mode))
+    return _run(x2, w, bias, out, config, mode).view(*lead, n)

@@ -96,6 +96,9 @@ class GemmConfig:
     num_stages: int = 3
     split_k: Optional[int] = None
     group_m: int = 8
+    variant: str = ""
+    """A kernel's own variant of the launch (fp8: "w8a16", the fp8 weight against the 16-bit
+    activations as they are, where the default quantizes them per token first)."""
 
 
 def interpreting() -> bool:

@@ -74,7 +74,48 @@ def _w4a16_kernel(
                HAS_BIAS, SPLIT)
 
 
+@triton.jit
+def _dequant_kernel(qw_ptr, s_ptr, o_ptr, out_ptr, N, K, group_size, stride_qk, stride_sg, stride_ok,
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dense [K, N] weight (W^T, packed-row order) in out's dtype: each program expands
+    BLOCK_R packed rows (8 * BLOCK_R input channels, inside one group) of BLOCK_N columns."""
+    pid_r = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    packed = tl.load(qw_ptr + offs_r[:, None] * stride_qk + offs_n[None, :], mask=mask_n[None, :], other=0)
+    codes = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+    codes = tl.reshape(codes, (BLOCK_R * 8, BLOCK_N))  # row 8r + j <- nibble j of row r
+    g = (pid_r * BLOCK_R * 8) // group_size
+    scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    offset = tl.load(o_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    value = codes.to(tl.float32) * scale[None, :] + offset[None, :]
+    offs_k = pid_r * BLOCK_R * 8 + tl.arange(0, BLOCK_R * 8)
+    tl.store(out_ptr + offs_k[:, None] * stride_ok + offs_n[None, :], value.to(out_ptr.dtype.element_ty),
+             mask=mask_n[None, :])
+
+
+def dequantize_int4_triton(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """W^T as a dense [K, N] tensor in `dtype` (packed-row order, as the kernel multiplies
+    it): one pass over the packed weight."""
+    n, k = w.shape
+    out = torch.empty((k, n), dtype=dtype, device=w.qweight.device)
+    rows = min(16, w.group_size // 8)
+    block_n = 128
+    scales, offsets = w.scales.contiguous(), w.offsets.contiguous()
+    _dequant_kernel[(k // 8 // rows, triton.cdiv(n, block_n))](
+        w.qweight, scales, offsets, out, n, k, w.group_size, w.qweight.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_R=rows, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
 # ------------------------------------------------------------------ launch helpers
+
+DEQUANT_MATMUL = GemmConfig(0, 0, 0, variant="dequant")
+"""The candidate for prompt-sized M: the weight dequantized to the activation dtype in one
+pass, then one cuBLAS matmul (bound by arithmetic there, where our tiles spend it on
+unpacking every weight once per row tile)."""
 
 def _fit_block_k(bk: int, group_size: int, k: int) -> int:
     while bk > 16 and (group_size % bk or k % bk):
@@ -87,22 +128,32 @@ def _candidates(m: int, n: int, k: int, group_size: int) -> List[GemmConfig]:
         bm, bn = interpreter_tile(m, n)
         return [GemmConfig(bm, bn, _fit_block_k(128, group_size, k), split_k=1)]
     if m <= 16:
-        raw = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 64, 4, 4), (16, 128, 64, 4, 4)]
+        raw = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 64, 4, 4), (16, 128, 64, 4, 4),
+               (16, 128, 128, 4, 5), (16, 256, 128, 8, 4)]
     elif m <= 64:
         raw = [(32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (32, 128, 128, 4, 3)]
     else:
         # (128, 128, 128) with 2 stages: 3 stages need 112 KiB of shared memory, over sm_89's 99 KiB
         raw = [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 2)]
-    out = []
+    out = [DEQUANT_MATMUL] if m > 64 else []
     for bm, bn, bk, warps, stages in raw:
         cfg = GemmConfig(bm, bn, _fit_block_k(bk, group_size, k), warps, stages)
         if cfg not in out:
             out.append(cfg)
+    if m <= 16:  # whole-K tiles narrow enough to give every SM one: no partials, no reduction kernel
+        for bn in (32, 64):
+            cfg = GemmConfig(16, bn, _fit_block_k(128, group_size, k), 4, 5, split_k=1)
+            if cfg not in out:
+                out.append(cfg)
     return out
 
 
 def _launch(x2: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor], out: torch.Tensor,
-            cfg: GemmConfig) -> None:
+            cfg: GemmConfig) -> torch.Tensor:
+    """The product into `out` (our kernel) or a new tensor (DEQUANT_MATMUL); returns it."""
+    if cfg.variant == "dequant":
+        y = x2 @ dequantize_int4_triton(w, x2.dtype)
+        return y if bias is None else y.add_(bias.to(y.dtype))
     m, k = x2.shape
     n = w.out_features
     bk = cfg.block_k
@@ -120,6 +171,7 @@ def _launch(x2: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor], out: 
     )
     if split > 1:
         launch_splitk_reduce(dst, bias, out)
+    return out
 
 
 def w4a16_matmul_triton(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None,
@@ -141,5 +193,4 @@ def w4a16_matmul_triton(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Ten
         key = ("w4a16", x.device, bucket_m(m), n, k, w.group_size, x.dtype, bias is not None)
         config = timed_choice(key, _candidates(m, n, k, w.group_size),
                               lambda c: _launch(x2, w, bias, out, c))
-    _launch(x2, w, bias, out, config)
-    return out.view(*lead, n)
+    return _launch(x2, w, bias, out, config).view(*lead, n)

@@ -5,11 +5,13 @@ by running each bucket eagerly over them; on a GPU the captured graphs replay.""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from pagedserve.backend import LLMEngine, SamplingParams
-from pagedserve.backend.cuda_graphs import DecodeGraphs, graph_sizes
+from pagedserve.backend.cuda_graphs import SHORT_CONTEXT, DecodeGraphs, graph_sizes
 
 from .conftest import GPU_SHARE, assert_engine_idle
 
@@ -26,6 +28,15 @@ def test_graph_sizes_cover_every_batch_up_to_the_largest():
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
 
 
+def test_short_contexts_replay_the_graph_captured_without_the_key_split():
+    runner = SimpleNamespace(device=torch.device("cpu"), block_size=16)
+    graphs = DecodeGraphs(runner, 128, 4096)
+    graphs.graphs = dict.fromkeys(graphs.keys())
+    assert graphs.key(3, 200) == (4, SHORT_CONTEXT) and graphs.key(3, SHORT_CONTEXT + 1) == (4, 4096)
+    assert graphs.key(100, 100) == (104, 4096)  # past SHORT_BATCH: one graph per size
+    assert {context for _, context in DecodeGraphs(runner, 8, 256).keys()} == {256}
+
+
 def _engine(small_llama: str, **settings) -> LLMEngine:
     return LLMEngine(model=small_llama, dtype="float32", compile="off", attention_backend="torch",
                      **{**GPU_SHARE, **settings})
@@ -40,25 +51,27 @@ def _with_static_decode(engine: LLMEngine, max_seqs: int) -> list[int]:
     used: list[int] = []
     run = runner.graphs.run
 
-    def recording(arrays):
-        used.append(len(arrays.seq_lens))
-        return run(arrays)
+    def recording(batch):
+        used.append(len(batch.seqs))
+        return run(batch)
 
     runner.graphs.run = recording
     return used
 
 
-@pytest.mark.parametrize("num_kv_blocks", [1024, 14])
-def test_static_decode_steps_give_the_piecewise_tokens(small_llama, small_prompts, num_kv_blocks):
+@pytest.mark.parametrize("num_kv_blocks,async_scheduling", [(1024, "off"), (14, "off"), (1024, "on"), (14, "on")])
+def test_static_decode_steps_give_the_piecewise_tokens(small_llama, small_prompts, num_kv_blocks, async_scheduling):
     """Five prompts (7-164 tokens), outputs of 5-40 tokens: the batch shrinks through
-    every bucket; with 14 KV blocks requests are preempted and recomputed."""
+    every bucket, each sequence keeping its row while the others leave; with 14 KV blocks
+    requests are preempted and recomputed (their block tables rebuilt); with async
+    scheduling the inputs come from the step before's tokens on the device."""
     if torch.cuda.is_available():
         pytest.skip("the GPU test below replays the captured graphs")
     settings = dict(num_kv_blocks=num_kv_blocks, max_num_seqs=6, max_num_batched_tokens=64)
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in [40, 5, 23, 12, 31]]
     plain = _engine(small_llama, **settings)
     expected = [r.token_ids for r in plain.generate(small_prompts, params, use_tqdm=False)]
-    static = _engine(small_llama, **settings)
+    static = _engine(small_llama, async_scheduling=async_scheduling, **settings)
     used = _with_static_decode(static, max_seqs=4)
     results = static.generate(small_prompts, params, use_tqdm=False)
     assert [r.token_ids for r in results] == expected

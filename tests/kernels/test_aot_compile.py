@@ -79,7 +79,9 @@ def test_shared_memory_fits(results, target):
 def test_enumeration_follows_the_launchers(results):
     """The recorded configurations show the launchers' choices per target: fp8 KV decoded in
     software only before sm_89, FP8 activations (per-token quant, fp8 x fp8 dot) only from
-    sm_89, split-KV and split-K both taken and not, both models' head groups."""
+    sm_89 (and from there the fp8 weight against 16-bit activations at decode sizes, converted
+    by the hardware), split-KV and split-K both taken and not, both models' head groups,
+    the INT4 weight dequantized for prompt-sized M."""
     by_target = {t: [cfg for cfg, r in results if r.target == t] for t in TARGETS}
 
     def values(target, kernel, name):
@@ -89,7 +91,10 @@ def test_enumeration_follows_the_launchers(results):
     assert values("sm_89", "_paged_attention_kernel", "KV_FP8") == {0, 1}
     assert values("sm_90", "_paged_attention_kernel", "KV_FP8") == {0, 1}
     assert values("sm_80", "_fp8_gemm_kernel", "A_FP8") == {False}
-    assert values("sm_90", "_fp8_gemm_kernel", "A_FP8") == {True}
+    assert values("sm_80", "_fp8_gemm_kernel", "NATIVE_FP8") == {False}
+    # from sm_89 FP8 activations, and for decode-sized M also the weight against 16-bit ones
+    assert values("sm_90", "_fp8_gemm_kernel", "A_FP8") == {True, False}
+    assert values("sm_90", "_fp8_gemm_kernel", "NATIVE_FP8") == {True, False}
     assert not any(cfg.kernel == "_per_token_quant_kernel" for cfg in by_target["sm_80"])
     for t in TARGETS:
         assert values(t, "_paged_attention_kernel", "GROUP") == {3, 4}
@@ -98,7 +103,7 @@ def test_enumeration_follows_the_launchers(results):
         assert values(t, "_w4a16_kernel", "SPLIT") == {False, True}
         assert {cfg.kernel for cfg in by_target[t]} >= {
             "_write_kv_kernel", "_paged_attention_kernel", "_split_reduce_kernel", "_w4a16_kernel",
-            "_splitk_reduce_kernel", "_fp8_gemm_kernel"}
+            "_splitk_reduce_kernel", "_fp8_gemm_kernel", "_dequant_kernel"}
 
 
 def test_fp8_kv_software_decode_matches_hardware(monkeypatch):

@@ -212,3 +212,21 @@ def test_gpu_llama_shapes(shape, m):
     assert rel_err(y, ref) < REF_TOL[torch.bfloat16] * 2
     y16 = ft.fp8_matmul_triton(x, w, b, mode="w8a16")
     assert rel_err(y16, fp8_matmul_ref(x, w, b)) < REF_TOL[torch.bfloat16] * 2
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [1, 3])
+def test_fp8_mode_decode_candidates_without_activation_quantization(m):
+    """On e4m3 hardware "fp8" mode also times, for decode-sized M, launches that multiply the
+    fp8 weight by the activations as they are (no per-token quantization kernel): such a
+    launch computes the W8A16 product, exactly the reference's."""
+    ft = _triton()
+    gen = torch.Generator().manual_seed(30 + m)
+    w = quantize_fp8(torch.randn(80, 200, generator=gen) * 0.05).to(DEVICE)
+    x = torch.randn(m, 200, generator=gen).to(torch.bfloat16).to(DEVICE)
+    variants = {c.variant for c in ft._candidates(m, 4096, 4096, "fp8")}
+    assert variants == {"", "w8a16"} or ft.interpreting()
+    config = ft.GemmConfig(16, 64, 64, split_k=1, variant="w8a16")
+    assert not ft.quantizes(config, "fp8") and ft.quantizes(ft.GemmConfig(16, 64, 64), "fp8")
+    y = ft.fp8_matmul_triton(x, w, mode="fp8", config=config)
+    assert rel_err(y, fp8_matmul_ref(x, w)) < TRITON_TOL[torch.bfloat16]

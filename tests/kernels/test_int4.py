@@ -259,3 +259,22 @@ def test_gpu_llama_shapes(shape, m):
     y = it.w4a16_matmul_triton(x, qw, b)
     truth = x.double() @ dequantize_int4(qw).double().t() + b.double()
     assert rel_err(y, truth) < REF_TOL[torch.bfloat16] * 1.5
+
+
+@needs_triton
+@pytest.mark.parametrize("group", [32, 128])
+def test_dequantize_then_matmul_candidate_for_prompt_sized_m(group):
+    """Prompt-sized M also times dequantizing the weight in one Triton pass, then one
+    matmul: the dense weight is the reference's, rounded once to the activation dtype."""
+    it = _triton()
+    gen = torch.Generator().manual_seed(group)
+    w = quantize_int4(torch.randn(96, 256, generator=gen) * 0.05, group)
+    dense = it.dequantize_int4_triton(w.to(DEVICE), torch.bfloat16).float().cpu()
+    exact = dequantize_int4(w, torch.float64).t()
+    # rounded once to bf16 (the interpreter truncates: within one ulp, 2^-7 relative)
+    assert dense.shape == exact.shape and ((dense - exact).abs() <= exact.abs() * 2**-7 + 1e-6).all()
+    x = torch.randn(80, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
+    assert it.DEQUANT_MATMUL in it._candidates(80, 4096, 4096, 128) or it.interpreting()
+    y = it.w4a16_matmul_triton(x, w.to(DEVICE), config=it.DEQUANT_MATMUL)
+    truth = x.double().cpu() @ dequantize_int4(w, torch.float64).t()
+    assert rel_err(y.cpu(), truth) < 1e-2
