@@ -6,11 +6,15 @@ output, rendering text) either hides behind that or adds to it. This measures th
 work on the CPU, with the forward replaced by a stand-in that returns logits of the right
 shape at once, at 1, 64 and 256 running requests (all decoding), and splits it by phase.
 
-    python benchmarks/host_overhead.py [--running 1,64,256] [--steps 200]
+    python benchmarks/host_overhead.py [--running 1,64,256] [--steps 200] [--path gpu|cpu]
 
-The model is a tiny random one (its forward is replaced anyway); the vocabulary is small,
-so the stand-in's argmax costs nothing a GPU would not do on its side. Goal (the GPU
-issue): at most 0.3 ms a step at 1 request and 2 ms at 256.
+--path gpu (default) is the host's side of a CUDA engine: decode steps through the decode
+graphs' static buffers and persistent rows (backend/cuda_graphs.py, replayed here with the
+stand-in instead of a graph) and async scheduling; --path cpu the CPU engine's step (inputs
+planned and copied each step, synchronous). The model is a tiny random one (its forward is
+replaced anyway); the vocabulary is small, so the stand-in's argmax costs nothing a GPU
+would not do on its side. Goal (the GPU issue): at most 0.3 ms a step at 1 request and 2 ms
+at 256.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 from collections import defaultdict
 from typing import Callable
 
@@ -36,18 +41,24 @@ PHASES = ("schedule", "prepare", "sample", "update", "render")
 
 
 class PhaseClock:
-    """Wall time per phase, accumulated over the current step."""
+    """Wall time per phase over the current step, exclusive: a timed call inside another
+    (the stand-in forward inside the decode graphs' run) counts for its own phase only."""
 
     def __init__(self) -> None:
         self.step: dict[str, float] = defaultdict(float)
+        self._inner: list[float] = []
 
     def wrap(self, phase: str, function: Callable) -> Callable:
         def timed(*args, **kwargs):
             start = time.perf_counter()
+            self._inner.append(0.0)
             try:
                 return function(*args, **kwargs)
             finally:
-                self.step[phase] += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                self.step[phase] += elapsed - self._inner.pop()
+                if self._inner:
+                    self._inner[-1] += elapsed
 
         return timed
 
@@ -79,8 +90,7 @@ def measure(engine: LLMEngine, clock: PhaseClock, running: int, steps: int) -> d
         clock.step.clear()
         start = time.perf_counter()
         engine.step()
-        total = time.perf_counter() - start - clock.step.pop("forward", 0.0)
-        samples["total"].append(total)
+        samples["total"].append(time.perf_counter() - start - clock.step.pop("forward", 0.0))
         for phase in PHASES:
             samples[phase].append(clock.step.get(phase, 0.0))
     for request_id in list(engine.scheduler.requests):
@@ -88,10 +98,19 @@ def measure(engine: LLMEngine, clock: PhaseClock, running: int, steps: int) -> d
     return {phase: statistics.median(values) * 1000 for phase, values in samples.items()}
 
 
-def instrument(engine: LLMEngine) -> PhaseClock:
+def instrument(engine: LLMEngine, path: str) -> PhaseClock:
     clock = PhaseClock()
     runner = engine.runner
-    runner.run = clock.wrap("forward", stand_in_forward(engine.model_config.vocab_size))
+    forward = stand_in_forward(engine.model_config.vocab_size)
+    runner.run = clock.wrap("forward", forward)
+    if path == "gpu":  # the decode graphs' host side over CPU buffers, the graph itself the stand-in
+        from pagedserve.backend.cuda_graphs import DecodeGraphs
+
+        graphs = runner.graphs = DecodeGraphs(runner, engine.config.max_num_seqs, engine.max_model_len)
+        graphs.capture()
+        graphs._forward = clock.wrap("forward", lambda rows, context: forward(SimpleNamespace(logits_indices=range(rows))))
+        graphs.run = clock.wrap("prepare", graphs.run)
+        engine.async_scheduling = True
     runner.plan = clock.wrap("prepare", runner.plan)
     runner.to_inputs = clock.wrap("prepare", runner.to_inputs)
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
@@ -105,6 +124,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--running", default="1,64,256")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--path", default="gpu", choices=["gpu", "cpu"])
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.running.split(",")]
     with tempfile.TemporaryDirectory() as root:
@@ -112,12 +132,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                            device="cpu", dtype="float32", compile="off", max_num_seqs=max(counts),
                            max_num_batched_tokens=max(2048, 32 * max(counts)), num_kv_blocks=64 * max(counts) + 64,
                            enable_prefix_caching=True)
-        clock = instrument(engine)
+        clock = instrument(engine, args.path)
         rows = []
         for running in counts:
             timings = measure(engine, clock, running, args.steps)
             rows.append(dict(running=running, **timings))
-    print("\n" + machine())
+    print("\n" + machine() + f" Host path: {args.path}.")
     print("| running requests | host ms / step | " + " | ".join(PHASES) + " | other |")
     print("|---:|---:|" + "---:|" * (len(PHASES) + 1))
     for row in rows:
