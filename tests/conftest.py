@@ -185,3 +185,16 @@ def small_prompts(sentencepiece_tokenizer) -> list[list[int]]:
     words = LONG_TEXT.split()
     texts = ["The quick brown fox", " ".join(words[:20]), " ".join(words[40:130]), "Printers in Venice", " ".join(words[200:230])]
     return [sentencepiece_tokenizer.encode(t) for t in texts]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Which ISA variants of the C kernels the run tested (natively or emulated by SIMDe) and
+    which it could not on this CPU (tests/kernels/instruction_sets.py), so that a green run on an
+    AVX2 machine says what it did not check."""
+    import sys
+
+    sets = sys.modules.get(f"{__package__}.kernels.instruction_sets") if __package__ else None
+    line = sets.summary() if sets is not None else None
+    if line:
+        terminalreporter.write_sep("-", "C kernel instruction sets")
+        terminalreporter.write_line(line)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from .instruction_sets import build_every_kernel_for, runs_avx2
+from .instruction_sets import use_variant
 
 
-@pytest.fixture(params=["native", "haswell"])
+@pytest.fixture(params=["native", "avx2", "avx512", "avx512bf16"])
 def instruction_set(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The CPU's own code, then the AVX2 code an AVX2-only CPU runs (every C kernel rebuilt for it)."""
-    if request.param == "haswell":
-        if not runs_avx2():
-            pytest.skip("this CPU does not run AVX2 code")
-        build_every_kernel_for(monkeypatch, "haswell")
+    """The CPU's own code, then each other ISA variant of the C kernels (tests/kernels/
+    instruction_sets.py) that this CPU runs natively or SIMDe emulates (every C kernel rebuilt
+    for it); a variant that is the CPU's own, or that cannot run here, is skipped."""
+    use_variant(monkeypatch, request.param)
     return request.param

@@ -5,12 +5,11 @@ Sums are float32 and the result is rounded once to bf16, so each output is withi
 step (2**-9 relative) of the exact sum plus the float32 sums' error: 2**-8 of the sum of
 |x_i w_i| (and |bias|) bounds it, at every row count (whole tiles, leftover rows, several passes
 of rows) and for output counts that are not whole panels or groups. Run on every instruction
-set the CPU has: its plain loop (any CPU) and, where the CPU has AVX512-BF16, the VDPBF16PS
-tiles engines use."""
+set: its plain loop (any CPU) and the VDPBF16PS tiles engines use (natively where the CPU has
+AVX512-BF16, else emulated by SIMDe: tests/kernels/instruction_sets.py)."""
 
 from __future__ import annotations
 
-import platform
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 from pagedserve.kernels import bf16_matmul_cpu
 from pagedserve.kernels.bf16_matmul_cpu import pack_pairs, pair_matmul
+from .instruction_sets import march_for
 from .threads import same_on_one_thread
 
 built = pytest.mark.skipif(bf16_matmul_cpu.LIBRARY.get() is None,
@@ -58,24 +58,15 @@ def test_products_within_one_bf16_rounding(rows, out_features, bias):
     assert_matches(x, weight, torch.randn(out_features, generator=g) if bias else None)
 
 
-def instruction_sets_here() -> list[str]:
-    """-march levels whose code this CPU runs: the plain loop (x86-64) and -march=native (the
-    AVX512-BF16 tiles where the CPU has them)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return ["native"]
-    return ["x86-64", "native"]
-
-
 @built
-@pytest.mark.parametrize("march", instruction_sets_here())
-def test_every_instruction_set_the_cpu_runs_computes_the_same_products(march, monkeypatch):
-    library = bf16_matmul_cpu.LIBRARY.load(march=march)
+@pytest.mark.parametrize("variant", ["x86-64", "native", "avx512bf16"])
+def test_every_instruction_set_the_cpu_runs_computes_the_same_products(variant, monkeypatch):
+    """The plain loop (x86-64), the CPU's own code, and the AVX512-BF16 tiles (natively, or
+    emulated by SIMDe where the CPU lacks them: tests/kernels/instruction_sets.py)."""
+    library = bf16_matmul_cpu.LIBRARY.load(march="native" if variant == "native" else march_for(variant))
     monkeypatch.setattr(bf16_matmul_cpu.LIBRARY, "get", lambda: library)
-    if march == "x86-64":
-        assert not library.bf16_matmul_native()
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    if march == "native" and "avx512_bf16" in flags:
-        assert library.bf16_matmul_native()
+    assert library.bf16_matmul_native() == (variant == "avx512bf16" or (variant == "native" and "avx512_bf16" in flags))
     g = torch.Generator().manual_seed(5)
     for rows in (1, 5, 14, 70):
         x, weight = torch.randn(rows, 320, generator=g).bfloat16(), torch.randn(40, 320, generator=g).bfloat16()

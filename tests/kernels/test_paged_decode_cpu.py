@@ -39,7 +39,7 @@ def run_native(b: Batch) -> torch.Tensor:
     """The C decode alone (no torch-op fallback), as paged_attention_cpu calls it."""
     plan = build_plan(b.block_tables, b.seq_lens, b.query_start_loc, b.key_cache.shape[1]).decode
     out = torch.full_like(b.query, float("nan"))
-    assert paged_decode_cpu.paged_decode(DECODE, b.query, b.key_cache, b.value_cache, out, plan.tables, plan.lens,
+    assert paged_decode_cpu.paged_decode(paged_decode_cpu.native_decode(), b.query, b.key_cache, b.value_cache, out, plan.tables, plan.lens,
                                          plan.tokens, b.scale)
     return out
 
@@ -51,6 +51,17 @@ def run_native(b: Batch) -> torch.Tensor:
     (9, 3, 64), (4, 4, 64), (8, 2, 128), (16, 2, 128), (32, 32, 64), (12, 3, 80), (16, 1, 64),
 ], ids=["smollm2", "mha", "llama3-gqa4", "gqa8", "mha32", "dim80-portable", "group16-portable"])
 def test_matches_reference(heads, kv_heads, head_dim, num_decodes, dtype):
+    b = decode_batch(num_decodes, heads, kv_heads, head_dim, dtype, seed=heads * 100 + head_dim + num_decodes)
+    assert rel_err(run_native(b), b.reference()) < TOL[dtype]
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,num_decodes", [(9, 3, 64, 3), (8, 2, 128, 40), (12, 3, 80, 3)],
+                         ids=["smollm2-per-head-items", "llama3-gqa4-per-decode-items", "dim80-portable"])
+def test_each_instruction_set_matches_reference(heads, kv_heads, head_dim, num_decodes, dtype, instruction_set):
+    """The other ISA variants' code (AVX2, AVX-512, AVX512-BF16 pairs; emulated by SIMDe where
+    the CPU lacks them): a few of the shapes above, each item form and the portable loop."""
     b = decode_batch(num_decodes, heads, kv_heads, head_dim, dtype, seed=heads * 100 + head_dim + num_decodes)
     assert rel_err(run_native(b), b.reference()) < TOL[dtype]
 

@@ -4,7 +4,8 @@ Prefill chunks of every kind a step holds (a fresh prompt, the rest of a prompt 
 cached prefix, one token past a prefix, whole and partial 16-key tiles) over NaN-poisoned
 caches (tests/kernels/paged_batch.py: a read past a sequence's end shows as NaN), float32
 and bfloat16, within paged_batch.TOL (float32 1e-4; measured ~3e-7), in the CPU's own code and in
-the AVX2 code. Runs where the C loop is built (AVX2 or AVX-512); elsewhere the library is not used
+the other ISA variants' (AVX2, AVX-512, AVX512-BF16: emulated by SIMDe where the CPU lacks
+them). Runs where the C loop is built (AVX2 or AVX-512); elsewhere the library is not used
 (tests/kernels/test_native_build.py) and SDPA's results are checked instead.
 """
 
@@ -16,6 +17,7 @@ import torch
 from pagedserve.kernels import paged_prefill_cpu
 from pagedserve.kernels.paged_attention_cpu import build_plan, native_prefill_max_keys, paged_attention_cpu
 
+from .instruction_sets import use_variant
 from .paged_batch import TOL, Batch, rel_err
 
 CPU = torch.device("cpu")
@@ -28,9 +30,15 @@ def prefill_batch(heads: int, kv_heads: int, head_dim: int, seed: int = 0, dtype
     return Batch(q_lens, seq_lens, heads, kv_heads, head_dim, seed=seed, device=CPU, dtype=dtype)
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (4, 4), (32, 4)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_prefill_chunks_match_the_reference(heads, kv_heads, head_dim, instruction_set):
+SHAPES = [(heads, kv_heads, head_dim) for head_dim in (64, 128) for heads, kv_heads in [(9, 3), (8, 2), (4, 4), (32, 4)]]
+CASES = [pytest.param(variant, *shape, id=f"{variant}-{shape[2]}-{shape[0]}-{shape[1]}")
+         for variant in ("native", "avx2", "avx512", "avx512bf16") for shape in SHAPES
+         if variant in ("native", "avx2") or shape in ((9, 3, 64), (32, 4, 128))]  # AVX-512 (often emulated): two
+
+
+@pytest.mark.parametrize("variant, heads, kv_heads, head_dim", CASES)
+def test_prefill_chunks_match_the_reference(variant, heads, kv_heads, head_dim, monkeypatch):
+    use_variant(monkeypatch, variant)
     b = prefill_batch(heads, kv_heads, head_dim, seed=heads + head_dim)
     assert rel_err(b.run(paged_attention_cpu), b.reference()) < TOL[torch.float32]
 
