@@ -171,20 +171,29 @@ class ServerProcess:
         self.ask_to_exit(timeout, sig)
         return self.kill_group()
 
-    def ask_to_exit(self, timeout: float, sig: int = signal.SIGTERM) -> None:
+    def ask_to_exit(self, timeout: float, sig: int = signal.SIGTERM, gave_up: str | None = None,
+                    grace_s: float = 0.5) -> None:
         """Send ``sig`` to the server (not its group: it stops its own children) and
-        wait up to ``timeout`` seconds for it to exit."""
+        wait up to ``timeout`` seconds for it to exit; or, once the log shows the line
+        ``gave_up`` after the signal (the server says it abandons its graceful stop),
+        ``grace_s`` more: what follows is its teardown, which the caller cuts short."""
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return
+        start = self._log_size()
         try:
             proc.send_signal(sig)
         except ProcessLookupError:
             pass
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            if gave_up and gave_up in self._log_from(start):
+                deadline = min(deadline, time.monotonic() + grace_s)
+                gave_up = None
+            try:
+                proc.wait(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                pass
 
     def kill_group(self, wait_s: float = 10.0) -> int:
         """SIGKILL what is left of the process group (a hung server, or children it
@@ -218,6 +227,23 @@ class ServerProcess:
                 return f.read().decode("utf-8", errors="replace")
         except OSError:
             return self._detached_log or ""
+
+    def _log_size(self) -> int:
+        try:
+            return os.path.getsize(self.log_file) if self.log_file else 0
+        except OSError:
+            return 0
+
+    def _log_from(self, offset: int) -> str:
+        """What the log file holds past byte ``offset`` ("" without one)."""
+        if not self.log_file:
+            return ""
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(offset)
+                return f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
 
     def detach_log(self) -> None:
         """Keep this run's log text in memory and stop reading the file (before it is deleted)."""

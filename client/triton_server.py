@@ -37,6 +37,8 @@ __all__ = [
 _ERROR_LINE = re.compile(r"^(E\d{4} |error: |terminate called|\s+what\(\): )")
 # Name prefix of the python backend's per-stub shared-memory regions in /dev/shm.
 _SHM_PREFIX = "triton_python_backend_shm_region_"
+EXIT_GAVE_UP = "Exit timeout expired. Exiting immediately."
+"""What Triton logs when its exit timeout passes with models still loaded: the stop is over."""
 
 
 @dataclass
@@ -172,11 +174,13 @@ class TritonServer:
         if process is None:
             return None
         if timeout is None:
-            # Triton 2.51's "exiting immediately" after its exit timeout can crash and hang
-            # (Signal 11 in its teardown): a few seconds past the timeout is enough
             timeout = float(self.exit_timeout_s if self.exit_timeout_s is not None else 30) + 3.0
         self._shm_regions |= _stub_shm_regions(process)
-        process.ask_to_exit(timeout, signal.SIGINT)
+        # Once Triton 2.51 logs EXIT_GAVE_UP it exits with its python models' unload threads still
+        # waiting on stubs that never exit (python_backend's TerminateStub waits without a bound):
+        # that teardown crashes (Signal 11, a pthread mutex assertion, heap corruption) or hangs,
+        # so the stop kills the group then instead of waiting out `timeout` (issue 43).
+        process.ask_to_exit(timeout, signal.SIGINT, gave_up=EXIT_GAVE_UP)
         self._shm_regions |= _stub_shm_regions(process)
         code = process.kill_group()  # a hung server, or stubs it orphaned
         # A killed stub cannot unlink its shared-memory region; do it for it.
