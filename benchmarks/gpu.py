@@ -91,6 +91,8 @@ class Plan:
     sends 1,000 ShareGPT requests): with as many requests as slots, the run would end in a
     long tail of the longest outputs at a shrinking batch."""
     in_flight: int = 256
+    batched_tokens: int = 8192
+    """The step's token budget (max_num_batched_tokens), as vLLM sets it for an H100."""
     served_streams: int = 64
     served_requests: int = 256
     prompt_median: int = 180
@@ -105,7 +107,7 @@ def make_plan(device: str, quick: bool, budget: float | None) -> Plan:
     if device == "cpu":
         plan = Plan([ModelRun("tiny bf16", "tiny", peer=True, served=True), ModelRun("tiny fp8", "tiny", "fp8"),
                      ModelRun("tiny int4", "tiny", "int4")],
-                    single_prompt=16, single_output=16, ttft_prompt=64, offline_requests=12, in_flight=8,
+                    single_prompt=16, single_output=16, ttft_prompt=64, offline_requests=12, in_flight=8, batched_tokens=64,
                     served_streams=4, served_requests=8, prompt_median=24, output_median=12, max_len=96,
                     copy_bytes=2**24, matmul_size=256, budget_s=300.0)
     elif quick:
@@ -241,6 +243,7 @@ def run_pagedserve(run: ModelRun, directory: str, device: str, plan: Plan, deadl
     started = time.perf_counter()
     engine = LLMEngine(model=directory, load_format="dummy", device=device, dtype="bfloat16",
                        quantization=run.quantization, max_num_seqs=plan.in_flight, enable_prefix_caching=False,
+                       max_num_batched_tokens=plan.batched_tokens,
                        gpu_memory_utilization=0.55, kv_cache_bytes=16 * 2**20, max_model_len=4096)
     row["load_s"] = round(time.perf_counter() - started, 1)
     row.update(compiled=engine.runner.compiled is not None, decode_graphs=getattr(engine.runner, "graphs", None) is not None,
@@ -321,6 +324,7 @@ def run_served(run: ModelRun, directory: str, device: str, plan: Plan, root: str
     from pagedserve.client.triton_server import TritonServer
 
     settings = dict(load_format="dummy", device=device, dtype="bfloat16", max_num_seqs=plan.served_streams,
+                    max_num_batched_tokens=plan.batched_tokens,
                     enable_prefix_caching="false", gpu_memory_utilization=0.55, kv_cache_bytes=16 * 2**20,
                     max_model_len=4096)
     work = served_work(shape_vocab(directory), plan)
@@ -371,7 +375,7 @@ def run_peer_batching(model, run: ModelRun, device: str, plan: Plan) -> dict:
 
     work = sharegpt_like(model.config.vocab_size, plan.offline_requests, plan.prompt_median, plan.output_median, plan.max_len)
     generation = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in work), eos_token_id=-1, pad_token_id=0)
-    batching = ContinuousBatchingConfig(max_batch_tokens=2048, max_requests_per_batch=plan.in_flight)
+    batching = ContinuousBatchingConfig(max_batch_tokens=plan.batched_tokens, max_requests_per_batch=plan.in_flight)
     manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=batching)
     if device == "cuda":
         manager.warmup()

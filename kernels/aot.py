@@ -166,7 +166,7 @@ _KERNELS = {  # module -> its @triton.jit kernels the launchers call
     "paged_attention_triton": ("_paged_attention_kernel", "_split_reduce_kernel"),
     "cache_write_triton": ("_write_kv_kernel",),
     "gemm_triton": ("_splitk_reduce_kernel",),
-    "int4_triton": ("_w4a16_kernel",),
+    "int4_triton": ("_w4a16_kernel", "_dequant_kernel"),
     "fp8_triton": ("_fp8_gemm_kernel", "_per_token_quant_kernel"),
 }
 _LOCK = threading.RLock()
@@ -334,7 +334,10 @@ def _record_gemms(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -
                                    torch.empty(k // g, n, dtype=dtype), g, (n, k))
                 for i, cfg in enumerate(it._candidates(mm, n, k, g)):
                     log.clear()
-                    it._launch(x, w4, None, out_t, cfg)
+                    if cfg.variant == "dequant":  # its kernel alone: the matmul after it is cuBLAS's
+                        it.dequantize_int4_triton(w4, dtype)
+                    else:
+                        it._launch(x, w4, None, out_t, cfg)
                     out += [(f"{label} group={g}" + _TIMED * (i > 0), launch) for launch in log]
             for i, cfg in enumerate(ft._candidates(mm, n, k, mode)):
                 log.clear()
