@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import platform
 import pkgutil
 from dataclasses import dataclass
