@@ -178,8 +178,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> str:
-        """Queue a request (text or token ids). Raises InvalidRequestError or QueueFullError."""
+        """Queue a request (text or token ids). Raises InvalidRequestError or QueueFullError.
+        final_only: only its finished output is wanted (`generate`): no text is rendered
+        step by step (OutputRenderer)."""
         params = self._with_bad_word_ids(params or SamplingParams())
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_admission(ids, params)
@@ -189,19 +192,19 @@ class LLMEngine:
         seq_id = request_id if params.n == 1 else sample_id(request_id, 0)
         seq = Sequence(seq_id, ids, params, arrival_time=arrival_time or time.monotonic())
         self.scheduler.add(seq)
-        self._start(seq)
+        self._start(seq, final_only)
         if params.n > 1:
-            self.groups.add(SampleGroup.fork(request_id, seq, params.n))
+            self.groups.add(SampleGroup.fork(request_id, seq, params.n, final_only))
         return request_id
 
-    def _start(self, seq: Sequence) -> None:
+    def _start(self, seq: Sequence, final_only: bool = False) -> None:
         """Give a sample its renderer and, with a seed, its generator (seed + sample index,
         so the n samples of a seeded request differ yet repeat)."""
         if seq.params.seed is not None:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(seq.params.seed + seq.sample_index)
         interval = max(self.config.stream_interval, seq.params.stream_interval or 1)
-        self.renderers[seq.request_id] = OutputRenderer(seq, self.tokenizer, interval)
+        self.renderers[seq.request_id] = OutputRenderer(seq, self.tokenizer, interval, final_only)
 
     def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
         """vLLM's `bad_words` as token sequences, each word alone and after a space
@@ -304,9 +307,9 @@ class LLMEngine:
 
     def _merge_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """One output per request (n > 1 samples merged); forks whose prompt is ready start."""
-        for fork in self.groups.forks_ready():
+        for group, fork in self.groups.forks_ready():
             self.scheduler.add(fork, check_room=False)
-            self._start(fork)
+            self._start(fork, group.final_only)
         return self.groups.merge(outputs)
 
     def _render(self, seq: Sequence) -> RequestOutput | None:
@@ -366,7 +369,7 @@ class LLMEngine:
         completions: dict[str, Completion] = {}
         order = []
         for prompt, p in zip(prompts, params):
-            request_id = self.add_request(prompt, p)
+            request_id = self.add_request(prompt, p, final_only=True)
             order.append(request_id)
             prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
             completions[request_id] = Completion(request_id, prompt_ids)

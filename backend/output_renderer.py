@@ -19,10 +19,14 @@ from .sequence import Sequence
 
 
 class OutputRenderer:
-    def __init__(self, seq: Sequence, tokenizer: Any, stream_interval: int = 1):
+    def __init__(self, seq: Sequence, tokenizer: Any, stream_interval: int = 1, final_only: bool = False):
+        """final_only: the caller reads the finished output alone (offline `generate`); then,
+        unless a stop string needs the text as it grows, nothing is rendered before the end
+        and the whole text is decoded once (vLLM's FINAL_ONLY output kind)."""
         self.seq = seq
         self.stream_interval = stream_interval
         params = seq.params
+        self.deferred = final_only and not params.stop
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, seq.token_ids, seq.num_prompt_tokens, params.skip_special_tokens
         )
@@ -40,6 +44,8 @@ class OutputRenderer:
 
     def on_token(self) -> bool:
         """Account for the token just appended to the sequence; True if a stop string hit."""
+        if self.deferred:
+            return False
         delta = self.detokenizer.update()
         self.text += delta
         self.token_ends.append(len(self.text))
@@ -74,9 +80,11 @@ class OutputRenderer:
         """The delta since the last call; None if nothing new can be released yet."""
         if finished:
             self.text += self.detokenizer.update(final=True)
-            end_token = len(self.token_ends)
+            end_token = self.seq.num_output_tokens
             end_char = len(self.text) if self.stop_at is None else self.stop_at
             trim = len(self.text) - end_char
+        elif self.deferred:
+            return None
         else:
             end_token = self._releasable()
             if end_token is None:

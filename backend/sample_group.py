@@ -28,16 +28,18 @@ class SampleGroup:
     """Samples not yet handed to the scheduler: they wait for sample 0's prompt."""
     last: dict[int, RequestOutput] = field(default_factory=dict)
     """Each sample's latest output, to repeat (without new tokens) while it is quiet."""
+    final_only: bool = False
+    """Its caller reads the finished output alone (LLMEngine.add_request)."""
 
     @classmethod
-    def fork(cls, request_id: str, first: Sequence, n: int) -> SampleGroup:
+    def fork(cls, request_id: str, first: Sequence, n: int, final_only: bool = False) -> SampleGroup:
         """A group whose samples 1..n-1 copy `first` (prompt, parameters, arrival)."""
         forks = [
             Sequence(sample_id(request_id, i), list(first.prompt_token_ids), first.params,
                      arrival_time=first.arrival_time, sample_index=i, fork_of=first)
             for i in range(1, n)
         ]
-        return cls(request_id, [first, *forks], forks_waiting=list(forks))
+        return cls(request_id, [first, *forks], forks_waiting=list(forks), final_only=final_only)
 
     def forks_ready(self) -> list[Sequence]:
         """Samples that may start now: sample 0's prompt is computed (or it ended)."""
@@ -117,9 +119,9 @@ class SampleGroups:
         self.groups.clear()
         self._request_of_sample.clear()
 
-    def forks_ready(self) -> list[Sequence]:
-        """Samples of every group that may start now."""
-        return [fork for group in self.groups.values() for fork in group.forks_ready()]
+    def forks_ready(self) -> list[tuple[SampleGroup, Sequence]]:
+        """Samples of every group that may start now, each with its group."""
+        return [(group, fork) for group in self.groups.values() for fork in group.forks_ready()]
 
     def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """One output per request: each group's sample outputs merged; finished groups forgotten."""

@@ -78,11 +78,12 @@ def stand_in_forward(vocab: int) -> Callable:
     return run
 
 
-def measure(engine: LLMEngine, clock: PhaseClock, running: int, steps: int) -> dict[str, float]:
-    """Median ms per phase (and in all) over `steps` decode steps at `running` requests."""
+def measure(engine: LLMEngine, clock: PhaseClock, running: int, steps: int, final_only: bool = False) -> dict[str, float]:
+    """Median ms per phase (and in all) over `steps` decode steps at `running` requests
+    (final_only: requests as `generate` adds them, rendered once at the end)."""
     params = SamplingParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
     for i in range(running):
-        engine.add_request([5 + (i + j) % 400 for j in range(32)], params)
+        engine.add_request([5 + (i + j) % 400 for j in range(32)], params, final_only=final_only)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.requests.values()):
         engine.step()  # prompts in
     samples: dict[str, list[float]] = defaultdict(list)
@@ -125,6 +126,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--running", default="1,64,256")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--path", default="gpu", choices=["gpu", "cpu"])
+    parser.add_argument("--final-only", action="store_true",
+                        help="requests as offline generate adds them (text rendered once, at the end)")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.running.split(",")]
     with tempfile.TemporaryDirectory() as root:
@@ -135,9 +138,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         clock = instrument(engine, args.path)
         rows = []
         for running in counts:
-            timings = measure(engine, clock, running, args.steps)
+            timings = measure(engine, clock, running, args.steps, args.final_only)
             rows.append(dict(running=running, **timings))
-    print("\n" + machine() + f" Host path: {args.path}.")
+    print("\n" + machine() + f" Host path: {args.path}{', final-only outputs' if args.final_only else ''}.")
     print("| running requests | host ms / step | " + " | ".join(PHASES) + " | other |")
     print("|---:|---:|" + "---:|" * (len(PHASES) + 1))
     for row in rows:

@@ -160,3 +160,30 @@ def test_stream_interval_gathers_tokens_per_output_with_the_same_text(engine, mo
     monkeypatch.setattr(engine.config, "stream_interval", 3)  # the engine's setting; a request may only raise it
     assert [len(o.new_token_ids) for o in stream(engine, "Count to ten:", SamplingParams(**params, stream_interval=2))] == [1, 3, 3, 3]
     assert_engine_idle(engine)
+
+
+def test_generate_renders_once_at_the_end_with_the_streamed_text(engine, prompts):
+    """`generate` wants finished outputs alone, so its requests render their text once at
+    the end (no per-step deltas); the result equals the deltas of the same requests streamed
+    step by step, stop strings (which need the text as it grows), n > 1 and logprobs included."""
+    params = [
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0, stop=[" the"], ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0, logprobs=2),
+    ]
+    chosen = prompts[:4]
+    finals = engine.generate(chosen, params, use_tqdm=False)
+    streamed: dict[str, list] = {}
+    ids = [engine.add_request(p, q) for p, q in zip(chosen, params)]
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            streamed.setdefault(output.request_id, []).append(output)
+    for request_id, final in zip(ids, finals):
+        outputs = streamed[request_id]
+        for index, sample in enumerate(final.samples or [final]):
+            deltas = [s for o in outputs for s in o.per_sample() if s.index == index]
+            assert sample.text == "".join(d.text for d in deltas)
+            assert sample.token_ids == [t for d in deltas for t in d.new_token_ids]
+    assert len(finals[3].logprobs) == len(finals[3].token_ids)
+    assert_engine_idle(engine)
