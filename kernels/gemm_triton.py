@@ -13,8 +13,10 @@ program a slice of K and writes an fp32 partial; `_splitk_reduce_kernel` sums th
 partials in a fixed order, adds the bias and casts (deterministic, unlike atomics).
 
 Configs: a handful per regime, timed once per key (device, M bucket, shape, dtype...)
-and cached (`PAGEDSERVE_AUTOTUNE=0` turns timing off and takes the first candidate).
-Under TRITON_INTERPRET=1 the first candidate is used.
+and cached, in the process and on disk (`gemm_choices/` of the cache directory, per GPU
+name and Triton version), so a restarted server does not time them again
+(`PAGEDSERVE_AUTOTUNE=0` turns timing off and takes the first candidate). Under
+TRITON_INTERPRET=1 the first candidate is used.
 """
 
 from __future__ import annotations
@@ -166,12 +168,62 @@ def bucket_m(m: int) -> int:
 _TUNED: Dict[Tuple, GemmConfig] = {}
 
 
+def _choices_file(device: torch.device) -> str:
+    """The disk cache of timed choices for this GPU model and Triton version."""
+    from .native_build import cache_root
+
+    name = torch.cuda.get_device_name(device).replace(" ", "_").replace("/", "_")
+    return str(cache_root() / "gemm_choices" / f"{name}-triton{triton.__version__}.json")
+
+
+def _stored_choice(key: Tuple, candidates: List[GemmConfig]) -> Optional[GemmConfig]:
+    """A choice timed by an earlier process on the same kind of GPU, if it is a candidate still."""
+    device = next((part for part in key if isinstance(part, torch.device)), None)
+    if device is None or device.type != "cuda":
+        return None
+    import json
+
+    try:
+        with open(_choices_file(device)) as f:
+            stored = json.load(f).get(repr(key))
+    except (OSError, ValueError):
+        return None
+    return next((c for c in candidates if stored is not None and repr(c) == stored), None)
+
+
+def _store_choice(key: Tuple, choice: GemmConfig) -> None:
+    device = next((part for part in key if isinstance(part, torch.device)), None)
+    if device is None or device.type != "cuda":
+        return
+    import json
+
+    path = _choices_file(device)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(path) as f:
+                stored = json.load(f)
+        except (OSError, ValueError):
+            stored = {}
+        stored[repr(key)] = repr(choice)
+        partial = f"{path}.tmp{os.getpid()}"
+        with open(partial, "w") as f:
+            json.dump(stored, f, indent=0)
+        os.replace(partial, path)
+    except OSError:
+        pass  # a read-only cache only costs the timing next time
+
+
 def timed_choice(key: Tuple, candidates: List[GemmConfig],
                  run: Callable[[GemmConfig], None]) -> GemmConfig:
     """Pick the fastest candidate once per key (the small 'autotune' of this package);
     keys start with the kernel's name, so kernels share the cache without colliding."""
     if key in _TUNED:
         return _TUNED[key]
+    stored = _stored_choice(key, candidates)
+    if stored is not None:
+        _TUNED[key] = stored
+        return stored
     if (len(candidates) == 1 or interpreting() or os.environ.get("PAGEDSERVE_AUTOTUNE", "1") == "0"
             or torch.cuda.is_current_stream_capturing()):
         return candidates[0]
@@ -186,4 +238,5 @@ def timed_choice(key: Tuple, candidates: List[GemmConfig],
         if t < best_t:
             best, best_t = cand, t
     _TUNED[key] = best
+    _store_choice(key, best)
     return best
