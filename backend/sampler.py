@@ -126,7 +126,8 @@ def _has_processors(seq: Sequence) -> bool:
 
 def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask tokens outside each row's top-k, nucleus (top-p) and min-p sets."""
-    top_k = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
+    vocab = logits.shape[-1]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]  # a top_k past the vocabulary keeps it all
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     if any(k < logits.shape[-1] for k in top_k) or any(p < 1.0 for p in top_p):

@@ -119,7 +119,7 @@ class SamplingParams:
             "temperature",
             f"must be in [0, 100], got {self.temperature}",
         )
-        _check(self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+        _check(-1 <= self.top_k < 2**31, "top_k", f"must be -1, 0 (disabled) or in [1, 2^31), got {self.top_k}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(

@@ -187,3 +187,16 @@ def test_generate_renders_once_at_the_end_with_the_streamed_text(engine, prompts
             assert sample.token_ids == [t for d in deltas for t in d.new_token_ids]
     assert len(finals[3].logprobs) == len(finals[3].token_ids)
     assert_engine_idle(engine)
+
+
+def test_a_huge_top_k_is_refused_or_clamped_and_never_fails_the_step(engine):
+    """top_k past what a tensor holds is refused naming the field; past the vocabulary it
+    keeps every token. Either way a greedy request beside it gets the tokens it gets alone."""
+    with pytest.raises(InvalidRequestError, match="top_k"):
+        SamplingParams(top_k=10**20, top_p=0.9)
+    bystander = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = engine.generate(["The capital of France is"], bystander, use_tqdm=False)[0].token_ids
+    wide = SamplingParams(max_tokens=12, temperature=1.0, top_k=10**9, top_p=0.9, seed=1, ignore_eos=True)
+    results = engine.generate(["The capital of France is", "Once upon a time"], [bystander, wide], use_tqdm=False)
+    assert results[0].token_ids == alone and len(results[1].token_ids) == 12
+    assert_engine_idle(engine)
