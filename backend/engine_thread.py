@@ -62,13 +62,16 @@ class EngineThread:
     def submit(
         self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, on_output: OutputCallback
     ) -> None:
-        """Validate and queue a request. Raises InvalidRequestError, QueueFullError, EngineDeadError."""
-        if self.error is not None:
-            raise EngineDeadError(f"the engine failed earlier ({self.error!r}); restart the model")
-        if self._stopping:
-            raise EngineDeadError("the engine is shutting down")
+        """Validate and queue a request. Raises InvalidRequestError, QueueFullError, EngineDeadError.
+
+        The engine's state is read under the lock that its death and shutdown take too, so a
+        request is either refused here or in the inbox when the engine fails it: never lost."""
         ids = [int(t) for t in prompt_token_ids]
         with self._lock:
+            if self.error is not None:
+                raise EngineDeadError(f"the engine failed earlier ({self.error!r}); restart the model")
+            if self._stopping:
+                raise EngineDeadError("the engine is shutting down")
             self.engine.check_admission(ids, params, arriving=len(self._adds))
             self._adds.append((request_id, ids, params, on_output))
         self._wake.set()
@@ -90,7 +93,8 @@ class EngineThread:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort everything in flight (callbacks get their final output), join the thread,
         and close the engine (its tensor-parallel workers end)."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -118,6 +122,7 @@ class EngineThread:
                 self._apply_inbox()
                 if self._stopping:
                     self._abort_all()
+                    self._fail_inbox(EngineDeadError("the engine shut down"))  # added since the inbox was read
                     return
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
@@ -142,7 +147,8 @@ class EngineThread:
             self.engine.recover_from_failure()
         except Exception as reset_error:
             logger.exception("engine recovery failed")
-            self.error = reset_error
+            with self._lock:  # from here submit refuses; what it queued before is failed below
+                self.error = reset_error
             self._fail_all(reset_error)
             self._fail_inbox(reset_error)
             return False

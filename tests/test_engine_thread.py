@@ -143,3 +143,56 @@ def test_engine_is_built_on_its_own_thread_and_build_errors_reach_the_caller(sma
 
     with pytest.raises(ValueError, match="no such model"):
         EngineThread(broken)
+
+
+def test_a_request_submitted_while_the_engine_dies_gets_its_final(engine, monkeypatch):
+    """The double fault: a submit that passed the dead-engine check while the recovery was
+    failing used to land in an inbox nobody would read again (no response, ever). Now the
+    check and the death share one lock: the request is refused or failed, never lost."""
+    loop = EngineThread(lambda: engine)
+    b_checking, failed = threading.Event(), threading.Event()
+
+    def broken_step(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    def broken_recovery():
+        b_checking.wait(5)  # the racing submit is past its checks
+        raise RuntimeError("device lost")
+
+    admit = engine.check_admission
+
+    def racing_admission(ids, params, arriving=0):
+        if ids == [7, 8, 9]:
+            b_checking.set()
+            failed.wait(2)  # the old code failed the inbox meanwhile
+        return admit(ids, params, arriving)
+
+    fail_inbox = loop._fail_inbox
+
+    def recording_fail_inbox(error):
+        fail_inbox(error)
+        failed.set()
+
+    monkeypatch.setattr(engine.runner, "execute", broken_step)
+    monkeypatch.setattr(engine, "recover_from_failure", broken_recovery)
+    monkeypatch.setattr(engine, "check_admission", racing_admission)
+    monkeypatch.setattr(loop, "_fail_inbox", recording_fail_inbox)
+    outputs: queue.Queue = queue.Queue()
+    loop.submit("a", engine.encode("Hi"), SamplingParams(max_tokens=4), outputs.put)
+    racer: queue.Queue = queue.Queue()
+
+    def submit_b():
+        try:
+            loop.submit("b", [7, 8, 9], SamplingParams(max_tokens=4), racer.put)
+        except EngineDeadError as error:
+            racer.put(error)
+
+    threading.Thread(target=submit_b).start()
+    assert outputs.get(timeout=30).finished
+    final = racer.get(timeout=30)
+    assert isinstance(final, EngineDeadError) or (final.finished and "device lost" in final.error)
+    loop._thread.join(10)
+    monkeypatch.undo()
+    for request_id in list(engine.scheduler.requests):
+        engine.abort(request_id)
+    assert_engine_idle(engine)
