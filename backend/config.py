@@ -57,6 +57,12 @@ class EngineConfig:
     """Most requests waiting; beyond it new requests are refused ("busy, retry later")."""
     seed: int = 0
     """Seed of the engine's random generator (requests without their own seed)."""
+    max_stop_strings: int = 64
+    """Most stop strings one request may give: each is looked for in its text after every token, on the engine's thread."""
+    max_stop_chars: int = 512
+    """Longest stop string, in characters."""
+    max_bad_words: int = 256
+    """Most bad words one request may give (`bad_words` and `bad_words_ids` together): each is checked at every step."""
     stream_interval: int = 1
     """Tokens gathered into each streamed delta, as vLLM's `--stream-interval`: 1 streams every token as it is sampled; N > 1 sends a request's delta once N new tokens are waiting (the first and the last at once), so under load fewer responses carry the same tokens (less per-response work for the server and the client; benchmarks/RESULTS.md). A request's `stream_interval` sampling parameter may raise it."""
     scheduling_policy: str = "inflight"
@@ -135,6 +141,8 @@ class EngineConfig:
         _at_least(self, "max_num_batched_tokens", 16)
         _at_least(self, "max_model_len", 0)
         _at_least(self, "max_queue_size", 1)
+        for name in ("max_stop_strings", "max_stop_chars", "max_bad_words"):
+            _at_least(self, name, 0)
         _at_least(self, "stream_interval", 1)
         _at_least(self, "num_threads", 0)
         _at_least(self, "tensor_parallel_size", 1)

@@ -156,6 +156,8 @@ class LLMEngine:
         accepted but not yet added (the engine thread's inbox)."""
         self._validate_prompt(prompt_token_ids)
         params.check_vocab(self.model_config.vocab_size)
+        config = self.config
+        params.check_limits(config.max_stop_strings, config.max_stop_chars, config.max_bad_words)
         self.scheduler.check_room(arriving)
 
     def _validate_prompt(self, prompt_token_ids: Seq[int]) -> None:
@@ -183,7 +185,9 @@ class LLMEngine:
         """Queue a request (text or token ids). Raises InvalidRequestError or QueueFullError.
         final_only: only its finished output is wanted (`generate`): no text is rendered
         step by step (OutputRenderer)."""
-        params = self._with_bad_word_ids(params or SamplingParams())
+        params = params or SamplingParams()
+        params.check_limits(self.config.max_stop_strings, self.config.max_stop_chars, self.config.max_bad_words)
+        params = self._with_bad_word_ids(params)  # before tokenizing every bad word
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_admission(ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"

@@ -159,6 +159,17 @@ class SamplingParams:
             "must be a list of non-empty lists of token ids",
         )
 
+    def check_limits(self, max_stop_strings: int, max_stop_chars: int, max_bad_words: int) -> None:
+        """The per-request work the engine's configuration allows (EngineConfig's caps)."""
+        _check(len(self.stop) <= max_stop_strings, "stop",
+               f"has {len(self.stop)} strings; at most {max_stop_strings} (the model's max_stop_strings)")
+        longest = max((len(s) for s in self.stop), default=0)
+        _check(longest <= max_stop_chars, "stop",
+               f"has a string of {longest} characters; at most {max_stop_chars} (the model's max_stop_chars)")
+        words = len(self.bad_words) + len(self.bad_words_ids)
+        _check(words <= max_bad_words, "bad_words",
+               f"has {words} words (bad_words and bad_words_ids); at most {max_bad_words} (the model's max_bad_words)")
+
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the request names must exist in the model's vocabulary."""
         for name, ids in (

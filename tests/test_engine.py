@@ -200,3 +200,21 @@ def test_a_huge_top_k_is_refused_or_clamped_and_never_fails_the_step(engine):
     results = engine.generate(["The capital of France is", "Once upon a time"], [bystander, wide], use_tqdm=False)
     assert results[0].token_ids == alone and len(results[1].token_ids) == 12
     assert_engine_idle(engine)
+
+
+def test_stop_strings_and_bad_words_are_capped_by_the_configuration(engine):
+    """Every stop string is searched after every token and every bad word checked at every
+    step, on the engine's thread that all requests share: the counts and lengths a request
+    may give are capped (EngineConfig), and past a cap the error names the field and the knob."""
+    config = engine.config
+    ok = SamplingParams(max_tokens=4, stop=["x" * config.max_stop_chars] * config.max_stop_strings)
+    engine.check_admission([1, 2, 3], ok)
+    for params, field, knob in [
+        (SamplingParams(stop=["a"] * (config.max_stop_strings + 1)), "stop", "max_stop_strings"),
+        (SamplingParams(stop=["a" * (config.max_stop_chars + 1)]), "stop", "max_stop_chars"),
+        (SamplingParams(bad_words=["w"] * (config.max_bad_words + 1)), "bad_words", "max_bad_words"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=knob) as caught:
+            engine.add_request([1, 2, 3], params)
+        assert caught.value.field == field
+    assert_engine_idle(engine)
