@@ -31,8 +31,8 @@ Triton (2.51) traps kept here:
 
 from __future__ import annotations
 
-import itertools
 import logging
+import secrets
 import queue
 import threading
 import time
@@ -105,7 +105,6 @@ class EngineModel:
         self.metrics = metrics
         self.active: dict[str, ActiveRequest] = {}  # until the final response is sent
         self.lock = threading.Lock()  # a sender's factory is gone once its final response is sent
-        self.ids = itertools.count()
         self.outbox: queue.Queue[RequestOutput | None] = queue.Queue()
         self.cancelled_early = RecentIds()  # cancels that came before their request
         self.next_gauges = 0.0
@@ -163,8 +162,8 @@ class EngineModel:
             if request_id and self.cancelled_early.take(request_id):
                 self._finish(response_sender, CANCELLED, bls_caller)
                 return
-            if not request_id or request_id in self.active:
-                request_id = f"{request_id or 'req'}#{next(self.ids)}"
+            if not request_id or request_id in self.active:  # an id nobody can guess (cancel_request_id names ids)
+                request_id = f"{request_id or 'req'}#{secrets.token_hex(8)}"
             if bls_caller:  # frees the BLS thread the caller holds until a first response
                 response_sender.send(self.pb_utils.InferenceResponse(output_tensors=[]))
             with self.lock:

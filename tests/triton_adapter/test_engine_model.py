@@ -273,3 +273,13 @@ def test_a_cancelled_text_client_gets_a_final_without_outputs(text_model, engine
     assert engine_thread.aborted == ["c"]
     assert sent[-1] == (None, FINAL)  # as vLLM's backend ends a cancelled request
     wait_until(lambda: not text_model.active)
+
+
+def test_ids_the_server_makes_cannot_be_guessed(model, engine_thread):
+    """A request without an id (or reusing one in flight) gets one the server makes, which
+    `cancel_request_id` names: not a counter another client could walk through."""
+    for _ in range(3):
+        submit(model, engine_thread, request_id="", stream=True)
+    made = list(engine_thread.submitted)[-3:]
+    assert len(set(made)) == 3 and all(m.startswith("req#") and len(m) == len("req#") + 16 for m in made)
+    assert not any(m.endswith(("#0", "#1", "#2")) for m in made)
