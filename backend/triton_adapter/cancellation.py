@@ -11,24 +11,29 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Container, Iterable
 
 logger = logging.getLogger("pagedserve")
 
 WATCH_INTERVAL_S = 0.1
 """How often both decoupled models ask Triton whether their requests were cancelled. Each
-ask is a round trip to the server per request: every 20 ms at 32 requests that was ~6% of a
-core in each model on a 2-core machine."""
-ASKS_PER_TICK = 8
-"""At most this many requests asked a tick (`AskRotation`): every 0.1 s at 32 requests the asks
-kept the watcher in round trips 15% of the time, holding up responses (the server answers
-them and the sends on one queue; 2-core Zen 4, bf16). A cancelled request stops within
-WATCH_INTERVAL_S x ceil(requests / ASKS_PER_TICK) (0.1 s up to 8 requests, 0.4 s at 32) plus
-one engine step."""
-
+ask is a round trip to the server per request, made under the lock the response thread
+sends under, so asks are rationed per tick (`AskRotation`)."""
+MIN_ASKS_PER_TICK = 8
+"""Asked every tick whatever the asks cost, so every request is asked in turn however slow
+the server is (the rotation before the time budget: a cancelled request stopped within
+0.1 s x ceil(requests / 8))."""
+ASK_BUDGET_S = 0.02
+"""Past MIN_ASKS_PER_TICK, a tick asks until it has spent this long (a fifth of the
+interval) in round trips: at a full queue (64 running, 1,024 waiting) the old fixed 8 asks a
+tick noticed a disconnect after up to 14 s."""
+GENERATING_EVERY_S = 0.5
+"""A request that is generating (it costs engine steps) and was not asked for this long goes
+before every waiting one."""
 
 class Throttle:
     """True at most once every `every_s` seconds: for logging a failure that may repeat every tick."""
@@ -48,21 +53,34 @@ _ASK_LOG = Throttle()
 
 
 class AskRotation:
-    """Which requests a watcher tick asks about: at most `per_tick`, those asked longest ago
-    (or never) first, so every request in flight is asked in turn."""
+    """Which requests a watcher tick asks about, and asks them: generating requests not asked
+    for GENERATING_EVERY_S first, then everyone asked longest ago (or never) first; at least
+    `min_per_tick` a tick, then more until the tick has spent `budget_s` asking. So a generating
+    request is noticed within about half a second, and every waiting one in turn, as fast as the
+    server answers."""
 
-    def __init__(self, per_tick: int = ASKS_PER_TICK):
-        self.per_tick = per_tick
-        self.ticks = 0
-        self.asked_at: dict[str, int] = {}
+    def __init__(self, min_per_tick: int = MIN_ASKS_PER_TICK, budget_s: float = ASK_BUDGET_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.min_per_tick, self.budget_s, self.clock = min_per_tick, budget_s, clock
+        self.asked_at: dict[str, float] = {}
 
-    def pick(self, request_ids: Iterable[str]) -> list[str]:
-        self.ticks += 1
-        self.asked_at = {request_id: self.asked_at.get(request_id, 0) for request_id in request_ids}
-        chosen = sorted(self.asked_at, key=self.asked_at.__getitem__)[: self.per_tick]
-        for request_id in chosen:
-            self.asked_at[request_id] = self.ticks
-        return chosen
+    def ask(self, request_ids: Iterable[str], is_cancelled: Callable[[str], bool],
+            generating: Container[str] = ()) -> list[str]:
+        """Ask `is_cancelled(request_id)` of as many as this tick affords; the cancelled ones."""
+        start = self.clock()
+        self.asked_at = {request_id: self.asked_at.get(request_id, -math.inf) for request_id in request_ids}
+        overdue = start - GENERATING_EVERY_S
+        order = sorted(self.asked_at, key=lambda r: (not (r in generating and self.asked_at[r] <= overdue),
+                                                      self.asked_at[r]))
+        cancelled = []
+        for count, request_id in enumerate(order):
+            now = self.clock()
+            if count >= self.min_per_tick and now - start >= self.budget_s:
+                break
+            self.asked_at[request_id] = now
+            if is_cancelled(request_id):
+                cancelled.append(request_id)
+        return cancelled
 
 
 class Watcher:

@@ -69,6 +69,8 @@ class ActiveRequest:
     timing: RequestTiming
     pending: RequestOutput | None = None
     """A non-streaming request's merged output so far."""
+    generating: bool = False
+    """The engine has sent output for it: it costs steps until it ends (the watcher asks it first)."""
     abort_sent: bool = False
     failure: Failure | None = None
     """Why we aborted it ourselves (a failed send); None: its client cancelled."""
@@ -208,6 +210,7 @@ class EngineModel:
             active = self.active.pop(output.request_id, None) if output.finished else self.active.get(output.request_id)
         if active is None:
             return
+        active.generating = True
         try:
             self._respond(active, output)
         except Exception as error:  # never lose the final: end the request with the failure
@@ -281,17 +284,22 @@ class EngineModel:
     def _watch(self) -> None:
         """Abort what clients cancelled (BLS callers send cancel requests instead), refresh the gauges."""
         with self.lock:
-            watched = [request_id for request_id, active in self.active.items()
-                       if not active.abort_sent and not active.request.bls_caller]
-        for request_id in self.asks.pick(watched):
-            with self.lock:  # one ask at a time: the response thread waits for one round trip at most
+            watched = {request_id: active.generating for request_id, active in self.active.items()
+                       if not active.abort_sent and not active.request.bls_caller}
+        generating = {request_id for request_id, started in watched.items() if started}
+        for request_id in self.asks.ask(watched, self._asked_cancelled, generating):
+            with self.lock:
                 active = self.active.get(request_id)
-                if active is None or not asked_cancelled(active.response_sender):
-                    continue
-            self._abort(request_id, active, None)
+            if active is not None:
+                self._abort(request_id, active, None)
         if self.metrics is not None and time.monotonic() >= self.next_gauges:
             self.next_gauges = time.monotonic() + GAUGE_INTERVAL_S
             self.metrics.refresh(self.stats())
+
+    def _asked_cancelled(self, request_id: str) -> bool:
+        with self.lock:  # one ask at a time: the response thread waits for one round trip at most
+            active = self.active.get(request_id)
+            return active is not None and asked_cancelled(active.response_sender)
 
     def finalize(self) -> None:
         """Cancel what is in flight (clients get CANCELLED), then join every thread."""

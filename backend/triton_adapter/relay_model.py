@@ -231,21 +231,23 @@ class RelayModel:
         """Forward client cancellations to the engine; let go of iterators drained long enough ago."""
         with self.lock:
             watched = list(self.active)
-        cancelled = []
-        for request_id in self.asks.pick(watched):
-            with self.lock:  # one ask at a time, on a sender whose final has not gone out
-                relay = self.active.get(request_id)
-                if relay is None or not asked_cancelled(relay.response_sender):
-                    continue
-                # the relay still sends its final, when the engine has ended it
-                self.active.pop(request_id).cancelled = True
-            cancelled.append(request_id)
+        cancelled = self.asks.ask(watched, self._take_cancelled)
         for request_id in cancelled:
             log_info(self.pb_utils, f"[pagedserve] request {request_id} cancelled by its client; cancelling it in {self.engine_model}")
             self._cancel_in_engine(request_id)
         now = time.monotonic()
         while self.drained and self.drained[0][0] <= now:
             self.drained.popleft()
+
+    def _take_cancelled(self, request_id: str) -> bool:
+        """Whether the client cancelled it; if so it leaves `active` (the relay still sends its
+        final, a flag-only one, when the engine has ended it)."""
+        with self.lock:  # one ask at a time, on a sender whose final has not gone out
+            relay = self.active.get(request_id)
+            if relay is None or not asked_cancelled(relay.response_sender):
+                return False
+            self.active.pop(request_id).cancelled = True
+        return True
 
     def _cancel_in_engine(self, request_id: str) -> None:
         """Ask the engine's model to abort `request_id` (a control request, drained like any stream);
