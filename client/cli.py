@@ -44,15 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
         command.set_defaults(run=run_generate if name == "generate" else run_chat)
 
-    openai = commands.add_parser("openai", help="OpenAI-compatible HTTP API in front of a running tritonserver")
-    openai.add_argument("--host", default="0.0.0.0")
-    openai.add_argument("--port", type=int, default=9000)
-    openai.add_argument("--triton-url", default="localhost:8001", help="gRPC endpoint of tritonserver")
-    openai.add_argument("--model", action="append", default=None, dest="models",
-                        help="Triton model to offer (repeatable; default: llm)")
-    openai.add_argument("--served-model-name", default=None, help="OpenAI model id of the one model (default: its Triton name)")
-    openai.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $PAGEDSERVE_API_KEY)")
-    openai.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens of a request that gives none")
+    openai = commands.add_parser(
+        "openai", help="OpenAI-compatible HTTP API in front of a running tritonserver",
+        description="OpenAI-compatible HTTP API in front of a running tritonserver. It listens on 127.0.0.1 "
+                    "unless told otherwise; any other address needs an API key ($PAGEDSERVE_API_KEY, or a file: "
+                    "--api-key-file / $PAGEDSERVE_API_KEY_FILE) or --allow-unauthenticated.")
+    add_openai_arguments(openai)
     openai.set_defaults(run=run_openai)
 
     from .bench import add_bench_arguments  # noqa: PLC0415 (keeps start-up light)
@@ -80,17 +77,70 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_openai(args: argparse.Namespace) -> int:
-    from .openai_gateway import GatewayConfig, GatewayConfigError, run_gateway
+def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
+    """`pagedserve openai`'s flags: GatewayConfig's fields (its defaults, shown here)."""
+    from .openai_gateway.config import API_KEY_ENV, API_KEY_FILE_ENV, FLAGS, GatewayConfig  # light: no server imports
 
+    defaults = GatewayConfig.__dataclass_fields__
+
+    def default(name: str) -> Any:
+        return defaults[name].default
+
+    openai.add_argument("--host", default=default("host"),
+                        help="address to listen on (default: %(default)s, this machine only; another address needs "
+                             "an API key or --allow-unauthenticated)")
+    openai.add_argument("--port", type=int, default=default("port"), help="(default: %(default)s)")
+    openai.add_argument("--triton-url", default=default("triton_url"), help="gRPC endpoint of tritonserver (default: %(default)s)")
+    openai.add_argument("--model", action="append", default=None, dest="models",
+                        help="Triton model to offer (repeatable; default: llm)")
+    openai.add_argument("--served-model-name", default=None, help="OpenAI model id of the one model (default: its Triton name)")
+    key = openai.add_argument_group("API key", f"Every /v1 route needs `Authorization: Bearer KEY` when a key is set. "
+                                                f"Default: ${API_KEY_ENV}, else the file ${API_KEY_FILE_ENV} names.")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="file holding the key (e.g. a mounted Secret; a trailing newline is ignored)")
+    key.add_argument("--api-key", default=None, metavar="KEY",
+                     help=f"the key itself; visible to every user of the machine (ps, /proc): prefer ${API_KEY_ENV} "
+                          "or --api-key-file")
+    key.add_argument("--allow-unauthenticated", action="store_true",
+                     help="serve a non-loopback --host without a key (anyone who reaches it can use the models)")
+    openai.add_argument("--default-max-tokens", type=int, default=default("default_max_tokens"),
+                        help="max_tokens of a request that gives none (default: %(default)s)")
+    limits = openai.add_argument_group("limits", "What one request or connection may take; the errors past the "
+                                                 "body, choices and time limits name their flag.")
+    helps = {
+        "max_body_bytes": (int, "largest request body, bytes (413 past it)"),
+        "max_choices_per_request": (int, "most choices per request: prompts x n (400 past it)"),
+        "max_connections": (int, "most open connections (and requests in flight); a request on one more gets 503"),
+        "max_header_bytes": (int, "largest request line and headers, bytes (400 and closed past it)"),
+        "header_timeout_s": (float, "seconds a client may take to send a request's headers (408 and closed)"),
+        "body_timeout_s": (float, "seconds a client may take to send a request's body after its headers (408)"),
+        "keep_alive_timeout_s": (float, "seconds an idle kept-alive connection stays open"),
+        "request_timeout_s": (float, "deadline of one request to Triton, seconds: past it the request is "
+                                     "cancelled and answered 504 (an error event when streamed)"),
+    }
+    for name, (kind, text) in helps.items():
+        limits.add_argument(FLAGS[name], dest=name, type=kind, default=default(name),
+                            metavar="S" if kind is float else "N", help=f"{text} (default: %(default)s)")
+
+
+def run_openai(args: argparse.Namespace) -> int:
+    from .openai_gateway.config import API_KEY_ENV, FLAGS, GatewayConfig, GatewayConfigError
+
+    if args.api_key is not None:
+        print(f"pagedserve openai: warning: --api-key puts the key where every user of this machine can read it "
+              f"(ps, /proc/*/cmdline); set ${API_KEY_ENV} or use --api-key-file instead", file=sys.stderr, flush=True)
     try:
         config = GatewayConfig(
             host=args.host, port=args.port, triton_url=args.triton_url, models=args.models or ["llm"],
-            served_model_name=args.served_model_name, api_key=args.api_key, default_max_tokens=args.default_max_tokens,
+            served_model_name=args.served_model_name, api_key=args.api_key, api_key_file=args.api_key_file,
+            allow_unauthenticated=args.allow_unauthenticated, default_max_tokens=args.default_max_tokens,
+            **{name: getattr(args, name) for name in FLAGS},
         )
     except GatewayConfigError as error:
         print(f"pagedserve openai: {error}", file=sys.stderr)
         return 2
+    from .openai_gateway import run_gateway
+
     run_gateway(config)
     return 0
 

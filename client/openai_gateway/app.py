@@ -4,27 +4,40 @@
 Streaming answers are Server-Sent Events ending in `data: [DONE]`. A streamed request
 waits for the server's first response before answering, so that a request the model
 refuses gets its HTTP error status, not an error inside a 200 stream.
+
+Guards (GatewayConfig's knobs): the API key, compared in constant time; the body read
+whole before any route sees it, up to `max_body_bytes` and within `body_timeout_s`;
+prompts x `n` up to `max_choices_per_request`; a deadline of `request_timeout_s` on
+every request to Triton. A failure of the gateway itself is a 500 `internal_error`,
+never blamed on the request. The connection limits are the server's (server.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
+import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from . import responses, schemas, translate
-from .config import GatewayConfig
+from .config import GatewayConfig, knob
 from .errors import OpenAIError
 from .triton_stream import LLMStep, TritonLLM
 
 DISCONNECT_POLL_S = 0.25
+HEALTH_PATHS = ("/health", "/health/ready")
+"""The routes that need no API key."""
+
+log = logging.getLogger("pagedserve.openai")
 
 
 def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAPI:
@@ -37,11 +50,10 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
         yield
         await app.state.triton.close()
 
-    app = FastAPI(title="pagedserve OpenAI-compatible API", lifespan=lifespan)
-
-    def check_key(request: Request) -> None:
-        if config.api_key and request.headers.get("authorization") != f"Bearer {config.api_key}":
-            raise OpenAIError(401, "Incorrect or missing API key (send `Authorization: Bearer <key>`)", code="invalid_api_key")
+    # no /docs, /redoc, /openapi.json: the API is OpenAI's, and nothing is served that need not be
+    app = FastAPI(title="pagedserve OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.add_middleware(RequestGuard, config=config)
 
     def triton_model(model: str) -> str:
         if model not in model_ids:
@@ -56,33 +68,40 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            return JSONResponse(OpenAIError(400, f"the body is not valid JSON: {first.get('msg')}").body(), status_code=400)
         param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
         return JSONResponse(OpenAIError(400, f"`{param}`: {first.get('msg')}", param=param).body(), status_code=400)
 
-    @app.get("/health")
-    @app.get("/health/ready")  # the route of Triton's own OpenAI frontend
+    @app.get(HEALTH_PATHS[0])
+    @app.get(HEALTH_PATHS[1])  # the route of Triton's own OpenAI frontend
     async def health() -> Response:
+        """Ready or not, and nothing else: it needs no key, so it names no address or model."""
         ready = [await app.state.triton.is_ready(name) for name in model_ids.values()]
         status = 200 if all(ready) else 503
-        return JSONResponse({"status": "ok" if status == 200 else "unavailable", "triton_url": config.triton_url},
-                            status_code=status)
+        return JSONResponse({"status": "ok" if status == 200 else "unavailable"}, status_code=status)
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    def bounded(streams: list[AsyncIterator[LLMStep]]) -> AsyncIterator[tuple[int, LLMStep]]:
+        """The streams merged, under the request's deadline (from now)."""
+        deadline = asyncio.get_running_loop().time() + config.request_timeout_s
+        return within(merged(streams), deadline, config.request_timeout_s)
+
+    @app.get("/v1/models")
     async def list_models() -> schemas.ModelList:
         return schemas.ModelList(data=[schemas.ModelCard(id=name, created=started) for name in model_ids])
 
-    @app.get("/v1/models/{model:path}", dependencies=[Depends(check_key)])
+    @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> schemas.ModelCard:
         triton_model(model)
         return schemas.ModelCard(id=model, created=started)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         model = triton_model(body.model)
-        llm_request = translate.chat_request(body, config.default_max_tokens)
+        llm_request = translate.chat_request(body, config.default_max_tokens, config.max_choices_per_request)
         header = responses.ResponseHeader.new("chatcmpl", body.model)
         result = responses.Accumulator(n=body.n)
-        steps = merged([app.state.triton.stream(model, llm_request)])
+        steps = bounded([app.state.triton.stream(model, llm_request)])
         if not body.stream:
             await until_disconnect(request, collect(steps, result))
             return JSONResponse(responses.chat_completion(header, result).model_dump())
@@ -100,14 +119,14 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
 
         return await sse(steps, chunks)
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         model = triton_model(body.model)
-        llm_requests = translate.completion_requests(body, config.default_max_tokens)
+        llm_requests = translate.completion_requests(body, config.default_max_tokens, config.max_choices_per_request)
         prompts = [r.text or "" for r in llm_requests]
         header = responses.ResponseHeader.new("cmpl", body.model)
         result = responses.Accumulator(n=body.n)
-        steps = merged([app.state.triton.stream(model, r) for r in llm_requests])
+        steps = bounded([app.state.triton.stream(model, r) for r in llm_requests])
         if not body.stream:
             await until_disconnect(request, collect(steps, result))
             return JSONResponse(responses.completion(header, result, prompts, body.echo).model_dump())
@@ -178,11 +197,124 @@ async def sse(steps: AsyncIterator[Any], chunks: Callable[[Any], AsyncIterator[B
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except OpenAIError as error:  # after the 200 went out: OpenAI's in-stream error event
             yield f"data: {json.dumps(error.body())}\n\n"
+        except Exception:  # noqa: BLE001 (the gateway's own failure: logged, reported as internal)
+            log.exception("internal error in a streamed response")
+            yield f"data: {json.dumps(internal_error().body())}\n\n"
         finally:
             await steps.aclose()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def within(steps: AsyncIterator[Any], deadline: float, timeout_s: float) -> AsyncIterator[Any]:
+    """`steps` until the loop's clock reaches `deadline`; then they are closed (which
+    cancels their Triton requests) and a 504 naming `request_timeout_s` is raised."""
+    try:
+        while True:
+            timer = asyncio.timeout_at(deadline)
+            try:
+                async with timer:
+                    item = await steps.__anext__()
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                if not timer.expired():
+                    raise
+                raise OpenAIError(504, f"the request ran past its deadline of {timeout_s:g} s "
+                                       f"({knob('request_timeout_s')}) and was cancelled", code="timeout") from None
+            yield item
+    finally:
+        await steps.aclose()
+
+
+def internal_error() -> OpenAIError:
+    return OpenAIError(500, "internal error in the gateway (its log has the details)", code="internal_error")
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+class RequestGuard:
+    """ASGI middleware, in front of every route: checks the API key (every route but
+    /health; before any of the body is read), reads the body whole before the app sees
+    it, at most `max_body_bytes` (413 past it, naming the knob; a declared Content-Length
+    past it is refused unread) and within `body_timeout_s` of the headers (408); and
+    turns any exception that escapes the app into an OpenAI-shaped 500 `internal_error`."""
+
+    def __init__(self, app: Any, config: GatewayConfig):
+        self.app = app
+        self.max_body_bytes = config.max_body_bytes
+        self.body_timeout_s = config.body_timeout_s
+        self.key_digest = _digest(config.api_key.encode("ascii")) if config.api_key else None
+
+    def authorized(self, scope: dict) -> bool:
+        if self.key_digest is None or scope["path"] in HEALTH_PATHS:
+            return True
+        header = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        scheme, _, presented = header.partition(b" ")
+        # digests of equal length, compared in constant time: neither the key nor its length leaks
+        return hmac.compare_digest(_digest(presented.strip()), self.key_digest) and scheme.lower() == b"bearer"
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if not self.authorized(scope):
+            return await _send_error(send, OpenAIError(
+                401, "Incorrect or missing API key (send `Authorization: Bearer <key>`)", code="invalid_api_key"))
+        too_large = OpenAIError(413, f"the request body is larger than {self.max_body_bytes} bytes "
+                                     f"({knob('max_body_bytes')})", code="request_too_large")
+        declared = [v for k, v in scope["headers"] if k == b"content-length"]
+        if declared and declared[0].isdigit() and int(declared[0]) > self.max_body_bytes:
+            return await _send_error(send, too_large)
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return  # the client left before its request was whole
+                    body += message.get("body", b"")
+                    if len(body) > self.max_body_bytes:
+                        return await _send_error(send, too_large)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            return await _send_error(send, OpenAIError(
+                408, f"the request body did not arrive within {self.body_timeout_s:g} s ({knob('body_timeout_s')})",
+                code="timeout"))
+        whole: dict | None = {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        async def replay() -> dict:
+            nonlocal whole
+            if whole is not None:
+                message, whole = whole, None
+                return message
+            return await receive()  # then what the server says next (a disconnect)
+
+        started = False
+
+        async def watched_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, replay, watched_send)
+        except Exception:  # noqa: BLE001 (reported as the gateway's fault, never the client's)
+            log.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await _send_error(send, internal_error())
+
+
+async def _send_error(send: Callable, error: OpenAIError) -> None:
+    """An OpenAI error response that also closes the connection (whatever of the request
+    was left unread is not read)."""
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -195,8 +327,9 @@ async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
 async def merged(streams: list[AsyncIterator[LLMStep]]) -> AsyncIterator[tuple[int, LLMStep]]:
     """(stream index, step) from several streams as they arrive; closing this closes them all."""
     if len(streams) == 1:
-        async for step in streams[0]:
-            yield 0, step
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for step in stream:
+                yield 0, step
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()

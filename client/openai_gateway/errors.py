@@ -12,9 +12,12 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "timeout",
+    413: "invalid_request_error",
     499: "cancelled",
     500: "internal_server_error",
     503: "service_unavailable",
+    504: "timeout",
 }
 
 

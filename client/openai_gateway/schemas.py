@@ -2,13 +2,30 @@
 
 Requests keep unknown fields (`extra="allow"`) so that a parameter we do not serve can
 be refused by name (see translate.py) instead of silently ignored.
+
+Every numeric field a request may carry is range-checked here, once, so that what
+reaches Triton is what the engine can honour (backend/sampling_params.py's ranges;
+temperature keeps OpenAI's [0, 2]); a value out of range is a 400 naming the field.
+NaN and infinities are refused everywhere.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+INT32 = 2**31
+"""Token ids and token counts are below this (what the engine's int32 tensors hold)."""
+SEED_LIMIT = 2**63
+"""Seeds are in [0, 2^63), the engine's range (a 64-bit generator seed)."""
+MAX_LOGPROBS = 20
+"""Alternatives per token: OpenAI's and the engine's most."""
+MAX_N = 128
+"""OpenAI's most `n`; the gateway's `max_choices_per_request` and the model's own cap apply too."""
+
+TokenId = Annotated[int, Field(ge=0, lt=INT32)]
+REQUEST_CONFIG = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -33,29 +50,30 @@ class ChatMessage(BaseModel):
 class SamplingFields(BaseModel):
     """What chat and completions requests share (OpenAI's fields, then vLLM's extensions)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = REQUEST_CONFIG
     model: str
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=1, lt=INT32)
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, lt=SEED_LIMIT)
     presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     # vLLM's extensions that OpenAI-speaking tools send to vLLM servers
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: Optional[int] = Field(None, ge=0)
+    top_k: Optional[int] = Field(None, ge=-1, lt=INT32)
+    """-1 or 0: off."""
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0, le=10.0)
+    min_tokens: Optional[int] = Field(None, ge=0, lt=INT32)
     ignore_eos: Optional[bool] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
-    stream_interval: Optional[int] = Field(None, ge=1)
+    stream_interval: Optional[int] = Field(None, ge=1, lt=INT32)
     """vLLM's: tokens gathered into each streamed chunk (the server's `stream_interval` is the least)."""
 
     @property
@@ -71,14 +89,14 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, lt=INT32)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
 

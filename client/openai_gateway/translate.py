@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import unsupported
+from .config import knob
+from .errors import OpenAIError, unsupported
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 # Sent as-is in `sampling_parameters` when not None (OpenAI's names are vLLM's).
@@ -71,8 +72,10 @@ class LLMRequest:
         return values
 
 
-def chat_request(request: ChatCompletionRequest, default_max_tokens: int) -> LLMRequest:
+def chat_request(request: ChatCompletionRequest, default_max_tokens: int, max_choices: int | None = None) -> LLMRequest:
+    """`max_choices`: the gateway's max_choices_per_request (None: no cap)."""
     _refuse_unsupported(request)
+    _check_choices(1, request.n, max_choices)
     if request.top_logprobs is not None and not request.logprobs:
         raise unsupported("top_logprobs", "needs `logprobs: true`")
     top = (request.top_logprobs or 0) if request.logprobs else None
@@ -85,12 +88,15 @@ def chat_request(request: ChatCompletionRequest, default_max_tokens: int) -> LLM
     )
 
 
-def completion_requests(request: CompletionRequest, default_max_tokens: int) -> list[LLMRequest]:
-    """One `llm` request per prompt (a list of prompts fans out; choices follow prompt order)."""
+def completion_requests(request: CompletionRequest, default_max_tokens: int,
+                        max_choices: int | None = None) -> list[LLMRequest]:
+    """One `llm` request per prompt (a list of prompts fans out; choices follow prompt order).
+    `max_choices`: the gateway's max_choices_per_request, prompts x `n` (None: no cap)."""
     _refuse_unsupported(request)
     prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise unsupported("prompt", "must be a string or a list of strings (token-id prompts are not supported)")
+    _check_choices(len(prompts), request.n, max_choices)
     best_of = getattr(request, "best_of", None)
     if best_of not in (None, request.n):
         raise unsupported("best_of", f"must equal `n` ({request.n}) here; best-of ranking is not supported")
@@ -100,6 +106,17 @@ def completion_requests(request: CompletionRequest, default_max_tokens: int) -> 
         LLMRequest(text=p, sampling=sampling, stream=request.stream, echo=request.echo, top_logprobs=request.logprobs)
         for p in prompts
     ]
+
+
+def _check_choices(prompts: int, n: int, max_choices: int | None) -> None:
+    """A request fans out into prompts x n sequences: at most the gateway's cap."""
+    if max_choices is None or prompts * n <= max_choices:
+        return
+    cap = f"at most {max_choices} per request ({knob('max_choices_per_request')})"
+    if prompts == 1:
+        raise OpenAIError(400, f"`n`: asks for {n} choices; {cap}", param="n", code="too_many_choices")
+    raise OpenAIError(400, f"`prompt` x `n`: {prompts} prompts x n={n} = {prompts * n} choices; {cap}",
+                      param="prompt" if prompts > max_choices else "n", code="too_many_choices")
 
 
 def _sampling(request: SamplingFields, max_tokens: int, logprobs: int | None) -> dict[str, Any]:

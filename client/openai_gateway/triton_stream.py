@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -18,6 +19,8 @@ import numpy as np
 from ..client import infer_inputs, is_final
 from .errors import OpenAIError, from_triton
 from .translate import LLMRequest
+
+log = logging.getLogger("pagedserve.openai")
 
 
 @dataclass
@@ -73,9 +76,12 @@ class TritonLLM:
                     yield parse_step(result, request.top_logprobs)
         except InferenceServerException as error:
             raise from_triton(error.message()) from None
-        except grpc.RpcError as error:
-            status = 503 if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else 500
-            raise OpenAIError(status, f"Triton at {self.url}: {error.details()}") from None
+        except grpc.RpcError as error:  # the address and details go to the log, not to the client
+            log.warning("Triton at %s: %s: %s", self.url, error.code(), error.details())
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise OpenAIError(503, "the inference server is unavailable; retry later") from None
+            raise OpenAIError(500, "the inference server failed the request (see the gateway's log)",
+                              code="internal_error") from None
 
     async def close(self) -> None:
         await self.llm.close()
