@@ -7,6 +7,7 @@ API; `from_strings` is the one parser for the string-valued sources.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -63,6 +64,8 @@ class EngineConfig:
     """Longest stop string, in characters."""
     max_bad_words: int = 256
     """Most bad words one request may give (`bad_words` and `bad_words_ids` together): each is checked at every step."""
+    step_timeout_s: float = 300.0
+    """A served engine step running longer than this is taken as hung (a stuck device or kernel): its requests fail, new ones are refused and the model reports not ready (`/v2/models/<name>/ready`, where the Triton release asks the model) until the step returns and the engine is rebuilt. 0: never. Generous by default because a step may compile a kernel the first time it meets a shape."""
     stream_interval: int = 1
     """Tokens gathered into each streamed delta, as vLLM's `--stream-interval`: 1 streams every token as it is sampled; N > 1 sends a request's delta once N new tokens are waiting (the first and the last at once), so under load fewer responses carry the same tokens (less per-response work for the server and the client; benchmarks/RESULTS.md). A request's `stream_interval` sampling parameter may raise it."""
     scheduling_policy: str = "inflight"
@@ -141,6 +144,9 @@ class EngineConfig:
         _at_least(self, "max_num_batched_tokens", 16)
         _at_least(self, "max_model_len", 0)
         _at_least(self, "max_queue_size", 1)
+        _at_least(self, "step_timeout_s", 0)
+        if not math.isfinite(self.step_timeout_s):
+            raise ConfigError("step_timeout_s", f"must be a number of seconds (0: never), got {self.step_timeout_s}")
         for name in ("max_stop_strings", "max_stop_chars", "max_bad_words"):
             _at_least(self, name, 0)
         _at_least(self, "stream_interval", 1)

@@ -11,7 +11,12 @@ Any thread may submit or abort; requests enter the engine at the start of the
 next step (so an abort frees its blocks within one step). Outputs reach each
 request's callback from the engine thread, which the callback must not block.
 A step that raises costs the requests in flight (each gets an error as its final
-output), not the engine: its state is rebuilt and the next request is served.
+output), not the engine: its state is rebuilt and the next request is served. A step
+that runs past `step_timeout_s` (a device or a kernel stuck) costs the same: a watchdog
+thread fails the requests in flight and refuses new ones (`is_ready` is False, so the
+model reports not ready), and when the step returns the engine is rebuilt the same way.
+A Python thread cannot be interrupted: a step that never returns leaves the engine not
+ready until the server is restarted, which is what a readiness probe is for.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from typing import Callable, Iterator, Sequence as Seq
 
 from .cpu_tuning import name_native_thread
 from .engine import LLMEngine
-from .errors import EngineDeadError, EngineStepError
+from .errors import EngineDeadError, EngineHungError, EngineStepError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -36,17 +42,27 @@ OutputCallback = Callable[[RequestOutput], None]
 class EngineThread:
     engine: LLMEngine
 
-    def __init__(self, make_engine: Callable[[], LLMEngine], on_step: Callable[[], None] | None = None):
+    def __init__(self, make_engine: Callable[[], LLMEngine], on_step: Callable[[], None] | None = None,
+                 step_timeout_s: float = 0.0):
         """Start the thread, build the engine on it (`make_engine()`), and return once it is
-        ready; an error while building is raised here."""
+        ready; an error while building is raised here. `step_timeout_s` > 0 starts the watchdog."""
         self.on_step = on_step
+        self.step_timeout_s = step_timeout_s
         self.error: BaseException | None = None
+        self.hung_since: float | None = None
+        """When the step the watchdog found hung began; None once the engine was rebuilt after it."""
+        self.num_hangs = 0
         self._lock = threading.Lock()
+        self._delivery = threading.RLock()
+        """Held by the engine thread whenever it touches callbacks (all but the step itself), and by
+        the watchdog while it fails a hung step's requests: no output after a request's error final."""
         self._wake = threading.Event()
         self._adds: deque[tuple[str, list[int], SamplingParams, OutputCallback]] = deque()
         self._aborts: deque[str] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopping = False
+        self._stopped = threading.Event()
+        self._step_started: float | None = None
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._build_and_run, args=(make_engine,), name="pagedserve-engine", daemon=True)
@@ -54,10 +70,18 @@ class EngineThread:
         self._built.wait()
         if self._build_error is not None:
             raise self._build_error
+        if step_timeout_s > 0:
+            self._watchdog = threading.Thread(target=self._watch_steps, name="pagedserve-watchdog", daemon=True)
+            self._watchdog.start()
 
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    @property
+    def is_ready(self) -> bool:
+        """Serving: alive, not shutting down, no step hung (the model's readiness and gauge)."""
+        return self.is_alive and not self._stopping and self.hung_since is None
 
     def submit(
         self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, on_output: OutputCallback
@@ -72,6 +96,10 @@ class EngineThread:
                 raise EngineDeadError(f"the engine failed earlier ({self.error!r}); restart the model")
             if self._stopping:
                 raise EngineDeadError("the engine is shutting down")
+            if self.hung_since is not None:
+                raise EngineDeadError(
+                    f"an engine step has hung for {time.monotonic() - self.hung_since:.0f} s (past step_timeout_s="
+                    f"{self.step_timeout_s:g}); the model reports not ready until it returns; retry on another replica")
             self.engine.check_admission(ids, params, arriving=len(self._adds))
             self._adds.append((request_id, ids, params, on_output))
         self._wake.set()
@@ -95,6 +123,7 @@ class EngineThread:
         and close the engine (its tensor-parallel workers end)."""
         with self._lock:
             self._stopping = True
+        self._stopped.set()
         self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -119,19 +148,66 @@ class EngineThread:
                 self._wake.wait()
             self._wake.clear()
             try:
-                self._apply_inbox()
-                if self._stopping:
-                    self._abort_all()
-                    self._fail_inbox(EngineDeadError("the engine shut down"))  # added since the inbox was read
-                    return
+                with self._delivery:
+                    if self.hung_since is not None and not self._rebuild_after_hang():
+                        return
+                    self._apply_inbox()
+                    if self._stopping:
+                        self._abort_all()
+                        self._fail_inbox(EngineDeadError("the engine shut down"))  # added since the inbox was read
+                        return
                 if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
-                        self._deliver(output)
+                    self._step_started = time.monotonic()
+                    try:
+                        outputs = self.engine.step()  # not under _delivery: the watchdog may fail its requests meanwhile
+                    finally:
+                        self._step_started = None
+                    with self._delivery:
+                        if self.hung_since is None:  # else the requests got their error finals already
+                            for output in outputs:
+                                self._deliver(output)
                     if self.on_step is not None:
                         self.on_step()
             except Exception as error:
-                if not self._recover(error):
-                    return
+                with self._delivery:
+                    if not self._recover(error):
+                        return
+
+    def _watch_steps(self) -> None:
+        """The watchdog: a step running past step_timeout_s fails every request in flight."""
+        interval = min(1.0, self.step_timeout_s / 10)
+        while not self._stopped.wait(interval):
+            started = self._step_started
+            if started is None or self.hung_since is not None or time.monotonic() - started < self.step_timeout_s:
+                continue
+            with self._delivery:
+                if self._step_started != started:  # it returned meanwhile
+                    continue
+                with self._lock:
+                    self.hung_since, self.num_hangs = started, self.num_hangs + 1
+                logger.error("engine step hung: running %.0f s (step_timeout_s=%g); failing %d requests, "
+                             "not ready until it returns", time.monotonic() - started, self.step_timeout_s,
+                             len(self._callbacks))
+                hung = EngineHungError(
+                    f"the engine step ran past step_timeout_s={self.step_timeout_s:g} s; this request was dropped "
+                    "and the model reports not ready until the engine recovers: retry, on another replica if one is ready"
+                )
+                self._fail_all(hung)
+                self._fail_inbox(hung)
+
+    def _rebuild_after_hang(self) -> bool:
+        """The hung step returned (its outputs were dropped): the engine's state is rebuilt as after
+        a failed step, then new requests are taken again. False when that failed: the engine is dead."""
+        logger.warning("the hung engine step returned after %.0f s; rebuilding the engine's state",
+                       time.monotonic() - (self.hung_since or 0.0))
+        try:
+            self.engine.recover_from_failure()
+        except Exception as reset_error:
+            self._die(reset_error)
+            return False
+        with self._lock:
+            self.hung_since = None
+        return True
 
     def _recover(self, error: Exception) -> bool:
         """After a failed step: error every request in flight (each gets its one final
@@ -146,13 +222,16 @@ class EngineThread:
         try:
             self.engine.recover_from_failure()
         except Exception as reset_error:
-            logger.exception("engine recovery failed")
-            with self._lock:  # from here submit refuses; what it queued before is failed below
-                self.error = reset_error
-            self._fail_all(reset_error)
-            self._fail_inbox(reset_error)
+            self._die(reset_error)
             return False
         return True
+
+    def _die(self, reset_error: Exception) -> None:
+        logger.exception("engine recovery failed")
+        with self._lock:  # from here submit refuses; what it queued before is failed below
+            self.error = reset_error
+        self._fail_all(reset_error)
+        self._fail_inbox(reset_error)
 
     def _apply_inbox(self) -> None:
         while self._adds:
@@ -169,6 +248,7 @@ class EngineThread:
                 self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
+        """With _delivery held."""
         callback = self._callbacks.pop(output.request_id) if output.finished else self._callbacks.get(output.request_id)
         if callback is None:
             return

@@ -35,5 +35,9 @@ class EngineStepError(PagedServeError):
     """An engine step failed; the requests in it were dropped and the engine recovered."""
 
 
+class EngineHungError(PagedServeError):
+    """An engine step ran past step_timeout_s; the requests in flight were dropped."""
+
+
 class EngineDeadError(PagedServeError):
     """The engine loop failed; in-flight and new requests cannot be served."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,50 @@ def test_a_request_submitted_while_the_engine_dies_gets_its_final(engine, monkey
     for request_id in list(engine.scheduler.requests):
         engine.abort(request_id)
     assert_engine_idle(engine)
+
+
+def test_a_hung_step_fails_its_requests_refuses_new_ones_and_recovers_when_it_returns(engine, monkeypatch):
+    """A step stuck past step_timeout_s (a device or kernel that never answers): the watchdog
+    gives its requests an error final, the engine says it is not ready and refuses new work;
+    once the step returns, the engine is rebuilt and serves again with every block free."""
+    loop = EngineThread(lambda: engine, step_timeout_s=0.3)
+    release, stuck = threading.Event(), threading.Event()
+    execute = engine.runner.execute
+
+    def hangs_once(*args, **kwargs):
+        if not release.is_set():
+            stuck.set()
+            release.wait(30)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", hangs_once)
+    try:
+        outputs: queue.Queue = queue.Queue()
+        loop.submit("h", engine.encode("Hello"), SamplingParams(max_tokens=8), outputs.put)
+        assert stuck.wait(30)
+        final = outputs.get(timeout=10)
+        assert final.finished and "step_timeout_s" in final.error
+        assert not loop.is_ready and loop.is_alive and loop.num_hangs == 1
+        with pytest.raises(EngineDeadError, match="hung"):
+            loop.submit("refused", [1, 2], SamplingParams(), outputs.put)
+        assert outputs.empty()  # the hung step's late outputs never follow the error final
+        release.set()
+        deadline = time.monotonic() + 30
+        while not loop.is_ready and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert loop.is_ready
+        assert list(loop.stream("after", engine.encode("Hi"), SamplingParams(max_tokens=4, temperature=0)))[-1].finish_reason == "length"
+        assert outputs.empty()
+    finally:
+        release.set()
+        loop.shutdown()
+    assert_engine_idle(engine)
+
+
+def test_no_watchdog_without_a_step_timeout(engine):
+    loop = EngineThread(lambda: engine)
+    try:
+        assert loop.is_ready and not hasattr(loop, "_watchdog")
+    finally:
+        loop.shutdown()
+    assert not loop.is_ready  # shut down: not serving

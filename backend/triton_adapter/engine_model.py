@@ -123,7 +123,8 @@ class EngineModel:
         # vLLM-named metrics: off unless asked for, as in Triton's vLLM backend
         report_vllm_metrics = to_bool(params.pop("REPORT_CUSTOM_METRICS", "false"))
         config = EngineConfig.from_strings(params)
-        engine_thread = EngineThread(lambda: LLMEngine(config))  # built on its own thread (engine_thread.py says why)
+        # built on its own thread (engine_thread.py says why)
+        engine_thread = EngineThread(lambda: LLMEngine(config), step_timeout_s=config.step_timeout_s)
         engine = engine_thread.engine
         metrics = None
         if enable_metrics:
@@ -294,7 +295,12 @@ class EngineModel:
                 self._abort(request_id, active, None)
         if self.metrics is not None and time.monotonic() >= self.next_gauges:
             self.next_gauges = time.monotonic() + GAUGE_INTERVAL_S
-            self.metrics.refresh(self.stats())
+            self.metrics.refresh(self.stats(), self.is_ready())
+
+    def is_ready(self) -> bool:
+        """The engine serves (Triton asks the model where its python backend supports `is_ready`):
+        False once recovery failed, while a step hangs, and from unloading on."""
+        return bool(self.engine_thread.is_ready)
 
     def _asked_cancelled(self, request_id: str) -> bool:
         with self.lock:  # one ask at a time: the response thread waits for one round trip at most

@@ -171,6 +171,9 @@ class EngineMetrics:
         self.hit_rate = metric("pagedserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0-1)", "GAUGE")
         self.max_running = metric("pagedserve:num_requests_running_max", "Most requests seen running at once", "GAUGE")
         self.preemptions = metric("pagedserve:num_preemptions_total", "Requests preempted for KV blocks", "COUNTER")
+        self.ready = metric(
+            "pagedserve:engine_ready", "1 while the engine serves; 0 once its recovery failed or while a step hangs", "GAUGE"
+        )
         self.recoveries = metric(
             "pagedserve:engine_recoveries_total", "Engine steps that failed and were recovered from", "COUNTER"
         )
@@ -198,8 +201,9 @@ class EngineMetrics:
             timing.first_token = timing.first_token or now
             timing.last_token = now
 
-    def refresh(self, stats: EngineStats) -> None:
+    def refresh(self, stats: EngineStats, ready: bool = True) -> None:
         """Set the gauges from the engine's stats; the counters count up by what is new."""
+        self.ready.set(1 if ready else 0)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.usage.set(stats.kv_usage)

@@ -35,6 +35,12 @@ def triton_python_model(pb_utils: Any, adapter: AdapterFactory) -> type:
         def finalize(self) -> None:
             self.model.finalize()
 
+        def is_ready(self) -> bool:
+            """Asked by Triton releases whose python backend supports it (python_backend#430,
+            2026) on every `/v2/models/<name>/ready`: the model's own readiness, where it has one."""
+            model = getattr(self, "model", None)
+            return model is not None and bool(getattr(model, "is_ready", lambda: True)())
+
     TritonPythonModel.__qualname__ = f"TritonPythonModel[{getattr(adapter, '__name__', adapter)}]"
     return TritonPythonModel
 

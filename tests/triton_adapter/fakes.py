@@ -254,6 +254,7 @@ class FakeEngineThread:
         self.callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         self.aborted: list[str] = []
         self.shut_down = False
+        self.is_ready = True
 
     def submit(self, request_id, prompt_token_ids, params, on_output) -> None:
         if self.submit_error is not None:

@@ -283,3 +283,17 @@ def test_ids_the_server_makes_cannot_be_guessed(model, engine_thread):
     made = list(engine_thread.submitted)[-3:]
     assert len(set(made)) == 3 and all(m.startswith("req#") and len(m) == len("req#") + 16 for m in made)
     assert not any(m.endswith(("#0", "#1", "#2")) for m in made)
+
+
+def test_the_model_is_ready_while_its_engine_serves_and_the_gauge_says_so(engine_thread):
+    pb_utils = FakePbUtils()
+    metrics = EngineMetrics(pb_utils, {"model": "llm", "version": "1"})
+    model = EngineModel(pb_utils, engine_thread, CharTokenizer(), lambda: STATS, metrics)
+    try:
+        assert model.is_ready()
+        engine_thread.is_ready = False  # its recovery failed, or a step hangs
+        assert not model.is_ready()
+        model.next_gauges = 0.0
+        wait_until(lambda: metrics.ready.total == 0)
+    finally:
+        model.finalize()

@@ -39,7 +39,8 @@ def test_names_kinds_buckets_and_labels(metrics):
     assert {n for n, f in families.items() if f.kind == MetricFamily.GAUGE} == {
         "pagedserve:num_requests_running", "pagedserve:num_requests_waiting", "pagedserve:kv_cache_usage_perc",
         "pagedserve:kv_blocks_used", "pagedserve:kv_blocks_free", "pagedserve:kv_blocks_total",
-        "pagedserve:prefix_cache_hit_rate", "pagedserve:num_requests_running_max", "nv_trt_llm_request_metrics",
+        "pagedserve:prefix_cache_hit_rate", "pagedserve:num_requests_running_max", "pagedserve:engine_ready",
+        "nv_trt_llm_request_metrics",
         "nv_trt_llm_kv_cache_block_metrics", "nv_trt_llm_inflight_batcher_metrics", "nv_trt_llm_general_metrics"}
     vllm = metrics.vllm
     assert {n for n, f in families.items() if f.kind == MetricFamily.HISTOGRAM} == {
@@ -50,7 +51,7 @@ def test_names_kinds_buckets_and_labels(metrics):
     assert vllm.request_prompt_tokens.buckets == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
     assert vllm.request_n.buckets == [1, 2, 5, 10, 20]
     every_metric = [v for v in [*vars(metrics).values(), *vars(vllm).values()] if hasattr(v, "family")]
-    assert len(every_metric) == 20 and all(m.labels == LABELS for m in every_metric)
+    assert len(every_metric) == 21 and all(m.labels == LABELS for m in every_metric)
     assert all(m.family in metrics.families for m in every_metric)  # families outlive their metrics
 
 
@@ -105,6 +106,9 @@ def test_refresh_sets_gauges_and_counts_new_preemptions_and_recoveries_once(metr
     assert (metrics.running.total, metrics.waiting.total, metrics.usage.total) == (2, 1, 0.25)
     assert (metrics.blocks_used.total, metrics.blocks_free.total, metrics.blocks_total.total) == (16, 48, 64)
     assert (metrics.hit_rate.total, metrics.max_running.total) == (0.5, 5)
+    assert metrics.ready.total == 1
+    metrics.refresh(later, ready=False)  # recovery failed, or a step hangs
+    assert metrics.ready.total == 0
 
 
 def test_tensorrt_llm_families_carry_its_labels_and_the_engines_state():

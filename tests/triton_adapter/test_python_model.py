@@ -60,3 +60,23 @@ def test_the_engines_log_lines_reach_the_servers_log():
         assert Logger.lines[-2:] == ["dtype auto: float32 (why)", "W slow"]
     finally:
         engine_log.handlers[:] = before
+
+
+def test_readiness_is_the_adapters_where_it_has_one():
+    """Triton releases with python_backend#430 ask `is_ready()` on /v2/models/<name>/ready:
+    llm answers for its engine; a model without a readiness of its own is ready once loaded."""
+    class Engine(RecordingAdapter):
+        ready = True
+
+        def is_ready(self):
+            return self.ready
+
+    model = triton_python_model(FakePbUtils(), Engine)()
+    assert model.is_ready() is False  # not initialized yet
+    model.initialize({"model_name": "llm", "model_config": json.dumps({})})
+    assert model.is_ready() is True
+    Engine.ready = False
+    assert model.is_ready() is False
+    plain = triton_python_model(FakePbUtils(), RecordingAdapter)()
+    plain.initialize({"model_name": "preprocessing", "model_config": json.dumps({})})
+    assert plain.is_ready() is True
