@@ -162,7 +162,7 @@ class EngineModel:
             parsed = parse_engine_request(inputs, self.tokenizer, request.parameters(), requested)
             parsed.bls_caller = bls_caller
             request_id = request.request_id()
-            if request_id and self.cancelled_early.take(request_id):
+            if request_id and bls_caller and self.cancelled_early.take(request_id):
                 self._finish(response_sender, CANCELLED, bls_caller)
                 return
             if not request_id or request_id in self.active:  # an id nobody can guess (cancel_request_id names ids)
@@ -181,13 +181,15 @@ class EngineModel:
             self._finish(response_sender, Failure.of(error), bls_caller)
 
     def _cancel(self, target: str) -> None:
-        """A control request (how `llm` forwards a client's cancellation): abort the
-        request named by `cancel_request_id`, or refuse it when it arrives later."""
+        """A control request (how a relay forwards its client's cancellation): abort the relay's
+        request named by `cancel_request_id`, or refuse it when it arrives later. Only requests
+        of relays (`bls_caller`), whose ids they make unguessable (uuid4), can be named: a
+        client's own request ends only by its own cancellation, whatever id another client sends."""
         with self.lock:
             active = self.active.get(target)
         if active is None:
             self.cancelled_early.add(target)
-        else:
+        elif active.request.bls_caller:
             self._abort(target, active, None)
 
     def _abort(self, request_id: str, active: ActiveRequest, failure: Failure | None) -> None:

@@ -91,22 +91,40 @@ def test_cancelled_client_aborts_in_the_engine_and_gets_cancelled(model, engine_
     assert not request.sender.asked_after_final
 
 
-def test_cancel_control_request_aborts_the_named_request(model, engine_thread):
-    target = submit(model, engine_thread, request_id="target", stream=True)
-    control = Request({"cancel_request_id": "target"})
+def bls_error_code(response) -> str:
+    return json.loads(response.outputs()["error"].reshape(-1)[0])["code"]
+
+
+def test_cancel_control_request_aborts_the_named_relay_request(model, engine_thread):
+    target = submit(model, engine_thread, request_id="target", stream=True, bls_caller=True)
+    control = Request({"cancel_request_id": "target", "bls_caller": True})
     model.execute([control])
     assert control.sender.sent == [(None, FINAL)]
-    assert target.sender.wait_final()[-1][0].error().code() == TritonError.CANCELLED
+    assert bls_error_code(target.sender.wait_final()[-1][0]) == "CANCELLED"
     assert engine_thread.aborted == ["target"]
 
 
+def test_a_clients_own_request_cannot_be_cancelled_by_id_by_anyone_else(model, engine_thread):
+    """`cancel_request_id` is the relays' plumbing: it names only their (random-id) requests. A
+    client's request, whatever id it carries, ends by its own cancellation or its own end."""
+    victim = submit(model, engine_thread, request_id="victim", stream=True)
+    model.execute([Request({"cancel_request_id": "victim"}), Request({"cancel_request_id": "victim", "bls_caller": True})])
+    model.execute([Request({"cancel_request_id": "future"})])
+    future = submit(model, engine_thread, request_id="future", stream=True)  # not refused on arrival
+    assert engine_thread.aborted == [] and {"victim", "future"} <= set(engine_thread.submitted)
+    engine_thread.emit("victim", [1], finished=True)
+    engine_thread.emit("future", [1], finished=True)
+    assert victim.sender.wait_final()[-1][1] == FINAL and future.sender.wait_final()[-1][1] == FINAL
+    assert victim.sender.sent[-1][0].error() is None
+
+
 def test_a_cancel_before_its_request_refuses_the_request_on_arrival(model, engine_thread):
-    control = Request({"cancel_request_id": "early"})
+    control = Request({"cancel_request_id": "early", "bls_caller": True})
     model.execute([control])
     assert control.sender.sent == [(None, FINAL)]
-    late = submit(model, engine_thread, request_id="early", stream=True)
+    late = submit(model, engine_thread, request_id="early", stream=True, bls_caller=True)
     (response, flags), = late.sender.wait_final()
-    assert flags == FINAL and response.error().code() == TritonError.CANCELLED
+    assert flags == FINAL and bls_error_code(response) == "CANCELLED"
     assert not engine_thread.submitted and not model.active
     again = submit(model, engine_thread, request_id="early", stream=True)  # remembered once only
     assert "early" in engine_thread.submitted
