@@ -98,3 +98,55 @@ def test_gateway_settings_are_checked_once():
         GatewayConfig(triton_url="localhost")
     with pytest.raises(GatewayConfigError, match="served_model_name"):
         GatewayConfig(models=["a", "b"], served_model_name="x")
+
+
+def test_prompts_times_n_is_capped_before_any_request_is_built():
+    sent = completion_requests(CompletionRequest(model="llm", prompt=["a", "b"], n=2), 16, max_choices=4)
+    assert len(sent) == 2
+    with pytest.raises(OpenAIError) as refused:
+        completion_requests(CompletionRequest(model="llm", prompt=["a", "b", "c"], n=2), 16, max_choices=4)
+    assert (refused.value.status, refused.value.param) == (400, "n")
+    assert "max_choices_per_request" in refused.value.message and "--max-choices-per-request" in refused.value.message
+    with pytest.raises(OpenAIError, match="max_choices_per_request"):
+        chat_request(chat(n=5), 16, max_choices=4)
+    with pytest.raises(OpenAIError, match="token-id prompts"):  # a token-id prompt is not counted as prompts
+        completion_requests(CompletionRequest(model="llm", prompt=list(range(100))), 16, max_choices=4)
+
+
+def test_a_grpc_failure_does_not_tell_the_client_where_triton_is(caplog):
+    import asyncio
+
+    import grpc
+
+    from pagedserve.client.openai_gateway.translate import LLMRequest
+    from pagedserve.client.openai_gateway.triton_stream import TritonLLM
+
+    class Unreachable(grpc.RpcError):
+        def __init__(self, code):
+            self._code = code
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return "failed to connect to all addresses; last error: triton.internal:8001"
+
+    async def attempt(code):
+        triton = TritonLLM("triton.internal:8001")
+
+        async def results(*_):
+            raise Unreachable(code)
+            yield  # an async generator
+
+        triton.llm.results = results
+        try:
+            async for _ in triton.stream("llm", LLMRequest(text="hi")):
+                pass
+        finally:
+            await triton.close()
+
+    for code, status in ((grpc.StatusCode.UNAVAILABLE, 503), (grpc.StatusCode.INTERNAL, 500)):
+        with pytest.raises(OpenAIError) as failed:
+            asyncio.run(attempt(code))
+        assert failed.value.status == status and "triton.internal" not in failed.value.message
+    assert "triton.internal:8001" in caplog.text  # the operator still finds it in the log

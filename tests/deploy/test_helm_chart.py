@@ -7,7 +7,10 @@ kubernetes-validate bundles (strict: an unknown field fails) or, for the Service
 against the Prometheus Operator's CRD schema (tests/deploy/schemas/). Then the facts a
 user relies on: the server's args, ports, probes, /dev/shm, GPUs, graceful shutdown,
 the init container that applies engine settings (run here on the real repository), and
-HPA metrics that map to gauges the server really exports.
+HPA metrics that map to gauges the server really exports. The value sets with the
+gateway, NetworkPolicies, Service ports and a writable root filesystem are validated
+here too; test_chart_security.py checks what they promise, test_dockerfile.py that the
+chart and the image agree.
 """
 
 from __future__ import annotations
@@ -69,7 +72,22 @@ FULL = {
     "strategy": {"type": "Recreate"},
 }
 EXTERNAL = {"autoscaling": {"enabled": True, "queue": {"type": "External"}, "kvCacheUsage": {"type": "External"}}}
-VALUE_SETS = {"default": {}, "full": FULL, "external": EXTERNAL}
+API_KEY = "sk-test-0123456789abcdef-not-a-real-key"
+GATEWAY = {"gateway": {"enabled": True, "apiKey": {"value": API_KEY}}}
+GATEWAY_EXISTING_SECRET = {"gateway": {"enabled": True, "apiKey": {"existingSecret": "llm-gateway-key", "secretKey": "token"}},
+                           "modelName": "chat"}
+NETWORK_POLICY = {"networkPolicy": {"enabled": True}}
+NETWORK_POLICY_GATEWAY = {
+    **GATEWAY,
+    "networkPolicy": {"enabled": True,
+                      "clients": {"namespaces": ["apps"], "podSelectors": [{"app.kubernetes.io/name": "batch-client"}]},
+                      "gateway": {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "web"}}}]}},
+}
+WRITABLE_ROOT = {"securityContext": {"readOnlyRootFilesystem": False}}
+GRPC_ONLY = {"service": {"expose": {"http": False, "grpc": True, "metrics": False}}}
+VALUE_SETS = {"default": {}, "full": FULL, "external": EXTERNAL, "gateway": GATEWAY,
+              "gateway-existing-secret": GATEWAY_EXISTING_SECRET, "network-policy": NETWORK_POLICY,
+              "network-policy-gateway": NETWORK_POLICY_GATEWAY, "writable-root": WRITABLE_ROOT, "grpc-only": GRPC_ONLY}
 
 
 def helm_binary() -> str:
@@ -122,8 +140,16 @@ def one(documents: list[dict], kind: str) -> dict:
     return found[0]
 
 
+def named(documents: list[dict], kind: str, name: str = FULLNAME) -> dict:
+    """The manifest of `kind` called `name` (Triton's objects by default; the gateway's
+    are FULLNAME-gateway)."""
+    found = [doc for doc in documents if doc["kind"] == kind and doc["metadata"]["name"] == name]
+    assert len(found) == 1, f"{len(found)} {kind} manifests named {name}"
+    return found[0]
+
+
 def server_container(documents: list[dict]) -> dict:
-    containers = one(documents, "Deployment")["spec"]["template"]["spec"]["containers"]
+    containers = named(documents, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert [c["name"] for c in containers] == ["tritonserver"]
     return containers[0]
 
@@ -173,9 +199,16 @@ def servicemonitor_validator() -> jsonschema.Draft7Validator:
 def test_every_manifest_is_valid(servicemonitor_validator, value_set, version):
     documents = render(VALUE_SETS[value_set], kube_version=version)
     kinds = sorted(doc["kind"] for doc in documents)
-    expected = {"default": ["Deployment", "Service", "ServiceAccount"],
+    base = ["Deployment", "Service", "ServiceAccount"]
+    gateway = ["Deployment", "Service"]
+    expected = {"default": base,
                 "full": ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "Service", "ServiceAccount", "ServiceMonitor"],
-                "external": ["Deployment", "HorizontalPodAutoscaler", "Service", "ServiceAccount"]}[value_set]
+                "external": ["Deployment", "HorizontalPodAutoscaler", "Service", "ServiceAccount"],
+                "gateway": sorted(base + gateway + ["Secret"]),
+                "gateway-existing-secret": sorted(base + gateway),  # the Secret is the user's
+                "network-policy": sorted(base + ["NetworkPolicy"]),
+                "network-policy-gateway": sorted(base + gateway + ["Secret", "NetworkPolicy", "NetworkPolicy"]),
+                "writable-root": base, "grpc-only": base}[value_set]
     assert kinds == expected
     for doc in documents:
         assert doc["metadata"]["namespace"] == NAMESPACE
@@ -192,7 +225,7 @@ def test_every_manifest_is_valid(servicemonitor_validator, value_set, version):
 
 def test_schemas_catch_mistakes(manifests, servicemonitor_validator):
     """The checks above can fail: a misspelt field is refused by both kinds of schema."""
-    deployment = copy.deepcopy(one(manifests["full"], "Deployment"))
+    deployment = copy.deepcopy(named(manifests["full"], "Deployment"))
     deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, KUBERNETES_VERSIONS[-1], strict=True)
@@ -218,42 +251,53 @@ def dockerfile_repository() -> str:
 
 def test_default_serves_the_image_repository_on_one_gpu(manifests):
     documents = manifests["default"]
-    pod = one(documents, "Deployment")["spec"]["template"]["spec"]
+    pod = named(documents, "Deployment")["spec"]["template"]["spec"]
     server = server_container(documents)
     args = flags(server)
     assert args["--model-repository"] == [dockerfile_repository()] == ["/opt/pagedserve/model_repository"]
     assert args["--http-port"] == ["8000"] and args["--grpc-port"] == ["8001"] and args["--metrics-port"] == ["8002"]
     assert "initContainers" not in pod
-    assert server["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    # default requests and limits (values.yaml), the GPU in both
+    assert server["resources"] == {"requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 1},
+                                   "limits": {"memory": "32Gi", "nvidia.com/gpu": 1}}
     assert server["image"] == "pagedserve:0.1.0"
-    assert one(documents, "Deployment")["spec"]["replicas"] == 1
+    assert named(documents, "Deployment")["spec"]["replicas"] == 1
 
 
 def test_ports_and_service(manifests):
-    for documents in manifests.values():
+    for value_set, documents in manifests.items():
         server = server_container(documents)
         assert {p["name"]: p["containerPort"] for p in server["ports"]} == {"http": 8000, "grpc": 8001, "metrics": 8002}
-        service = one(documents, "Service")
+        service = named(documents, "Service")
         assert service["spec"]["type"] == "ClusterIP"
-        assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
-            "http": (8000, "http"), "grpc": (8001, "grpc"), "metrics": (8002, "metrics")}
-        pod_labels = one(documents, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        offered = {"http": (8000, "http"), "grpc": (8001, "grpc"), "metrics": (8002, "metrics")}
+        if value_set == "grpc-only":  # service.expose: the Service offers only what it names
+            offered = {"grpc": (8001, "grpc")}
+        assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == offered
+        pod_labels = named(documents, "Deployment")["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["selector"].items() <= pod_labels.items()
-        assert one(documents, "Deployment")["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+        assert named(documents, "Deployment")["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
 
 
 def test_probes_use_triton_health_endpoints(manifests):
+    """Readiness asks the engine's model (a pod whose `llm` is not ready leaves the
+    Service); liveness the server, so a dead engine is not a restart loop."""
     server = server_container(manifests["default"])
-    for probe, path in (("readinessProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live"),
+    for probe, path in (("readinessProbe", "/v2/models/llm/ready"), ("livenessProbe", "/v2/health/live"),
                         ("startupProbe", "/v2/health/ready")):
         assert server[probe]["httpGet"] == {"path": path, "port": "http"}
+    renamed = server_container(manifests["gateway-existing-secret"])  # modelName: chat
+    assert renamed["readinessProbe"]["httpGet"]["path"] == "/v2/models/chat/ready"
+    assert renamed["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    own = server_container(render({"probes": {"readiness": {"path": "/v2/health/ready"}}}))
+    assert own["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     startup = server["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60  # model load of a large model
 
 
 def test_dev_shm_is_a_memory_emptydir(manifests):
     for documents in manifests.values():
-        pod = one(documents, "Deployment")["spec"]["template"]["spec"]
+        pod = named(documents, "Deployment")["spec"]["template"]["spec"]
         mount = next(m for m in server_container(documents)["volumeMounts"] if m["mountPath"] == "/dev/shm")
         volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
         assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
@@ -261,7 +305,7 @@ def test_dev_shm_is_a_memory_emptydir(manifests):
 
 def test_graceful_shutdown_covers_tritons_exit_timeout(manifests):
     for documents in manifests.values():
-        pod = one(documents, "Deployment")["spec"]["template"]["spec"]
+        pod = named(documents, "Deployment")["spec"]["template"]["spec"]
         server = server_container(documents)
         exit_timeout = int(flags(server)["--exit-timeout-secs"][0])
         command = server["lifecycle"]["preStop"]["exec"]["command"]
@@ -272,11 +316,11 @@ def test_graceful_shutdown_covers_tritons_exit_timeout(manifests):
 
 def test_full_values_gpus_shm_flags_volumes(manifests):
     documents = manifests["full"]
-    deployment = one(documents, "Deployment")
+    deployment = named(documents, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     server = server_container(documents)
     args = flags(server)
-    assert server["resources"] == {"requests": {"cpu": "8", "memory": "64Gi"},
+    assert server["resources"] == {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 2},
                                    "limits": {"memory": "96Gi", "nvidia.com/gpu": 2}}
     assert args["--backend-config"] == ["python,shm-default-byte-size=16777216",
                                         "python,shm-growth-byte-size=4194304", "python,thread-pool-size=64"]
@@ -301,7 +345,7 @@ def test_render_refuses_more_ranks_than_gpus():
 
 
 def init_container(documents: list[dict]) -> tuple[dict, str]:
-    pod = one(documents, "Deployment")["spec"]["template"]["spec"]
+    pod = named(documents, "Deployment")["spec"]["template"]["spec"]
     [init] = pod["initContainers"]
     configmap = one(documents, "ConfigMap")
     scripts = next(v for v in pod["volumes"] if v.get("configMap"))
@@ -318,6 +362,16 @@ def run_init(documents: list[dict], tmp_path: Path) -> tuple[subprocess.Complete
     env = {e["name"]: e["value"] for e in init["env"]}
     assert env["PAGEDSERVE_MODEL_REPOSITORY"] == "/opt/pagedserve/model_repository"
     assert env["PAGEDSERVE_RUNTIME_REPOSITORY"] == flags(server_container(documents))["--model-repository"][0]
+    # $HOME and the caches: the pod's writable volumes, here directories of tmp_path
+    writable = {m["mountPath"]: tmp_path / "volumes" / m["name"] for m in init["volumeMounts"]
+                if m["name"] in ("tmp", "home", "cache")}
+    for name, value in env.items():
+        for mount, here in writable.items():
+            if value == mount or value.startswith(mount + "/"):
+                env[name] = str(here / os.path.relpath(value, mount))
+    env["TMPDIR"] = str(writable["/tmp"])
+    for here in writable.values():
+        here.mkdir(parents=True, exist_ok=True)
     env["PAGEDSERVE_MODEL_REPOSITORY"] = str(ROOT / "model_repository")
     env["PAGEDSERVE_RUNTIME_REPOSITORY"] = str(tmp_path / "runtime" / "model_repository")
     result = subprocess.run([sys.executable, str(tmp_path / "write_repository.py")], env={**os.environ, **env},
@@ -373,7 +427,7 @@ def adapter_name(rule: dict, series: str) -> str | None:
 def test_servicemonitor_scrapes_the_metrics_port(manifests):
     documents = manifests["full"]
     monitor = one(documents, "ServiceMonitor")
-    service = one(documents, "Service")
+    service = named(documents, "Service")
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
