@@ -125,7 +125,7 @@ class Mix:
 class Outcome:
     index: int
     kind: str
-    status: str = "lost"  # completed | cancelled | error | lost
+    status: str = "lost"  # completed | cancelled | refused (a fuzz case's named error) | error | lost
     responses: int = 0
     error: str | None = None
     expected_error: bool = False  # an error on a request the client cancelled
@@ -425,6 +425,8 @@ class SoakConfig:
     engine: dict[str, str] = field(default_factory=dict)
     server_env: dict[str, str] = field(default_factory=dict)  # e.g. MALLOC_ARENA_MAX, for the server and its stubs
     workdir: str | None = None
+    fuzz_share: float = 0.0  # this share of the requests are benchmarks/fuzz.py cases (llm and the TRT-LLM models)
+    fuzz_timeout: float = 120.0  # a fuzz case asking a few tokens with no answer after this long is a lost final
 
 
 @dataclass
@@ -525,6 +527,8 @@ def _load(config: SoakConfig, url: str, http_url: str, metrics_url: str, pgid: i
     bar = tqdm(total=config.num_requests, desc=f"soak c={config.concurrency}", unit="req", disable=not progress)
     t0 = time.monotonic()
 
+    fuzz_cases = fuzz_plan(config)
+
     def worker() -> None:
         while time.monotonic() - t0 < config.max_duration:
             if watcher.died_at is not None and not config.keep_going:
@@ -533,7 +537,10 @@ def _load(config: SoakConfig, url: str, http_url: str, metrics_url: str, pgid: i
                 index = next(next_index, None)
             if index is None:
                 return
-            outcome = send(url, mix.request(index), config.final_timeout, lambda: watcher.died_at)
+            if index in fuzz_cases:
+                outcome = send_fuzz(url, index, fuzz_cases[index], config.fuzz_timeout)
+            else:
+                outcome = send(url, mix.request(index), config.final_timeout, lambda: watcher.died_at)
             if outcome.status == "error":
                 watcher.check_alive()
             with lock:
@@ -570,6 +577,30 @@ def _load(config: SoakConfig, url: str, http_url: str, metrics_url: str, pgid: i
     report.stub_restarts = [f"{label}: pid {pid} -> {last.pids.get(label)}" for label, pid in first.pids.items()
                             if last.pids.get(label) != pid]
     return report
+
+
+def fuzz_plan(config: SoakConfig) -> dict[int, Any]:
+    """Which requests are fuzz cases (seeded: the same for the same --seed), and which case each is."""
+    if config.fuzz_share <= 0:
+        return {}
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.fuzz import draw_cases
+
+    chosen = [i for i in range(config.num_requests) if random.Random(f"{config.seed}:{i}").random() < config.fuzz_share]
+    return dict(zip(chosen, draw_cases(len(chosen), config.seed, gateway=False)))
+
+
+def send_fuzz(url: str, index: int, case: Any, timeout: float) -> Outcome:
+    """A fuzz case: a result is `completed`, an error naming its input `refused`; any other
+    error (or no answer to a short request) is an error of the server."""
+    from benchmarks.fuzz import send as fuzz_send
+
+    answer = fuzz_send(case, url, None, budget_s=timeout)
+    outcome = Outcome(index, "fuzz", request_id=f"fuzz {case.entry} {case.kind}")
+    outcome.status = {"result": "completed", "named": "refused", "cancelled": "cancelled"}.get(answer.verdict, "error")
+    if outcome.status == "error":
+        outcome.error = f"fuzz {case.entry} {case.kind}: {answer.message[:200]}"
+    return outcome
 
 
 def _tally(report: SoakReport, outcomes: list[Outcome]) -> None:
@@ -697,6 +728,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics-url", default=None, help="with --url: its metrics endpoint (default http://host:8002/metrics)")
     p.add_argument("--server-log", default=None, help="with --url: its log, searched for stub aborts")
     p.add_argument("--server-pid", type=int, default=None, help="with --url: its pid (default: found by --grpc-port)")
+    p.add_argument("--fuzz-share", type=float, default=0.0,
+                   help="this share of the requests are benchmarks/fuzz.py cases (e.g. 0.05); default none")
     p.add_argument("--json-out", default=None)
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -710,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_going=args.keep_going,
         url=args.url, http_url=args.http_url, metrics_url=args.metrics_url, server_log=args.server_log,
         server_pid=args.server_pid, engine=dict(kv.split("=", 1) for kv in args.set), workdir=args.workdir,
-        server_env=dict(kv.split("=", 1) for kv in args.server_env),
+        server_env=dict(kv.split("=", 1) for kv in args.server_env), fuzz_share=args.fuzz_share,
     )
     print(f"soak on {platform.node()}: {config.num_requests} requests, concurrency {config.concurrency}", flush=True)
     report = run_soak(config, progress=not args.no_progress)

@@ -456,6 +456,17 @@ def test_nan_and_infinity_are_refused():
         assert not gateway.triton.requests
 
 
+def test_bodies_that_are_no_json_object_get_an_openai_error_naming_the_body():
+    """Found by benchmarks/fuzz.py: bytes that are not UTF-8 got Starlette's own `{"detail": ...}`,
+    an empty body an error naming the field `None`."""
+    with serving() as gateway:
+        for raw in (b"\x8d\xb8HC]H\tLr", b"", b"[1, 2]", b"null"):
+            status, answer, _ = gateway.post("/v1/completions", raw)
+            assert status == 400 and answer["error"]["type"] == "invalid_request_error", (raw, answer)
+            assert "None" not in answer["error"]["message"] and "body" in answer["error"]["message"], (raw, answer)
+        assert not gateway.triton.requests
+
+
 async def broken(request):
     yield step("ok ", final=False)
     raise RuntimeError("a bug in the gateway")

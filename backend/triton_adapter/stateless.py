@@ -64,7 +64,7 @@ class PreprocessingModel(TokenizerModel):
             if name in inputs:
                 refuse_unsupported({ensemble_name: inputs[name]})
         if "QUERY" not in inputs:
-            raise InvalidRequestError("QUERY", "is required (the prompt text)")
+            raise InvalidRequestError("QUERY", "is required (the prompt text: the ensemble's `text_input`)")
         queries = [strings({"QUERY": row}, "QUERY") for row in _rows(inputs["QUERY"])]
         prompts = [encode_prompt(self.tokenizer, "".join(q)) for q in queries]
         if not all(prompts):

@@ -161,7 +161,7 @@ def parse_trtllm_request(
         if value is not None and key != "stream":
             values[key] = value
     if "max_tokens" not in values:
-        raise InvalidRequestError(_name_of(names, "max_tokens"), "is required (the most tokens to generate)")
+        raise InvalidRequestError(_name_of(names, "max_tokens"), "is required (the most tokens to generate: `max_tokens` of the ensemble)")
     top_k, top_p = values.pop("top_k", 0) or 0, values.pop("top_p", 0.0) or 0.0
     if top_k == 1 or (top_k == 0 and top_p == 0.0):
         values["temperature"] = 0.0  # TensorRT-LLM's default: greedy unless top_k or top_p asks to sample

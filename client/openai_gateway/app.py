@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import responses, schemas, translate
 from .config import GatewayConfig, knob
@@ -65,12 +66,21 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
     async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own refusals (a body it cannot parse, a wrong method) in OpenAI's error shape."""
+        return JSONResponse(OpenAIError(error.status_code, str(error.detail)).body(), status_code=error.status_code,
+                            headers=getattr(error, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
         if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
             return JSONResponse(OpenAIError(400, f"the body is not valid JSON: {first.get('msg')}").body(), status_code=400)
         param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        if param is None:  # the body as a whole: missing, or not an object
+            message = f"the body must be a JSON object ({first.get('msg')})"
+            return JSONResponse(OpenAIError(400, message).body(), status_code=400)
         return JSONResponse(OpenAIError(400, f"`{param}`: {first.get('msg')}", param=param).body(), status_code=400)
 
     @app.get(HEALTH_PATHS[0])
