@@ -126,12 +126,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--running", default="1,64,256")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--path", default="gpu", choices=["gpu", "cpu"])
+    parser.add_argument("--tokenizer", default="byte-level", choices=["byte-level", "word"],
+                        help="byte-level BPE (Llama 3's, Qwen's, SmolLM's kind; default) or a word-level one")
     parser.add_argument("--final-only", action="store_true",
                         help="requests as offline generate adds them (text rendered once, at the end)")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.running.split(",")]
     with tempfile.TemporaryDirectory() as root:
-        engine = LLMEngine(model=write_model_dir("tiny", os.path.join(root, "tiny")), load_format="dummy",
+        engine = LLMEngine(model=write_model_dir("tiny", os.path.join(root, "tiny"), args.tokenizer), load_format="dummy",
                            device="cpu", dtype="float32", compile="off", max_num_seqs=max(counts),
                            max_num_batched_tokens=max(2048, 32 * max(counts)), num_kv_blocks=64 * max(counts) + 64,
                            enable_prefix_caching=True)
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for running in counts:
             timings = measure(engine, clock, running, args.steps, args.final_only)
             rows.append(dict(running=running, **timings))
-    print("\n" + machine() + f" Host path: {args.path}{', final-only outputs' if args.final_only else ''}.")
+    print("\n" + machine() + f" Host path: {args.path}{', final-only outputs' if args.final_only else ''}; "
+          f"{args.tokenizer} tokenizer.")
     print("| running requests | host ms / step | " + " | ".join(PHASES) + " | other |")
     print("|---:|---:|" + "---:|" * (len(PHASES) + 1))
     for row in rows:

@@ -9,6 +9,7 @@ downloaded: the shapes are written here from the models' published configs.
 from __future__ import annotations
 
 import json
+import random
 import os
 
 SHAPES: dict[str, dict] = {
@@ -30,15 +31,38 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def write_model_dir(shape: str, directory: str) -> str:
-    """config.json and a tokenizer for `shape` in `directory` (created); returns it."""
+def write_model_dir(shape: str, directory: str, tokenizer: str = "word") -> str:
+    """config.json and a tokenizer for `shape` in `directory` (created); returns it. tokenizer:
+    "word" (id i is the word "t<i>") or "byte-level" (a byte-level BPE, as Llama 3's, Qwen's and
+    SmolLM's are, trained here on a few sentences: its rendering path is theirs)."""
     config = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                   bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16")
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    _word_tokenizer(config["vocab_size"]).save_pretrained(directory)
+    make = {"word": _word_tokenizer, "byte-level": _byte_level_tokenizer}[tokenizer]
+    make(config["vocab_size"]).save_pretrained(directory)
     return directory
+
+
+SENTENCES = ("The quick brown fox jumps over the lazy dog. Serving many requests at once keeps the device busy; "
+             "caching the prefix of a prompt saves its prefill. Café, naïve, 日本語, emoji 🎉 and numbers 12345.")
+
+
+def _byte_level_tokenizer(vocab_size: int):
+    """A byte-level BPE of `vocab_size` ids (the 256 bytes, merges, bos/eos)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    words = random.Random(0)
+    filler = " ".join("".join(words.choice("etaoinshrdlucmfwyp") for _ in range(words.randint(2, 9))) for _ in range(4000))
+    tokenizer.train_from_iterator([SENTENCES] * 50 + [filler], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
 
 
 def _word_tokenizer(vocab_size: int):

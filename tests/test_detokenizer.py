@@ -84,3 +84,48 @@ def test_random_byte_tokens_render_without_failing(sentencepiece_tokenizer):
         output = [rng.randrange(3, len(tok)) for _ in range(40)]
         deltas = stream(tok, prompt, output)
         assert len(deltas) == len(output) + 1 and "".join(deltas).strip()
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_byte_level_table_gives_the_decode_streams_deltas(tokenizer, skip_special_tokens):
+    """Byte-level tokenizers (the bundled model's) render from a table of each token's bytes,
+    no decoder call: token for token the same deltas as the tokenizers package's DecodeStream
+    on valid text, special tokens and emoji split over tokens included. Random tokens (bytes
+    that form no character) render as a full decode does; there the stream, which waits on
+    such bytes, may differ in where a U+FFFD appears."""
+    import random
+
+    from tokenizers.decoders import DecodeStream
+
+    from pagedserve.backend.detokenizer import ByteLevelTable
+
+    table = ByteLevelTable.of(tokenizer)
+    assert table is not None and table.special
+    rng = random.Random(1)
+    texts = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+    prompt = tokenizer.encode("Say something:")
+    options = dict(skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    for trial in range(30):
+        output = list(rng.choice(texts))
+        whole = [i for i in range(len(output) + 1) if "\ufffd" not in tokenizer.decode(output[:i])]  # between characters
+        output.insert(rng.choice(whole), rng.choice(sorted(table.special)))
+        fast = IncrementalDetokenizer(tokenizer, list(prompt), len(prompt), skip_special_tokens)
+        reference = IncrementalDetokenizer(tokenizer, list(prompt), len(prompt), skip_special_tokens)
+        reference.table, reference.backend = None, tokenizer._tokenizer  # the DecodeStream path
+        reference.stream = DecodeStream(ids=reference.context(len(prompt)), skip_special_tokens=skip_special_tokens)
+        for token in output:
+            fast.token_ids.append(token)
+            reference.token_ids.append(token)
+            assert fast.update() == reference.update()
+            assert fast.rendered >= reference.rendered  # a skipped special token is a clean boundary at once
+        assert fast.update(final=True) == reference.update(final=True) == ""
+    for _ in range(30):
+        output = [rng.randrange(len(tokenizer)) for _ in range(30)]
+        deltas = stream(tokenizer, prompt, output)
+        assert "".join(deltas) == tokenizer.decode(output, **{**options, "skip_special_tokens": True})
+
+
+def test_no_table_where_decoding_is_not_bytes_end_to_end(sentencepiece_tokenizer):
+    from pagedserve.backend.detokenizer import ByteLevelTable
+
+    assert ByteLevelTable.of(sentencepiece_tokenizer) is None
