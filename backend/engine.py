@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 import itertools
 import logging
+import threading
 import time
 from typing import Any, Iterable, Sequence as Seq
 
@@ -42,6 +43,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sample_group import SampleGroup, SampleGroups, sample_id
 from .sequence import FinishReason, Sequence, SequenceStatus
+from .structured_output import GrammarCompiler
 from .tokenizer import apply_chat_template, encode_prompt
 
 logger = logging.getLogger("pagedserve")
@@ -122,6 +124,8 @@ class LLMEngine:
             calibrate_kv_scales(self.runner, self.encode(CALIBRATION_TEXT)[: self.max_model_len])
         self.runner.capture_graphs()  # after calibration: the captured kernels take the KV scales as constants
         self.sampler = Sampler(self.model_config.eos_token_ids, config.seed, self.device)
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self.async_scheduling = async_scheduling_wanted(config, self.device)
         """Schedule step k+1 while step k runs on the device (`step`)."""
         self._in_flight: InFlightStep | None = None
@@ -150,12 +154,25 @@ class LLMEngine:
             raise InvalidRequestError("prompt", "must be a non-empty string")
         return encode_prompt(self.tokenizer, prompt)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """xgrammar's compiler for this model's vocabulary, made at the first request with a
+        structured output (admission threads may race here)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                 list(self.model_config.eos_token_ids))
+                self.sampler.grammars = self._grammars
+            return self._grammars
+
     def check_admission(self, prompt_token_ids: Seq[int], params: SamplingParams, arriving: int = 0) -> None:
         """The one admission check: InvalidRequestError for a request this engine cannot
         serve, QueueFullError when the queue has no room for it after `arriving` requests
         accepted but not yet added (the engine thread's inbox)."""
         self._validate_prompt(prompt_token_ids)
         params.check_vocab(self.model_config.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammars.prepare(params.structured_outputs)
         config = self.config
         params.check_limits(config.max_stop_strings, config.max_stop_chars, config.max_bad_words)
         self.scheduler.check_room(arriving)
@@ -306,7 +323,13 @@ class LLMEngine:
             return []
         tokens = step.tokens.tolist()
         logprobs = self.sampler.logprobs(step.logits, step.batch.sampling_seqs, tokens) if step.logits is not None else None
+        constrained = [(seq, token) for seq, token in zip(step.batch.sampling_seqs, tokens) if seq.grammar is not None]
+        for seq, token in constrained:
+            seq.grammar.accept_token(token)
         advanced = self.scheduler.update_from_output(step.batch, tokens, logprobs)
+        for seq, _ in constrained:
+            if seq.grammar.is_terminated() and not seq.is_finished:  # complete (ignore_eos, or EOS not the stop)
+                self.scheduler.finish(seq, FinishReason.STOP)
         return [output for seq in advanced if (output := self._render(seq)) is not None]
 
     def _merge_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

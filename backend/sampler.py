@@ -10,6 +10,7 @@ Logprobs are those of the model's raw distribution.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,8 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device):
+        self.grammars: Any = None
+        """The engine's GrammarCompiler, once a request has a structured output."""
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
         self.generator = torch.Generator(device=device)
@@ -53,6 +56,7 @@ class Sampler:
         if not rows:
             return logits
         logits = logits.clone()
+        constrained = [i for i in rows if seqs[i].params.structured_outputs is not None]
         for i in rows:
             seq, row = seqs[i], logits[i]
             p = seq.params
@@ -68,6 +72,11 @@ class Sampler:
             banned = self._banned_tokens(seq)
             if banned:
                 row[torch.tensor(banned, device=row.device)] = float("-inf")
+        if constrained:  # last: what the grammar allows, of what the other processors left
+            for i in constrained:
+                if seqs[i].grammar is None:
+                    seqs[i].grammar = self.grammars.matcher(seqs[i].params.structured_outputs)
+            self.grammars.mask(logits, constrained, [seqs[i].grammar for i in constrained])
         return logits
 
     def _banned_tokens(self, seq: Sequence) -> list[int]:
@@ -121,7 +130,8 @@ class Sampler:
 
 def _has_processors(seq: Sequence) -> bool:
     p = seq.params
-    return p.needs_penalties or bool(p.bad_words_ids) or seq.num_output_tokens < p.min_tokens
+    return (p.needs_penalties or bool(p.bad_words_ids) or seq.num_output_tokens < p.min_tokens
+            or p.structured_outputs is not None)
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .errors import InvalidRequestError
+from .structured_output import BACKEND_KEYS, LEGACY_KEYS, StructuredOutputs
 from .values import to_bool, to_float, to_int
 
 _MAX_LOGPROBS = 20
@@ -58,6 +59,8 @@ class SamplingParams:
     stream_interval: int | None = None
     """Tokens gathered into each streamed delta (vLLM's key): raises the engine's `stream_interval`
     for this request, never lowers it. The first and the final delta go out at once."""
+    structured_outputs: StructuredOutputs | None = None
+    """The grammar every sampled token must follow (backend/structured_output.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,7 +82,8 @@ class SamplingParams:
         """Whether sampling this request's next token needs all its earlier tokens on the
         host (penalties, bad words, min_tokens) or hands values back (logprobs): the engine
         then finishes each step before scheduling the next (no async scheduling)."""
-        return self.needs_penalties or bool(self.bad_words_ids) or self.min_tokens > 0 or self.logprobs is not None
+        return (self.needs_penalties or bool(self.bad_words_ids) or self.min_tokens > 0 or self.logprobs is not None
+                or self.structured_outputs is not None)
 
     @property
     def needs_penalties(self) -> bool:
@@ -94,7 +98,24 @@ class SamplingParams:
         """Build from a JSON object; casts "0"/"1500"/"true" and names any bad field."""
         names = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
+        if "guided_decoding" in values:  # vLLM's name for structured_outputs before v0.10
+            if "structured_outputs" in values:
+                raise InvalidRequestError("guided_decoding", "give structured_outputs or guided_decoding, not both")
+            values = {**values, "structured_outputs": values["guided_decoding"]}
+            values.pop("guided_decoding")
+            if isinstance(values["structured_outputs"], Mapping):
+                nested = dict(values["structured_outputs"])
+                backend = nested.pop("backend", None)
+                values["structured_outputs"] = nested
+                if backend is not None:
+                    values.setdefault("guided_decoding_backend", backend)
+        constraint = StructuredOutputs.from_request(values)
+        if constraint is not None:
+            kwargs["structured_outputs"] = constraint
+        grammar_keys = {"structured_outputs", *LEGACY_KEYS, *BACKEND_KEYS}
         for key, value in values.items():
+            if key in grammar_keys:
+                continue
             if key in VLLM_NEUTRAL_ONLY:
                 _check_neutral(key, value)
                 continue
@@ -191,8 +212,6 @@ VLLM_NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((None,), "prompt logprobs are not returned by the Triton models"),
     "detokenize": ((True,), "detokenize=false is not supported; the text models always detokenize"),
     "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not supported"),
-    "guided_decoding": (({},), "guided decoding is not supported"),
-    "structured_outputs": (({},), "structured outputs (guided decoding) are not supported"),
     "logits_processors": (([],), "custom logits processors are not supported"),
     "logit_bias": (({},), "logit_bias is not supported"),
     "allowed_token_ids": (([],), "allowed_token_ids is not supported"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +69,8 @@ class Sequence:
     """Which of the request's n samples this is."""
     fork_of: "Sequence | None" = None
     """The sample whose prompt blocks this one shares (n > 1)."""
+    grammar: Any = None
+    """Its structured output's matcher (xgrammar), made at its first sampled token."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

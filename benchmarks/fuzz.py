@@ -158,7 +158,8 @@ SAMPLING_KEYS = ["max_tokens", "n", "best_of", "min_tokens", "temperature", "top
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs", "ignore_eos",
                  "stop", "stop_token_ids", "bad_words", "bad_words_ids", "include_stop_str_in_output",
                  "skip_special_tokens", "stream_interval", "use_beam_search", "logit_bias", "guided_json",
-                 "truncate_prompt_tokens", "spaces_between_special_tokens", "no_such_key"]
+                 "truncate_prompt_tokens", "spaces_between_special_tokens", "no_such_key", "structured_outputs",
+                 "guided_regex", "guided_choice", "guided_grammar", "guided_decoding", "guided_decoding_backend"]
 
 
 @st.composite

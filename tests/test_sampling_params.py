@@ -71,7 +71,7 @@ def test_vllm_keys_are_accepted_at_their_neutral_values():
 
 @pytest.mark.parametrize("key, value, says", [
     ("best_of", 3, "best_of"), ("use_beam_search", True, "beam search"),
-    ("guided_decoding", {"json": {}}, "guided decoding"), ("logit_bias", {"5": 10}, "logit_bias"),
+    ("allowed_token_ids", [1], "allowed_token_ids"), ("logit_bias", {"5": 10}, "logit_bias"),
     ("prompt_logprobs", 1, "prompt logprobs"),
 ])
 def test_vllm_keys_we_cannot_honour_are_refused_naming_the_key(key, value, says):

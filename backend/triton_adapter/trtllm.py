@@ -61,8 +61,6 @@ REFUSED = {
     "decoder_text_input": "encoder-decoder models are not supported",
     "decoder_input_ids": "encoder-decoder models are not supported",
     "decoder_input_lengths": "encoder-decoder models are not supported",
-    "guided_decoding_guide_type": "guided decoding is not supported",
-    "guided_decoding_guide": "guided decoding is not supported",
 }
 """Declared inputs we cannot honour: refused with what to do instead. A BOOL among
 them is accepted when false, `beam_width` when 1."""
@@ -180,9 +178,33 @@ def parse_trtllm_request(
     with_logprobs = flag(inputs, "return_log_probs")
     if with_logprobs:
         values["logprobs"] = 0
+    values.update(guided_decoding(inputs))
     stream = flag(inputs, _name_of(names, "stream"))
     exclude = flag(inputs, "exclude_input_in_output", exclude_default)
     return TrtllmRequest(values, stream, exclude or stream, with_logprobs)
+
+
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar",
+               "structural_tag": "structural_tag"}
+"""TensorRT-LLM's `guided_decoding_guide_type` -> vLLM's structured_outputs kind (`json`: any JSON object)."""
+
+
+def guided_decoding(inputs: Arrays) -> dict[str, Any]:
+    """`guided_decoding_guide_type` and `guided_decoding_guide` as a structured_outputs value."""
+    kind = scalar(inputs, "guided_decoding_guide_type")
+    guide = scalar(inputs, "guided_decoding_guide")
+    if kind is None:
+        if guide is not None:
+            raise InvalidRequestError("guided_decoding_guide_type", f"is required with guided_decoding_guide; one of {sorted(GUIDE_TYPES)}")
+        return {}
+    kind = str(kind)
+    if kind not in GUIDE_TYPES:
+        raise InvalidRequestError("guided_decoding_guide_type", f"{kind!r} is not one of {sorted(GUIDE_TYPES)}")
+    if GUIDE_TYPES[kind] == "json_object":
+        return {"structured_outputs": {"json_object": True}}
+    if not guide:
+        raise InvalidRequestError("guided_decoding_guide", f"is required with guided_decoding_guide_type {kind!r}")
+    return {"structured_outputs": {GUIDE_TYPES[kind]: str(guide)}}
 
 
 def _name_of(names: Mapping[str, str], key: str) -> str:

@@ -113,3 +113,23 @@ def test_tensorrt_llm_bls_sends_text_1d_as_its_clients_read_it(engine, relay):
     assert flags == FINAL and response.outputs()["text_output"].tolist() == [b"Hiok"]  # the prompt comes along by default, as there
     assert response.outputs()["cum_log_probs"].shape == (1, 1)
     assert json.loads(engine.pb_utils.bls_requests[0].inputs["sampling_parameters"][0])["logprobs"] == 0
+
+
+def test_guided_decoding_inputs_become_structured_outputs():
+    from pagedserve.backend.triton_adapter.trtllm import guided_decoding
+
+    def arrays(**values):
+        return {name: np.array([value.encode()], dtype=np.object_) for name, value in values.items()}
+
+    assert guided_decoding({}) == {}
+    assert guided_decoding(arrays(guided_decoding_guide_type="json")) == {"structured_outputs": {"json_object": True}}
+    assert guided_decoding(arrays(guided_decoding_guide_type="json_schema", guided_decoding_guide='{"type": "object"}')) == {
+        "structured_outputs": {"json": '{"type": "object"}'}}
+    assert guided_decoding(arrays(guided_decoding_guide_type="ebnf_grammar", guided_decoding_guide='root ::= "a"')) == {
+        "structured_outputs": {"grammar": 'root ::= "a"'}}
+    for bad, field in ((arrays(guided_decoding_guide_type="xml", guided_decoding_guide="x"), "guided_decoding_guide_type"),
+                       (arrays(guided_decoding_guide_type="regex"), "guided_decoding_guide"),
+                       (arrays(guided_decoding_guide="a+"), "guided_decoding_guide_type")):
+        with pytest.raises(InvalidRequestError) as refused:
+            guided_decoding(bad)
+        assert refused.value.field == field

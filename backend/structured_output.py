@@ -1,0 +1,157 @@
+"""Structured outputs: a grammar per request that every sampled token must follow.
+
+A request names one constraint (vLLM's `structured_outputs` keys, or the older `guided_*`
+ones): a JSON schema, any JSON object, a regular expression, an EBNF grammar, a choice among
+strings, or a structural tag. xgrammar compiles it against the model's vocabulary once
+(cached by its text) on the thread that admits the request, not the engine's; each step the
+constrained rows' logits are masked by one batched token bitmask, and each sampled token
+advances the request's matcher. End-of-sequence is allowed only where the grammar accepts,
+and a request whose grammar is complete ends there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .errors import InvalidRequestError
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+LEGACY_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+               "guided_grammar": "grammar", "guided_json_object": "json_object"}
+"""vLLM's keys before `structured_outputs` (Triton's vLLM backend passes them through)."""
+BACKEND_KEYS = ("guided_decoding_backend", "guided_whitespace_pattern")
+BACKENDS = ("", "auto", "xgrammar")
+_WHERE = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")
+"""The time and C++ source location xgrammar puts before its messages."""
+MAX_WHITESPACE = 4
+"""Whitespace a JSON grammar allows in a row: without a bound a sampling model can fill
+max_tokens with spaces and the JSON never closes."""
+
+
+@dataclass
+class StructuredOutputs:
+    """The one constraint of a request: its kind and its text (a JSON text for json, choice
+    and structural_tag)."""
+
+    kind: str
+    spec: str
+    compiled: Any = field(default=None, repr=False, compare=False)
+    """xgrammar's CompiledGrammar, set at admission (GrammarCompiler.prepare)."""
+
+    @property
+    def field(self) -> str:
+        return f"structured_outputs.{self.kind}"
+
+    @classmethod
+    def from_request(cls, values: Mapping[str, Any]) -> StructuredOutputs | None:
+        """The constraint in a sampling_parameters object, or None; a named error when it is
+        malformed or names more than one kind."""
+        found: dict[str, Any] = {}
+        nested = values.get("structured_outputs")
+        if nested is not None:
+            if not isinstance(nested, Mapping):
+                raise InvalidRequestError("structured_outputs", f"must be an object with one of {list(KINDS)}")
+            unknown = sorted(set(nested) - set(KINDS) - {"disable_any_whitespace", "disable_fallback",
+                                                           "disable_additional_properties", "whitespace_pattern"})
+            if unknown:
+                raise InvalidRequestError("structured_outputs", f"unknown key(s) {unknown}; use one of {list(KINDS)}")
+            found.update({k: v for k, v in nested.items() if k in KINDS and v not in (None, False)})
+        for key, kind in LEGACY_KEYS.items():
+            if values.get(key) not in (None, False):
+                found[kind] = values[key]
+        backend = values.get("guided_decoding_backend")
+        if backend is not None and str(backend).split(":")[0] not in BACKENDS:
+            raise InvalidRequestError("guided_decoding_backend", f"{backend!r} is not offered; use 'xgrammar' (or leave it out)")
+        if not found:
+            return None
+        if len(found) > 1:
+            raise InvalidRequestError("structured_outputs", f"names {sorted(found)}; give exactly one")
+        (kind, value), = found.items()
+        return cls(kind, _spec_text(kind, value))
+
+
+def _spec_text(kind: str, value: Any) -> str:
+    name = f"structured_outputs.{kind}"
+    if kind == "json_object":
+        return ""
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise InvalidRequestError(name, "must be a non-empty list of non-empty strings")
+        return json.dumps(value)
+    if kind in ("json", "structural_tag"):
+        if isinstance(value, str):
+            try:
+                json.loads(value)
+            except ValueError as error:
+                raise InvalidRequestError(name, f"is not valid JSON ({error})") from None
+            return value
+        if isinstance(value, (Mapping, bool)):
+            return json.dumps(value)
+        raise InvalidRequestError(name, "must be a JSON schema (an object, or its JSON text)")
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(name, "must be a non-empty string")
+    return value
+
+
+class GrammarCompiler:
+    """xgrammar's compiler for one model's vocabulary; compiled grammars cached by their text."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+        self.lock = threading.Lock()
+
+    def prepare(self, constraint: StructuredOutputs) -> None:
+        """Compile the request's grammar (once per text; later requests reuse it). A grammar
+        that does not compile is the request's error, naming the field."""
+        if constraint.compiled is not None:
+            return
+        try:
+            with self.lock:  # one compile at a time; a text compiled before comes from the cache
+                constraint.compiled = self._compile(constraint)
+        except InvalidRequestError:
+            raise
+        except Exception as error:  # xgrammar's own: a bad schema, regex or grammar
+            lines = str(error).strip().splitlines()
+            message = _WHERE.sub("", lines[0]) if lines else type(error).__name__
+            raise InvalidRequestError(constraint.field, f"does not compile: {message[:300]}") from None
+
+    def _compile(self, constraint: StructuredOutputs) -> Any:
+        compiler, kind, spec = self.compiler, constraint.kind, constraint.spec
+        if kind == "json":
+            return compiler.compile_json_schema(spec, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
+        if kind == "json_object":  # any object, whitespace bounded (xgrammar's builtin JSON grammar is not)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
+        if kind == "regex":
+            return compiler.compile_regex(spec)
+        if kind == "grammar":
+            return compiler.compile_grammar(spec)
+        if kind == "choice":
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec)))
+        return compiler.compile_structural_tag(spec)
+
+    def matcher(self, constraint: StructuredOutputs) -> Any:
+        return self.xgr.GrammarMatcher(constraint.compiled)
+
+    def mask(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+        """Mask, in place, the tokens each row's grammar does not allow next."""
+        bitmask = self.xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for j, matcher in enumerate(matchers):
+            matcher.fill_next_token_bitmask(bitmask, j)
+        selected = logits[rows] if len(rows) != logits.shape[0] else logits
+        if selected.device.type != "cpu":
+            bitmask = bitmask.to(selected.device, non_blocking=True)
+        width = selected.shape[-1]
+        self.xgr.apply_token_bitmask_inplace(selected, bitmask, vocab_size=min(width, self.vocab_size))
+        if selected is not logits:
+            logits[rows] = selected
