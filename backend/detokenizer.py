@@ -154,7 +154,7 @@ class IncrementalDetokenizer:
             try:
                 pieces.append(pending.decode())
             except UnicodeDecodeError as error:
-                if error.reason == "unexpected end of data" and not final:
+                if error.reason == "unexpected end of data" and (not final or self.stepped < len(ids)):
                     self.pending = pending  # a character split over tokens: wait for the rest
                     continue
                 pieces.append(pending.decode(errors="replace"))  # bytes no character can be made of

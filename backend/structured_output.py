@@ -138,6 +138,11 @@ class GrammarCompiler:
             return compiler.compile_grammar(spec)
         if kind == "choice":
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec)))
+        value = json.loads(spec)
+        if isinstance(value, dict) and "structures" in value:  # vLLM's older form: begin / schema / end, triggers
+            tags = [self.xgr.StructuralTagItem(begin=item["begin"], schema=json.dumps(item.get("schema", {})),
+                                               end=item["end"]) for item in value["structures"]]
+            return compiler.compile_structural_tag(tags, list(value.get("triggers", [])))
         return compiler.compile_structural_tag(spec)
 
     def matcher(self, constraint: StructuredOutputs) -> Any:

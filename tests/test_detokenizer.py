@@ -129,3 +129,14 @@ def test_no_table_where_decoding_is_not_bytes_end_to_end(sentencepiece_tokenizer
     from pagedserve.backend.detokenizer import ByteLevelTable
 
     assert ByteLevelTable.of(sentencepiece_tokenizer) is None
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_the_whole_output_rendered_at_once_is_the_decode(tokenizer, text):
+    """Offline generate renders a request's text once, at its end (final_only): characters split
+    over tokens in the middle are whole there too."""
+    prompt = tokenizer.encode("Say something:")
+    output = tokenizer.encode(text, add_special_tokens=False)
+    token_ids = list(prompt) + output
+    detok = IncrementalDetokenizer(tokenizer, token_ids, len(prompt))
+    assert detok.update(final=True) == text

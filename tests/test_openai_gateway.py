@@ -46,7 +46,9 @@ def test_text_parts_are_joined_and_developer_reads_as_system():
 
 @pytest.mark.parametrize("fields, param", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
@@ -150,3 +152,18 @@ def test_a_grpc_failure_does_not_tell_the_client_where_triton_is(caplog):
             asyncio.run(attempt(code))
         assert failed.value.status == status and "triton.internal" not in failed.value.message
     assert "triton.internal:8001" in caplog.text  # the operator still finds it in the log
+
+
+def test_response_format_and_vllms_grammar_fields_become_structured_outputs():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases = [
+        ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"json_object": True}}),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}},
+         {"structured_outputs": {"json": schema}}),
+        ({"guided_choice": ["a", "b"]}, {"guided_choice": ["a", "b"]}),
+        ({"structured_outputs": {"regex": "x+"}, "response_format": {"type": "text"}}, {"structured_outputs": {"regex": "x+"}}),
+    ]
+    for fields, expected in cases:
+        request = ChatCompletionRequest(**({"model": "llm", "messages": [{"role": "user", "content": "hi"}]} | fields))
+        sampling = chat_request(request, 16).sampling
+        assert {k: v for k, v in sampling.items() if k in expected} == expected

@@ -114,3 +114,18 @@ def test_n_samples_each_follow_the_grammar_and_ignore_eos_ends_where_it_is_compl
     texts = [sample.text for sample in output.samples] if output.samples else [output.text]
     assert len(texts) == 3 and all(t in ("alpha", "beta", "gamma") for t in texts), texts
     assert_engine_idle(engine)
+
+
+def test_structural_tags_in_both_forms_compile_and_bad_ones_are_refused(engine):
+    legacy = {"type": "structural_tag", "triggers": ["<call>"],
+              "structures": [{"begin": "<call>", "schema": {"type": "object", "properties": {"x": {"type": "integer"}}},
+                              "end": "</call>"}]}
+    current = {"type": "structural_tag", "format": {"type": "tag", "begin": "<b>", "content": {"type": "json_schema",
+               "json_schema": {"type": "integer"}}, "end": "</b>"}}
+    for tag in (legacy, current):
+        engine.check_admission(engine.encode("Hi"), SamplingParams.from_dict({"structured_outputs": {"structural_tag": tag}}))
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.check_admission(engine.encode("Hi"), SamplingParams.from_dict(
+            {"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": {"type": "nope"}}}}))
+    assert refused.value.field == "structured_outputs.structural_tag"
+    assert_engine_idle(engine)

@@ -35,12 +35,11 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "web_search_options": (None,),
     "suffix": (None, ""),
     "use_beam_search": (None, False),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
 }
+_GRAMMAR_KEYS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "guided_decoding_backend")
+"""vLLM's structured-output fields (an extension OpenAI-speaking tools send to vLLM): passed to
+`llm` as they are, where they are checked and refused by name."""
 
 
 @dataclass
@@ -129,7 +128,32 @@ def _sampling(request: SamplingFields, max_tokens: int, logprobs: int | None) ->
         values["stop"] = [request.stop] if isinstance(request.stop, str) else list(request.stop)
     if logprobs is not None:
         values["logprobs"] = logprobs
+    values.update(_structured(request))
     return values
+
+
+def _structured(request: SamplingFields) -> dict[str, Any]:
+    """`response_format` (json_object, json_schema) and vLLM's grammar fields, as `llm`'s
+    structured outputs."""
+    extra = request.model_extra or {}
+    values = {name: extra[name] for name in _GRAMMAR_KEYS if extra.get(name) is not None}
+    response_format = extra.get("response_format")
+    if response_format in (None, {"type": "text"}):
+        return values
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if values and kind in ("json_object", "json_schema"):
+        raise OpenAIError(400, f"`response_format` and `{next(iter(values))}` both constrain the output; send one",
+                          param="response_format")
+    if kind == "json_object":
+        return {"structured_outputs": {"json_object": True}}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise OpenAIError(400, "`response_format.json_schema.schema`: must be a JSON schema object",
+                              param="response_format.json_schema.schema")
+        return {"structured_outputs": {"json": schema}}
+    raise unsupported("response_format", "must be of type text, json_object or json_schema")
 
 
 def _message(index: int, message: ChatMessage) -> dict[str, str]:
@@ -151,9 +175,6 @@ def _refuse_unsupported(request: SamplingFields) -> None:
         value = extra.get(name)
         if value not in neutral:
             raise unsupported(name)
-    response_format = extra.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise unsupported("response_format", "other than {\"type\": \"text\"} is not supported")
     modalities = extra.get("modalities")
     if modalities not in (None, ["text"]):
         raise unsupported("modalities", "other than [\"text\"] is not supported")

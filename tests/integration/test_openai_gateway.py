@@ -296,3 +296,28 @@ def test_the_load_generator_speaks_openai(gateway, monkeypatch):
                          prompt_len_range=0, output_len=8, warmup=0)
     summary = run_benchmark(config, progress=False).summary
     assert (summary.num_errors, summary.total_output_tokens, summary.total_prompt_tokens) == (0, 32, 4 * 32)
+
+
+def test_json_schema_response_format_and_the_sdks_parse_helper(client):
+    """The openai SDK unchanged: `parse` with a Pydantic model sends a strict json_schema
+    response_format and parses the answer; json_object gives an object; a schema that does not
+    compile is a 400."""
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=99)
+
+    for seed in range(2):
+        parsed = client.chat.completions.parse(model="llm", messages=CHAT, response_format=Person, max_tokens=120,
+                                               temperature=1.0, seed=seed)
+        assert isinstance(parsed.choices[0].message.parsed, Person)
+    ask = [{"role": "user", "content": "Reply with a JSON object with one key, colour."}]
+    answer = client.chat.completions.create(model="llm", messages=ask, max_tokens=300, temperature=0,
+                                            response_format={"type": "json_object"})
+    assert isinstance(json.loads(answer.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="llm", messages=CHAT, max_tokens=8,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    assert "does not compile" in bad.value.message
