@@ -203,10 +203,9 @@ class LLMEngine:
         final_only: only its finished output is wanted (`generate`): no text is rendered
         step by step (OutputRenderer)."""
         params = params or SamplingParams()
-        params.check_limits(self.config.max_stop_strings, self.config.max_stop_chars, self.config.max_bad_words)
-        params = self._with_bad_word_ids(params)  # before tokenizing every bad word
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self.check_admission(ids, params)
+        self.check_admission(ids, params)  # its caps count the words the request gave, before they are tokenized
+        params = self._with_bad_word_ids(params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.groups or request_id in self.renderers:
             raise ValueError(f"request id {request_id!r} is already in use")

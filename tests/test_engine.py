@@ -217,4 +217,6 @@ def test_stop_strings_and_bad_words_are_capped_by_the_configuration(engine):
         with pytest.raises(InvalidRequestError, match=knob) as caught:
             engine.add_request([1, 2, 3], params)
         assert caught.value.field == field
+    at_cap = SamplingParams(max_tokens=1, bad_words=[f"w{i}" for i in range(config.max_bad_words)])
+    engine.generate([[1, 2, 3]], at_cap, use_tqdm=False)  # counted as given, not as the ids its words become
     assert_engine_idle(engine)
