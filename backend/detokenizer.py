@@ -29,20 +29,6 @@ except ImportError:  # tokenizers < 0.21
     DecodeStream = None
 
 
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """GPT-2's printable stand-in character for each byte, inverted."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
-        list(range(ord("\xae"), ord("\xff") + 1))
-    stand_ins, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            stand_ins[chr(byte)] = byte
-        else:
-            stand_ins[chr(256 + extra)] = byte
-            extra += 1
-    return stand_ins
-
-
 class ByteLevelTable:
     """Each token's bytes, for a tokenizer whose decoder is byte-level alone; special tokens apart."""
 
@@ -71,11 +57,13 @@ class ByteLevelTable:
 
     @classmethod
     def _build(cls, backend: Any) -> ByteLevelTable | None:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
         spec = json.loads(backend.to_str())
         decoder = spec.get("decoder") or {}
         if decoder.get("type") != "ByteLevel":
             return None
-        byte_of = _gpt2_byte_decoder()
+        byte_of = {stand_in: byte for byte, stand_in in bytes_to_unicode().items()}  # GPT-2's printable stand-ins
         size = backend.get_vocab_size(with_added_tokens=True)
         pieces: list[bytes] = [b""] * size
         for token, index in backend.get_vocab(with_added_tokens=False).items():

@@ -162,7 +162,6 @@ class LLMEngine:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                                  list(self.model_config.eos_token_ids))
-                self.sampler.grammars = self._grammars
             return self._grammars
 
     def check_admission(self, prompt_token_ids: Seq[int], params: SamplingParams, arriving: int = 0) -> None:
@@ -218,11 +217,13 @@ class LLMEngine:
         return request_id
 
     def _start(self, seq: Sequence, final_only: bool = False) -> None:
-        """Give a sample its renderer and, with a seed, its generator (seed + sample index,
-        so the n samples of a seeded request differ yet repeat)."""
+        """Give a sample its renderer, with a grammar its matcher, and with a seed its generator
+        (seed + sample index, so the n samples of a seeded request differ yet repeat)."""
         if seq.params.seed is not None:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(seq.params.seed + seq.sample_index)
+        if seq.params.structured_outputs is not None:
+            seq.grammar = self.grammars.matcher(seq.params.structured_outputs)
         interval = max(self.config.stream_interval, seq.params.stream_interval or 1)
         self.renderers[seq.request_id] = OutputRenderer(seq, self.tokenizer, interval, final_only)
 

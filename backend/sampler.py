@@ -10,13 +10,13 @@ Logprobs are those of the model's raw distribution.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from pagedserve.kernels.first_max_cpu import first_max_index as first_max_cpu
 
 from .sampling_params import SamplingParams
+from .structured_output import mask_logits
 from .sequence import Sequence, TokenLogprob
 
 
@@ -28,8 +28,6 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device):
-        self.grammars: Any = None
-        """The engine's GrammarCompiler, once a request has a structured output."""
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
         self.generator = torch.Generator(device=device)
@@ -73,10 +71,7 @@ class Sampler:
             if banned:
                 row[torch.tensor(banned, device=row.device)] = float("-inf")
         if constrained:  # last: what the grammar allows, of what the other processors left
-            for i in constrained:
-                if seqs[i].grammar is None:
-                    seqs[i].grammar = self.grammars.matcher(seqs[i].params.structured_outputs)
-            self.grammars.mask(logits, constrained, [seqs[i].grammar for i in constrained])
+            mask_logits(logits, constrained, [seqs[i].grammar for i in constrained])
         return logits
 
     def _banned_tokens(self, seq: Sequence) -> list[int]:

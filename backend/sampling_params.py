@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .errors import InvalidRequestError
-from .structured_output import BACKEND_KEYS, LEGACY_KEYS, StructuredOutputs
+from .structured_output import REQUEST_KEYS as GRAMMAR_KEYS, StructuredOutputs
 from .values import to_bool, to_float, to_int
 
 _MAX_LOGPROBS = 20
@@ -98,23 +98,11 @@ class SamplingParams:
         """Build from a JSON object; casts "0"/"1500"/"true" and names any bad field."""
         names = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
-        if "guided_decoding" in values:  # vLLM's name for structured_outputs before v0.10
-            if "structured_outputs" in values:
-                raise InvalidRequestError("guided_decoding", "give structured_outputs or guided_decoding, not both")
-            values = {**values, "structured_outputs": values["guided_decoding"]}
-            values.pop("guided_decoding")
-            if isinstance(values["structured_outputs"], Mapping):
-                nested = dict(values["structured_outputs"])
-                backend = nested.pop("backend", None)
-                values["structured_outputs"] = nested
-                if backend is not None:
-                    values.setdefault("guided_decoding_backend", backend)
         constraint = StructuredOutputs.from_request(values)
         if constraint is not None:
             kwargs["structured_outputs"] = constraint
-        grammar_keys = {"structured_outputs", *LEGACY_KEYS, *BACKEND_KEYS}
         for key, value in values.items():
-            if key in grammar_keys:
+            if key in GRAMMAR_KEYS:
                 continue
             if key in VLLM_NEUTRAL_ONLY:
                 _check_neutral(key, value)

@@ -70,7 +70,7 @@ class Sequence:
     fork_of: "Sequence | None" = None
     """The sample whose prompt blocks this one shares (n > 1)."""
     grammar: Any = None
-    """Its structured output's matcher (xgrammar), made at its first sampled token."""
+    """Its structured output's matcher (xgrammar), made when the engine starts it."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -26,6 +26,8 @@ LEGACY_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": 
                "guided_grammar": "grammar", "guided_json_object": "json_object"}
 """vLLM's keys before `structured_outputs` (Triton's vLLM backend passes them through)."""
 BACKEND_KEYS = ("guided_decoding_backend", "guided_whitespace_pattern")
+REQUEST_KEYS = frozenset({"structured_outputs", "guided_decoding", *LEGACY_KEYS, *BACKEND_KEYS})
+"""Every sampling_parameters key StructuredOutputs.from_request reads."""
 BACKENDS = ("", "auto", "xgrammar")
 _WHERE = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")
 """The time and C++ source location xgrammar puts before its messages."""
@@ -53,7 +55,14 @@ class StructuredOutputs:
         """The constraint in a sampling_parameters object, or None; a named error when it is
         malformed or names more than one kind."""
         found: dict[str, Any] = {}
-        nested = values.get("structured_outputs")
+        nested, backend = values.get("structured_outputs"), values.get("guided_decoding_backend")
+        if values.get("guided_decoding") is not None:  # vLLM's name for structured_outputs before v0.10
+            if nested is not None:
+                raise InvalidRequestError("guided_decoding", "give structured_outputs or guided_decoding, not both")
+            nested = values["guided_decoding"]
+            if isinstance(nested, Mapping) and nested.get("backend") is not None:
+                nested = {k: v for k, v in nested.items() if k != "backend"}
+                backend = backend if backend is not None else values["guided_decoding"]["backend"]
         if nested is not None:
             if not isinstance(nested, Mapping):
                 raise InvalidRequestError("structured_outputs", f"must be an object with one of {list(KINDS)}")
@@ -65,7 +74,6 @@ class StructuredOutputs:
         for key, kind in LEGACY_KEYS.items():
             if values.get(key) not in (None, False):
                 found[kind] = values[key]
-        backend = values.get("guided_decoding_backend")
         if backend is not None and str(backend).split(":")[0] not in BACKENDS:
             raise InvalidRequestError("guided_decoding_backend", f"{backend!r} is not offered; use 'xgrammar' (or leave it out)")
         if not found:
@@ -106,7 +114,6 @@ class GrammarCompiler:
         import xgrammar as xgr
 
         self.xgr = xgr
-        self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         self.lock = threading.Lock()
@@ -146,17 +153,17 @@ class GrammarCompiler:
         return compiler.compile_structural_tag(spec)
 
     def matcher(self, constraint: StructuredOutputs) -> Any:
+        """A sequence's own matcher of its (prepared) grammar."""
         return self.xgr.GrammarMatcher(constraint.compiled)
 
-    def mask(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-        """Mask, in place, the tokens each row's grammar does not allow next."""
-        bitmask = self.xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for j, matcher in enumerate(matchers):
-            matcher.fill_next_token_bitmask(bitmask, j)
-        selected = logits[rows] if len(rows) != logits.shape[0] else logits
-        if selected.device.type != "cpu":
-            bitmask = bitmask.to(selected.device, non_blocking=True)
-        width = selected.shape[-1]
-        self.xgr.apply_token_bitmask_inplace(selected, bitmask, vocab_size=min(width, self.vocab_size))
-        if selected is not logits:
-            logits[rows] = selected
+
+def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+    """Mask, in place, the tokens each of `rows` may not take next under its matcher's grammar."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    for row, matcher in zip(rows, matchers):
+        matcher.fill_next_token_bitmask(bitmask, row)
+    if logits.device.type != "cpu":
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)

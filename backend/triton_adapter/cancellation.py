@@ -35,6 +35,7 @@ GENERATING_EVERY_S = 0.5
 """A request that is generating (it costs engine steps) and was not asked for this long goes
 before every waiting one."""
 
+
 class Throttle:
     """True at most once every `every_s` seconds: for logging a failure that may repeat every tick."""
 
