@@ -30,7 +30,7 @@ pack() {
 }
 
 install() {
-    site=/tmp/gpu-site
+    site="${TMPDIR:-/tmp}/pagedserve-gpu-site"  # the served environment, outside the checkout
     mkdir -p "$site/pagedserve"
     tar -xJf .gpu/tritonserver.tar.xz -C "$site"
     for name in backend kernels client; do ln -sfn "$here/$name" "$site/pagedserve/$name"; done
