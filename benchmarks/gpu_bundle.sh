@@ -7,7 +7,8 @@
 #
 # Packed: Triton 2.51's server, python backend and 3.12 stub out of the nvidia-pytriton
 # 0.7.0 wheel (xz, ~30 MB), numpy 1.26.4 (the 2.51 stub garbles string inputs under numpy
-# 2) and tritonclient 2.73.0 (the load generator). Installed into the image's own Python,
+# 2) and tritonclient 2.73.0 with what its gRPC client needs and the image lacks or
+# holds too old (python-rapidjson, grpcio, protobuf). Installed into the image's own Python,
 # which the stub embeds: it reads that environment's site-packages, not PYTHONPATH, so the
 # server's files and this checkout (`pagedserve` by path) are named there by a .pth file.
 set -euo pipefail
@@ -19,12 +20,12 @@ pack() {
     mkdir -p .gpu && rm -rf .gpu/*
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d "$tmp" nvidia-pytriton==0.7.0 numpy==1.26.4 tritonclient==2.73.0
+        --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$tmp" nvidia-pytriton==0.7.0 numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25 grpcio==1.85.1 protobuf==6.33.6
     (cd "$tmp" && unzip -q nvidia_pytriton-*.whl 'pytriton/tritonserver/bin/*' 'pytriton/tritonserver/backends/python/*' \
         'pytriton/tritonserver/python_backend_stubs/3.12/*' 'nvidia_pytriton.libs/*' \
         && tar -cJf "$here/.gpu/tritonserver.tar.xz" pytriton nvidia_pytriton.libs)
-    cp "$tmp"/numpy-*.whl "$tmp"/tritonclient-*.whl .gpu/
+    cp "$tmp"/*.whl .gpu/ && rm .gpu/nvidia_pytriton-*.whl
     rm -rf "$tmp"
     du -sh .gpu
 }
@@ -35,7 +36,8 @@ install() {
     tar -xJf .gpu/tritonserver.tar.xz -C "$site"
     for name in backend kernels client; do ln -sfn "$here/$name" "$site/pagedserve/$name"; done
     python3 -m pip install -q --no-index --no-deps --no-compile .gpu/*.whl
-    python3 -m pip uninstall -q -y scikit-learn || true  # built on numpy 2: transformers would fail to import it
+    # built on numpy 2: transformers (the peer) imports scipy where it is installed, and fails under numpy 1
+    python3 -m pip uninstall -q -y scikit-learn scipy || true
     echo "$site" > "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pagedserve-gpu.pth"
     python3 -c "import numpy, pagedserve.backend, tritonclient.grpc; print('served environment ready, numpy', numpy.__version__)"
 }
