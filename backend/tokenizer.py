@@ -70,16 +70,28 @@ def encode_words(tokenizer: Any, words: list[str]) -> list[list[int]]:
     return [list(tokenizer.encode(word, add_special_tokens=False)) for word in words if word]
 
 
-def apply_chat_template(tokenizer: Any, messages: Any, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a chat (list of {"role", "content"} messages) in the model's template."""
+def apply_chat_template(tokenizer: Any, messages: Any, add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a chat in the model's template: a list of {"role", "content"} messages,
+    where an assistant turn may carry `tool_calls` and a `tool` turn answers one; `tools`
+    (function definitions, OpenAI's shape) are handed to the template, which decides how
+    the model sees them."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
     for index, message in enumerate(messages):
         if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
             raise InvalidRequestError(f"messages[{index}]", "must be an object with string 'role' and 'content'")
+        if not isinstance(message.get("tool_calls", []), list):
+            raise InvalidRequestError(f"messages[{index}].tool_calls", "must be a list of tool calls")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
+        raise InvalidRequestError("tools", "must be a JSON list of tool definitions (objects)")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages", "this model has no chat template; send plain text instead")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # the template's own refusal (jinja's raise_exception, a missing key)
+        raise InvalidRequestError("messages", f"the model's chat template refused them: {error}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

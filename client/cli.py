@@ -80,6 +80,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
     """`pagedserve openai`'s flags: GatewayConfig's fields (its defaults, shown here)."""
     from .openai_gateway.config import API_KEY_ENV, API_KEY_FILE_ENV, FLAGS, GatewayConfig  # light: no server imports
+    from .openai_gateway.tools import PARSERS
 
     defaults = GatewayConfig.__dataclass_fields__
 
@@ -105,6 +106,9 @@ def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
                      help="serve a non-loopback --host without a key (anyone who reaches it can use the models)")
     openai.add_argument("--default-max-tokens", type=int, default=default("default_max_tokens"),
                         help="max_tokens of a request that gives none (default: %(default)s)")
+    openai.add_argument(FLAGS["tool_call_parser"], dest="tool_call_parser", default=default("tool_call_parser"),
+                        choices=PARSERS, help="how tool_choice auto reads the model's tool calls: hermes (Hermes, "
+                                              "Qwen), mistral, llama3_json, or auto: each by its markers (default: %(default)s)")
     limits = openai.add_argument_group("limits", "What one request or connection may take; the errors past the "
                                                  "body, choices and time limits name their flag.")
     helps = {

@@ -45,7 +45,7 @@ def test_text_parts_are_joined_and_developer_reads_as_system():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),

@@ -77,15 +77,14 @@ class EngineRequest:
 
 def parse_prompt(inputs: Arrays, tokenizer: Any) -> list[int]:
     """Token ids of `text_input` (raw, or chat-templated when `apply_chat_template`),
-    or of `messages` (a JSON list of chat messages)."""
+    or of `messages` (a JSON list of chat messages; `tools`, a JSON list of function
+    definitions, goes to the chat template with them)."""
     messages = scalar(inputs, "messages")
     text = scalar(inputs, "text_input")
     if messages:
-        try:
-            parsed = json.loads(messages)
-        except json.JSONDecodeError as error:
-            raise InvalidRequestError("messages", f"is not valid JSON ({error.msg} at position {error.pos})") from None
-        return apply_chat_template(tokenizer, parsed)
+        tools = scalar(inputs, "tools")
+        return apply_chat_template(tokenizer, _json_input("messages", messages),
+                                   tools=_json_input("tools", tools) if tools else None)
     if text is None:
         raise InvalidRequestError("text_input", "is required (or send `messages` as a JSON chat)")
     if not text:
@@ -93,6 +92,13 @@ def parse_prompt(inputs: Arrays, tokenizer: Any) -> list[int]:
     if flag(inputs, "apply_chat_template"):
         return apply_chat_template(tokenizer, [{"role": "user", "content": text}])
     return encode_prompt(tokenizer, text)
+
+
+def _json_input(name: str, value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise InvalidRequestError(name, f"is not valid JSON ({error.msg} at position {error.pos})") from None
 
 
 def parse_engine_request(

@@ -108,13 +108,15 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         model = triton_model(body.model)
-        llm_request = translate.chat_request(body, config.default_max_tokens, config.max_choices_per_request)
+        llm_request = translate.chat_request(body, config.default_max_tokens, config.max_choices_per_request,
+                                             config.tool_call_parser)
         header = responses.ResponseHeader.new("chatcmpl", body.model)
         result = responses.Accumulator(n=body.n)
         steps = bounded([app.state.triton.stream(model, llm_request)])
         if not body.stream:
             await until_disconnect(request, collect(steps, result))
-            return JSONResponse(responses.chat_completion(header, result).model_dump())
+            return JSONResponse(responses.chat_completion(header, result, llm_request.tools).model_dump())
+        calls = responses.StreamedCalls(llm_request.tools) if llm_request.tools and llm_request.tools.parses else None
 
         async def chunks(first: tuple[int, LLMStep] | None) -> AsyncIterator[BaseModel]:
             if first is not None:  # the role chunk's running usage has the prompt (vLLM's does)
@@ -122,7 +124,7 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
             yield with_usage(responses.chat_role_chunk(header, body.n), result, body.continuous_usage)
             async for _, step in prepend(first, steps):
                 result.add(step)
-                for chunk in responses.chat_chunks(header, step):
+                for chunk in responses.chat_chunks(header, step, calls):
                     yield with_usage(chunk, result, body.continuous_usage)
             if body.include_usage:
                 yield responses.usage_chunk(header, result, chat=True)

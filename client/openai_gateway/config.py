@@ -13,6 +13,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from .tools import PARSERS
+
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 API_KEY_FILE_ENV = "PAGEDSERVE_API_KEY_FILE"
 LOOPBACK = "127.0.0.1"
@@ -27,6 +29,7 @@ FLAGS = {
     "body_timeout_s": "--body-timeout",
     "keep_alive_timeout_s": "--keep-alive-timeout",
     "request_timeout_s": "--request-timeout",
+    "tool_call_parser": "--tool-call-parser",
 }
 
 
@@ -61,6 +64,9 @@ class GatewayConfig:
     """Serve a non-loopback `host` without an API key (anyone who reaches it can use it)."""
     default_max_tokens: int = 16
     """max_tokens when a request gives none (vLLM's and Triton's frontend's default)."""
+    tool_call_parser: str = "auto"
+    """How `tool_choice: auto` reads a model's tool calls (vLLM's --tool-call-parser): hermes
+    (Hermes, Qwen), mistral, llama3_json, or auto (each family known by its own markers)."""
     # -- limits --------------------------------------------------------------------------
     max_body_bytes: int = 4 * 1024 * 1024
     """Largest request body (bytes); a larger one gets 413."""
@@ -91,6 +97,9 @@ class GatewayConfig:
             raise GatewayConfigError("served_model_name: only with exactly one model")
         if self.default_max_tokens < 1:
             raise GatewayConfigError(f"default_max_tokens: {self.default_max_tokens} must be at least 1")
+        if self.tool_call_parser not in PARSERS:
+            raise GatewayConfigError(f"tool_call_parser (--tool-call-parser): {self.tool_call_parser!r} is not one of "
+                                     f"{', '.join(PARSERS)}")
         if ":" not in self.triton_url:
             raise GatewayConfigError(f"triton_url: {self.triton_url!r} must be host:port (the gRPC port, e.g. localhost:8001)")
         for name in ("max_body_bytes", "max_choices_per_request", "max_connections", "max_header_bytes"):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 from . import schemas
+from .tools import CallExtractor, Emission, ToolPlan, assemble
 from .triton_stream import LLMStep, SampleDelta, TokenLogprob
 
 try:
@@ -109,18 +110,20 @@ def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0) -> s
 
 
 # -- whole responses ------------------------------------------------------------------
-def chat_completion(header: ResponseHeader, result: Accumulator) -> schemas.ChatCompletion:
-    return schemas.ChatCompletion(
-        **header.fields(),
-        choices=[
-            schemas.ChatChoice(
-                index=i, message=schemas.AssistantMessage(content=c.text),
-                finish_reason=c.finish_reason, logprobs=chat_logprobs(c.logprobs),
-            )
-            for i, c in sorted(result.choices.items())
-        ],
-        usage=result.usage(),
-    )
+def chat_completion(header: ResponseHeader, result: Accumulator, tools: ToolPlan | None = None) -> schemas.ChatCompletion:
+    """`tools`: the request's, whose calls are read out of each choice's text."""
+    choices = []
+    for i, c in sorted(result.choices.items()):
+        message, reason = schemas.AssistantMessage(content=c.text), c.finish_reason
+        if tools is not None and tools.parses:
+            reader = tools.extractor()
+            emission = reader.feed(c.text)
+            emission += reader.finish()
+            content, calls = assemble(emission)
+            message = schemas.AssistantMessage(content=content, tool_calls=[schemas.ToolCall(**call) for call in calls] or None)
+            reason = tools.finish_reason(c.finish_reason, reader.called)
+        choices.append(schemas.ChatChoice(index=i, message=message, finish_reason=reason, logprobs=chat_logprobs(c.logprobs)))
+    return schemas.ChatCompletion(**header.fields(), choices=choices, usage=result.usage())
 
 
 def completion(header: ResponseHeader, result: Accumulator, prompts: list[str], echo: bool) -> schemas.Completion:
@@ -141,15 +144,38 @@ def chat_role_chunk(header: ResponseHeader, n: int) -> schemas.ChatCompletionChu
     return schemas.ChatCompletionChunk(**header.fields(), choices=choices)
 
 
-def chat_chunks(header: ResponseHeader, step: LLMStep) -> list[schemas.ChatCompletionChunk]:
-    """One chunk per choice that this response moved on."""
-    return [
-        schemas.ChatCompletionChunk(**header.fields(), choices=[schemas.ChatChunkChoice(
-            index=i, delta=schemas.ChatDelta(content=d.text), finish_reason=d.finish_reason,
-            logprobs=chat_logprobs(d.logprobs),
-        )])
-        for i, d in moved(step)
-    ]
+def chat_chunks(header: ResponseHeader, step: LLMStep, tools: StreamedCalls | None = None) -> list[schemas.ChatCompletionChunk]:
+    """One chunk per choice that this response moved on (`tools`: the choices' text read
+    for tool calls; a choice whose text is held back, maybe a call's start, moves on later)."""
+    chunks = []
+    for i, d in moved(step):
+        delta, reason = schemas.ChatDelta(content=d.text), d.finish_reason
+        if tools is not None:
+            delta, reason = tools.delta(i, d)
+            if not (delta.content or delta.tool_calls or reason or d.logprobs):
+                continue
+        chunks.append(schemas.ChatCompletionChunk(**header.fields(), choices=[schemas.ChatChunkChoice(
+            index=i, delta=delta, finish_reason=reason, logprobs=chat_logprobs(d.logprobs))]))
+    return chunks
+
+
+class StreamedCalls:
+    """The tool calls of a streamed chat: one reader per choice, its deltas as OpenAI's."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.readers: dict[int, CallExtractor] = {}
+
+    def delta(self, index: int, sample: SampleDelta) -> tuple[schemas.ChatDelta, str | None]:
+        reader = self.readers.setdefault(index, self.plan.extractor())
+        emission: Emission = reader.feed(sample.text)
+        if sample.finish_reason:
+            emission += reader.finish()
+        calls = [schemas.DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
+                                       function=schemas.DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                 for c in emission.calls]
+        delta = schemas.ChatDelta(content=emission.content or None, tool_calls=calls or None)
+        return delta, self.plan.finish_reason(sample.finish_reason, reader.called)
 
 
 def completion_chunks(header: ResponseHeader, step: LLMStep, first_index: int) -> list[schemas.Completion]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 INT32 = 2**31
 """Token ids and token counts are below this (what the engine's int32 tensors hold)."""
@@ -42,7 +42,7 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
 
@@ -129,9 +129,45 @@ class CompletionLogprobs(BaseModel):
 
 
 # -- responses -------------------------------------------------------------------------
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """JSON text, as OpenAI sends it."""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class OmitsNone(BaseModel):
+    """Serialized without its unset (None) fields: the SDK merges streamed pieces key by
+    key, so a null would overwrite what an earlier piece set."""
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: Any) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(OmitsNone):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(OmitsNone):
+    """A piece of a streamed tool call; the SDK joins the pieces of one `index`."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -159,6 +195,7 @@ class ChatCompletion(ResponseFields):
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -15,6 +15,7 @@ from typing import Any
 from .config import knob
 from .errors import OpenAIError, unsupported
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from .tools import ToolPlan, tool_plan
 
 # Sent as-is in `sampling_parameters` when not None (OpenAI's names are vLLM's).
 _PASSED_THROUGH = (
@@ -25,8 +26,6 @@ _PASSED_THROUGH = (
 
 # Fields we cannot honour yet, and the values of them that ask for nothing.
 _REFUSED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "logit_bias": (None, {}),
@@ -54,10 +53,14 @@ class LLMRequest:
     """The prompt goes in front of the text (completions' `echo`)."""
     top_logprobs: int | None = None
     """How many alternatives per token the client asked for; None: no logprobs."""
+    tools: ToolPlan | None = None
+    """The chat's tools (sent for the chat template) and how its text becomes tool calls."""
 
     def inputs(self) -> dict[str, Any]:
         """Input name -> value (str, bool), for the `llm` model."""
         values: dict[str, Any] = {"messages": json.dumps(self.messages)} if self.messages is not None else {"text_input": self.text}
+        if self.tools is not None:
+            values["tools"] = json.dumps(self.tools.tools)
         values |= {
             "stream": self.stream,
             "exclude_input_in_output": not (self.echo and not self.stream),
@@ -71,19 +74,31 @@ class LLMRequest:
         return values
 
 
-def chat_request(request: ChatCompletionRequest, default_max_tokens: int, max_choices: int | None = None) -> LLMRequest:
-    """`max_choices`: the gateway's max_choices_per_request (None: no cap)."""
+def chat_request(request: ChatCompletionRequest, default_max_tokens: int, max_choices: int | None = None,
+                 tool_call_parser: str = "auto") -> LLMRequest:
+    """`max_choices`: the gateway's max_choices_per_request (None: no cap); `tool_call_parser`:
+    how `tool_choice: auto` reads the model's calls (tools.PARSERS)."""
     _refuse_unsupported(request)
     _check_choices(1, request.n, max_choices)
     if request.top_logprobs is not None and not request.logprobs:
         raise unsupported("top_logprobs", "needs `logprobs: true`")
     top = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
+    tools = tool_plan(request.model_extra or {}, tool_call_parser)
+    sampling = _sampling(request, max_tokens, top)
+    if tools is not None and tools.grammar() is not None:
+        if any(name in sampling for name in _GRAMMAR_KEYS):
+            raise OpenAIError(400, f"`tool_choice` {tools.choice} is enforced by a grammar; `response_format` and "
+                                   "vLLM's grammar fields cannot be sent with it", param="tool_choice")
+        sampling["structured_outputs"] = tools.grammar()
+    if tools is not None and tools.keeps_special_tokens() and request.skip_special_tokens is None:
+        sampling["skip_special_tokens"] = False  # Mistral's and Llama's call markers are special tokens
     return LLMRequest(
         messages=[_message(i, m) for i, m in enumerate(request.messages)],
-        sampling=_sampling(request, max_tokens, top),
+        sampling=sampling,
         stream=request.stream,
         top_logprobs=top,
+        tools=tools,
     )
 
 
@@ -156,9 +171,11 @@ def _structured(request: SamplingFields) -> dict[str, Any]:
     raise unsupported("response_format", "must be of type text, json_object or json_schema")
 
 
-def _message(index: int, message: ChatMessage) -> dict[str, str]:
-    if message.model_extra and message.model_extra.get("tool_calls"):
-        raise unsupported(f"messages[{index}].tool_calls")
+def _message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template reads it: text content; an assistant turn's
+    `tool_calls` with their arguments as objects (what templates expect); a tool turn's
+    `tool_call_id`."""
+    extra = message.model_extra or {}
     content = message.content
     if isinstance(content, list):
         for part in content:
@@ -166,7 +183,35 @@ def _message(index: int, message: ChatMessage) -> dict[str, str]:
                 raise unsupported(f"messages[{index}].content", f"has a part of type {part.type!r}; only text is supported")
         content = "".join(part.text or "" for part in content)
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
+    out: dict[str, Any] = {"role": role, "content": content or ""}
+    if extra.get("tool_calls"):
+        if message.role != "assistant":
+            raise unsupported(f"messages[{index}].tool_calls", "only an assistant message carries tool calls")
+        out["tool_calls"] = [_past_call(f"messages[{index}].tool_calls[{i}]", call)
+                             for i, call in enumerate(extra["tool_calls"])]
+    if message.role == "tool":
+        call_id = extra.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise OpenAIError(400, f"`messages[{index}].tool_call_id`: a tool message must name the call it answers",
+                              param=f"messages[{index}].tool_call_id")
+        out["tool_call_id"] = call_id
+    if message.name is not None and message.role == "tool":
+        out["name"] = message.name
+    return out
+
+
+def _past_call(where: str, call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise OpenAIError(400, f"`{where}`: must be {{\"id\", \"type\": \"function\", \"function\": "
+                               f"{{\"name\", \"arguments\"}}}}", param=where)
+    arguments = function.get("arguments", "{}")
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError as error:
+        raise OpenAIError(400, f"`{where}.function.arguments`: is not valid JSON ({error.msg})",
+                          param=f"{where}.function.arguments") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": parsed}}
 
 
 def _refuse_unsupported(request: SamplingFields) -> None:

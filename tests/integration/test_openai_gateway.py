@@ -321,3 +321,62 @@ def test_json_schema_response_format_and_the_sdks_parse_helper(client):
                                        response_format={"type": "json_schema",
                                                         "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
     assert "does not compile" in bad.value.message
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city"]}
+CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+         "required": ["zone"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": CLOCK}}]
+ASK = [{"role": "user", "content": "What is the weather in Oslo, and what time is it in UTC?"}]
+
+
+def valid_calls(message) -> list[str]:
+    """The called functions' names, each call's arguments checked against its parameters."""
+    import jsonschema
+
+    schemas = {"get_weather": WEATHER, "get_time": CLOCK}
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    return [call.function.name for call in message.tool_calls]
+
+
+def test_tool_choice_required_and_named_call_with_valid_arguments_streamed_or_not(client):
+    """The openai SDK unchanged: `required` and a named function are enforced by grammar at
+    temperature 1.0, so the calls parse and validate whatever the model; streamed, the SDK
+    assembles them from the deltas; `none` calls nothing; a past call and its result can be
+    sent back."""
+    for seed in range(3):
+        answer = client.chat.completions.create(model="llm", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=seed)
+        assert answer.choices[0].finish_reason == "tool_calls" and len(valid_calls(answer.choices[0].message)) == 1
+        with client.chat.completions.stream(model="llm", messages=ASK, tools=TOOLS, tool_choice="required",
+                                            max_tokens=160, temperature=1.0, seed=seed) as stream:
+            final = stream.get_final_completion()
+        assert final.choices[0].message.tool_calls and valid_calls(final.choices[0].message)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for stream in (False, True):
+        if stream:
+            with client.chat.completions.stream(model="llm", messages=ASK, tools=TOOLS, tool_choice=named,
+                                                max_tokens=60, temperature=1.0, seed=7, n=2) as events:
+                answer = events.get_final_completion()
+        else:
+            answer = client.chat.completions.create(model="llm", messages=ASK, tools=TOOLS, tool_choice=named,
+                                                    max_tokens=60, temperature=1.0, seed=7, n=2)
+        assert len(answer.choices) == 2
+        assert all(valid_calls(choice.message) == ["get_time"] and not choice.message.content
+                   for choice in answer.choices)
+    plain = client.chat.completions.create(model="llm", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=12)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+    call = answer.choices[0].message.tool_calls[0]
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    again = client.chat.completions.create(model="llm", messages=history, tools=TOOLS, max_tokens=12)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="llm", messages=ASK, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "get_news"}})
+    assert bad.value.body["param"] == "tool_choice.function.name"
