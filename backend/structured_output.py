@@ -43,6 +43,9 @@ class StructuredOutputs:
 
     kind: str
     spec: str
+    compact: bool = False
+    """JSON without whitespace between its tokens (vLLM's `disable_any_whitespace`): fewer
+    tokens, and none a sampled model can waste on blank space."""
     compiled: Any = field(default=None, repr=False, compare=False)
     """xgrammar's CompiledGrammar, set at admission (GrammarCompiler.prepare)."""
 
@@ -55,6 +58,7 @@ class StructuredOutputs:
         """The constraint in a sampling_parameters object, or None; a named error when it is
         malformed or names more than one kind."""
         found: dict[str, Any] = {}
+        compact = False
         nested, backend = values.get("structured_outputs"), values.get("guided_decoding_backend")
         if values.get("guided_decoding") is not None:  # vLLM's name for structured_outputs before v0.10
             if nested is not None:
@@ -71,6 +75,7 @@ class StructuredOutputs:
             if unknown:
                 raise InvalidRequestError("structured_outputs", f"unknown key(s) {unknown}; use one of {list(KINDS)}")
             found.update({k: v for k, v in nested.items() if k in KINDS and v not in (None, False)})
+            compact = nested.get("disable_any_whitespace") is True
         for key, kind in LEGACY_KEYS.items():
             if values.get(key) not in (None, False):
                 found[kind] = values[key]
@@ -81,7 +86,7 @@ class StructuredOutputs:
         if len(found) > 1:
             raise InvalidRequestError("structured_outputs", f"names {sorted(found)}; give exactly one")
         (kind, value), = found.items()
-        return cls(kind, _spec_text(kind, value))
+        return cls(kind, _spec_text(kind, value), compact)
 
 
 def _spec_text(kind: str, value: Any) -> str:
@@ -135,10 +140,11 @@ class GrammarCompiler:
 
     def _compile(self, constraint: StructuredOutputs) -> Any:
         compiler, kind, spec = self.compiler, constraint.kind, constraint.spec
-        if kind == "json":
-            return compiler.compile_json_schema(spec, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
-        if kind == "json_object":  # any object, whitespace bounded (xgrammar's builtin JSON grammar is not)
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
+        if kind in ("json", "json_object"):  # json_object: any object, whitespace bounded (xgrammar's builtin JSON grammar is not)
+            schema = spec if kind == "json" else '{"type": "object"}'
+            if constraint.compact:
+                return compiler.compile_json_schema(schema, any_whitespace=False)
+            return compiler.compile_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
         if kind == "regex":
             return compiler.compile_regex(spec)
         if kind == "grammar":

@@ -96,6 +96,8 @@ def test_regex_choice_grammar_and_any_json_object(engine):
         ({"guided_choice": ["yes", "no", "maybe so"]}, lambda t: t in ("yes", "no", "maybe so")),
         ({"guided_grammar": 'root ::= "(" [a-c]{1,3} ")"'}, lambda t: re.fullmatch(r"\([a-c]{1,3}\)", t)),
         ({"structured_outputs": {"json_object": True}}, lambda t: isinstance(json.loads(t), dict)),
+        ({"structured_outputs": {"json": SCHEMAS[3], "disable_any_whitespace": True}},  # vLLM's: one form, no blank runs
+         lambda t: jsonschema.validate(json.loads(t), SCHEMAS[3]) is None and "\n" not in t and "  " not in t),
     ]
     params = [SamplingParams.from_dict({"max_tokens": 200, "temperature": 1.0, "seed": s, **c})
               for c, _ in cases for s in range(3)]

@@ -79,9 +79,10 @@ class ToolPlan:
         return self.choice != "none"
 
     def grammar(self) -> dict | None:
-        """`llm`'s structured outputs that force the call (required, a named function)."""
+        """`llm`'s structured outputs that force the call (required, a named function), in
+        one compact form: no blank runs for a sampling model to spend max_tokens on."""
         if self.choice == "function":
-            return {"json": self.parameters[self.named]}
+            return {"json": self.parameters[self.named], "disable_any_whitespace": True}
         if self.choice != "required":
             return None
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
@@ -90,7 +91,7 @@ class ToolPlan:
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not self.parallel:
             array["maxItems"] = 1
-        return {"json": array}
+        return {"json": array, "disable_any_whitespace": True}
 
     def keeps_special_tokens(self) -> bool:
         """The model's markers are special tokens the text must keep (auto choice only)."""

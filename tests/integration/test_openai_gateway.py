@@ -380,3 +380,26 @@ def test_tool_choice_required_and_named_call_with_valid_arguments_streamed_or_no
         client.chat.completions.create(model="llm", messages=ASK, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "get_news"}})
     assert bad.value.body["param"] == "tool_choice.function.name"
+
+
+def test_30_seeded_requests_over_the_schemas_regexes_and_grammar_validate(client):
+    """The gateway's share of the 200-request sweep (test_structured_output_served.py has
+    the rest): `response_format` json_schema, vLLM's guided_regex / guided_grammar, at
+    temperature 1.0; every answer parses and validates."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .structured_cases import CASES, prompt
+
+    def run(index: int) -> None:
+        case = CASES[index % len(CASES)]
+        if case.kind == "json":
+            extra = {"response_format": {"type": "json_schema", "json_schema": {"name": f"s{index}", "schema": case.spec}}}
+        else:
+            extra = {"extra_body": {f"guided_{case.kind}": case.spec}}
+        answer = client.chat.completions.create(model="llm", messages=[{"role": "user", "content": prompt(index)}],
+                                                max_tokens=160, temperature=1.0, seed=index, **extra)
+        assert answer.choices[0].finish_reason == "stop", answer.choices[0].message.content
+        case.check(answer.choices[0].message.content)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(run, range(170, 200)))
