@@ -179,8 +179,8 @@ def test_refusals_are_openai_errors_naming_the_parameter(client):
         client.chat.completions.create(model="llm", messages=CHAT, extra_body={"repetition_penalty": 0})
     assert "repetition_penalty" in refused.value.message
     with pytest.raises(openai.BadRequestError) as tools:
-        client.chat.completions.create(model="llm", messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}])
-    assert tools.value.body["param"] == "tools"
+        client.chat.completions.create(model="llm", messages=CHAT, tools=[{"type": "function", "function": {"name": "a b"}}])
+    assert tools.value.body["param"] == "tools[0].function.name"
     with pytest.raises(openai.BadRequestError) as streamed:  # refused before the stream starts: a status, not an event
         client.chat.completions.create(model="llm", messages=CHAT, stream=True, extra_body={"top_k": -5})
     assert streamed.value.body["param"] == "top_k"
@@ -354,9 +354,13 @@ def test_tool_choice_required_and_named_call_with_valid_arguments_streamed_or_no
                                                 parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=seed)
         assert answer.choices[0].finish_reason == "tool_calls" and len(valid_calls(answer.choices[0].message)) == 1
         with client.chat.completions.stream(model="llm", messages=ASK, tools=TOOLS, tool_choice="required",
-                                            max_tokens=160, temperature=1.0, seed=seed) as stream:
+                                            parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=seed) as stream:
             final = stream.get_final_completion()
-        assert final.choices[0].message.tool_calls and valid_calls(final.choices[0].message)
+        assert final.choices[0].finish_reason == "tool_calls" and len(valid_calls(final.choices[0].message)) == 1
+    # parallel calls: as many as the model writes before max_tokens; each whole one is returned, and valid
+    several = client.chat.completions.create(model="llm", messages=ASK, tools=TOOLS, tool_choice="required",
+                                             max_tokens=120, temperature=1.0, seed=5)
+    assert valid_calls(several.choices[0].message)
     named = {"type": "function", "function": {"name": "get_time"}}
     for stream in (False, True):
         if stream:
