@@ -22,6 +22,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
+    """Each query and key head RMS-normed before rotary (Qwen3)."""
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)

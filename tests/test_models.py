@@ -1,12 +1,13 @@
-"""Llama-family models (Llama 3 rope scaling, Mistral, Qwen2 with qkv bias, tied and untied
-embeddings) load from sharded safetensors and match transformers, token for token."""
+"""Llama-family models (Llama 3 rope scaling, Mistral, Qwen2 with qkv bias, Qwen3 with its
+per-head query / key norms, tied and untied embeddings) load from sharded safetensors and
+match transformers, token for token."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedserve.backend import LLMEngine
+from pagedserve.backend import LLMEngine, SamplingParams
 
 from .conftest import GPU_SHARE, assert_greedy_matches_transformers, onednn_packs
 
@@ -17,7 +18,8 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 
 def build(kind: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     if kind == "llama3":
         config = LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500000.0,
@@ -28,12 +30,14 @@ def build(kind: str):
         return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None, tie_word_embeddings=False))
     if kind == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=True))
+    if kind == "qwen3":  # head_dim apart from hidden / heads, as Qwen3's configs have it
+        return Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False))
     if kind == "llama-tied":
         return LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=True, attention_bias=True))
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "llama-tied"])
+@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "llama-tied"])
 def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     torch.manual_seed(0)
     reference = build(kind).eval()
@@ -41,13 +45,21 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
         for layer in reference.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if kind == "qwen3":  # and the per-head norms' weights
+        for layer in reference.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
     reference.save_pretrained(tmp_path, max_shard_size="2MB")  # several shards + index
     tokenizer.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors.index.json").exists()
 
-    engine = LLMEngine(model=str(tmp_path), dtype="float32", **GPU_SHARE)
+    # a 32-token step budget chunks the longer prompts; the second batch's prompts are prefix hits
+    engine = LLMEngine(model=str(tmp_path), dtype="float32", max_num_batched_tokens=32, **GPU_SHARE)
     prompts = [[1, 500, 42, 9000, 123], list(range(200, 290)), [7] * 40 + [1000, 2000]]
     assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=12)
+    assert_greedy_matches_transformers(engine, reference, prompts[1:], max_tokens=12)
+    again = engine.generate(prompts[1:], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    assert all(output.num_cached_tokens >= 32 for output in again)
 
 
 def test_row_buckets_are_few_and_never_smaller():

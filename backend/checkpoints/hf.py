@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -56,7 +57,7 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
     rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     sliding = config.get("sliding_window")
-    if family == "qwen2" and not config.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
         sliding = None
     return ModelConfig(
         architecture=family,
@@ -72,6 +73,7 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
         rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
         sliding_window=sliding,
         eos_token_ids=_eos_ids(config, generation_config),

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain torch over a flat batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) in plain torch over a flat batch.
 
 Every token of every sequence in the step is one row; attention is the only
 place sequences meet, through the paged KV cache. q/k/v and gate/up are fused
@@ -143,6 +143,9 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, parallel)
         self.scale = self.head_dim**-0.5
+        # Qwen3: queries and keys RMS-normed per head before rotary, one weight over head_dim
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def project(
         self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor
@@ -150,9 +153,19 @@ class LlamaAttention(nn.Module):
         """q, k, v of every token, rotated: what the paged attention reads."""
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self._per_head(self.q_norm, q), self._per_head(self.k_norm, k)), dim=1)
+        qk = rotary(positions, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+
+
+    @staticmethod
+    def _per_head(norm: RMSNorm, heads: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, head_dim] normed over head_dim, head by head."""
+        return norm(heads.reshape(-1, heads.shape[-1])).view(heads.shape)
 
 
 class LlamaMLP(nn.Module):

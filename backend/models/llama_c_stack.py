@@ -67,6 +67,8 @@ class LlamaCStack:
 
     def _build(self, kv_caches: list[LayerKVCache]) -> decoder_stack_cpu.DecoderStack | None:
         model = self.model
+        if model.config.qk_norm:
+            return None  # the C layers have no per-head query / key norms
         layers = []
         for layer, cache in zip(model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
