@@ -89,8 +89,12 @@ class EngineThread:
         """Validate and queue a request. Raises InvalidRequestError, QueueFullError, EngineDeadError.
 
         The engine's state is read under the lock that its death and shutdown take too, so a
-        request is either refused here or in the inbox when the engine fails it: never lost."""
+        request is either refused here or in the inbox when the engine fails it: never lost.
+        A grammar is compiled before that lock is taken: the engine thread takes it to read
+        its inbox, and a compile under it would stall every running stream."""
         ids = [int(t) for t in prompt_token_ids]
+        if params.structured_outputs is not None:  # compiled here, not under the lock the engine thread takes
+            self.engine.grammars.prepare(params.structured_outputs)
         with self._lock:
             if self.error is not None:
                 raise EngineDeadError(f"the engine failed earlier ({self.error!r}); restart the model")

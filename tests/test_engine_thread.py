@@ -244,3 +244,33 @@ def test_no_watchdog_without_a_step_timeout(engine):
     finally:
         loop.shutdown()
     assert not loop.is_ready  # shut down: not serving
+
+
+def test_a_grammar_compiling_holds_up_neither_other_submits_nor_running_streams(engine, loop, monkeypatch):
+    """A new schema compiles in its submitter's thread before the inbox lock: another
+    client's submit is admitted at once, and a running stream keeps streaming."""
+    prepare = type(engine.grammars).prepare
+    compiling = threading.Event()
+
+    def slow_prepare(compiler, constraint):
+        if constraint.compiled is None:
+            compiling.set()
+            time.sleep(1.5)
+        prepare(compiler, constraint)
+
+    monkeypatch.setattr(type(engine.grammars), "prepare", slow_prepare)
+    running: queue.Queue = queue.Queue()
+    loop.submit("running", engine.encode("Count to a hundred:"), SamplingParams(max_tokens=400, ignore_eos=True), running.put)
+    running.get(timeout=30)
+    constrained = SamplingParams.from_dict({"max_tokens": 4, "guided_regex": "[a-z]{4}"})
+    outputs: queue.Queue = queue.Queue()
+    submitter = threading.Thread(target=loop.submit, args=("schema", engine.encode("Hi"), constrained, outputs.put))
+    submitter.start()
+    assert compiling.wait(10)
+    start = time.monotonic()
+    loop.submit("plain", engine.encode("Hello"), SamplingParams(max_tokens=2), outputs.put)
+    admitted = time.monotonic() - start
+    streamed = [running.get(timeout=30) for _ in range(3)]  # while the compile sleeps
+    assert admitted < 0.5 and submitter.is_alive() and len(streamed) == 3
+    submitter.join(10)
+    loop.abort("running")
