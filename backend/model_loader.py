@@ -98,7 +98,11 @@ def build_empty_model(
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_TOP_LEVEL = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
+_TOP_LEVEL = {
+    "model.embed_tokens.weight": "embed_tokens.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 
 
 def load_weights(
@@ -113,7 +117,9 @@ def load_weights(
     any order, across shards); packed 4-bit projections go to `packed`. With tensor
     parallelism each tensor is cut to this rank's slice first (the layer's `shards`)."""
     # checkpoint projection -> (our packed module, its place in it, how many parts it has)
-    stacked_in = {part: (fused, index, len(parts)) for fused, parts in model.packed_modules.items() for index, part in enumerate(parts)}
+    stacked_in = {
+        part: (fused, index, len(parts)) for fused, parts in model.packed_modules.items() for index, part in enumerate(parts)
+    }
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {name for name in params if not (model.config.tie_word_embeddings and name == "lm_head.weight")}
     pending: dict[str, list[tuple[str, torch.Tensor] | None]] = {}

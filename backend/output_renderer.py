@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from .detokenizer import IncrementalDetokenizer
-from .tokenizer import CONTEXT_TOKENS
 from .outputs import RequestOutput
 from .sequence import Sequence
+from .tokenizer import CONTEXT_TOKENS
 
 
 class OutputRenderer:

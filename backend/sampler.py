@@ -16,8 +16,8 @@ import torch
 from pagedserve.kernels.first_max_cpu import first_max_index as first_max_cpu
 
 from .sampling_params import SamplingParams
-from .structured_output import mask_logits
 from .sequence import Sequence, TokenLogprob
+from .structured_output import mask_logits
 
 
 @dataclass

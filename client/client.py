@@ -153,7 +153,8 @@ class AsyncLLMClient:
     async def stream(
         self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **sampling: Any
     ) -> AsyncIterator[Chunk]:
-        async with contextlib.aclosing(self.results(build_inputs(self._module, prompt, messages, stream=True, **sampling))) as results:
+        inputs = build_inputs(self._module, prompt, messages, stream=True, **sampling)
+        async with contextlib.aclosing(self.results(inputs)) as results:
             async for result in results:
                 yield parse_result(result)
 

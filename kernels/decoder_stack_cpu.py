@@ -20,8 +20,16 @@ from pathlib import Path
 
 import torch
 
-from . import (bf16_matmul_cpu, block_matmul_cpu, cache_write_cpu, paged_decode_cpu, paged_prefill_cpu, rms_norm_cpu,
-               rotary_cpu, silu_mul_cpu)
+from . import (
+    bf16_matmul_cpu,
+    block_matmul_cpu,
+    cache_write_cpu,
+    paged_decode_cpu,
+    paged_prefill_cpu,
+    rms_norm_cpu,
+    rotary_cpu,
+    silu_mul_cpu,
+)
 from .bf16_matmul_cpu import GROUP, PairWeight
 from .block_matmul_cpu import BLOCK_KINDS, BlockWeight
 from .native_build import C_DTYPES, NativeLibrary
@@ -242,11 +250,13 @@ class DecoderStack:
             scratch = torch.empty((2, tokens, widest), dtype=torch.float32)
             args.few_rows, args.xf, args.yf = int(few_rows), scratch[0].data_ptr(), scratch[1].data_ptr()
         if decode is not None:
-            args.num_decodes, args.tables, args.table_width = decode.tokens.numel(), decode.tables.data_ptr(), decode.tables.shape[1]
+            args.num_decodes, args.tables = decode.tokens.numel(), decode.tables.data_ptr()
+            args.table_width = decode.tables.shape[1]
             args.lens, args.decode_rows = decode.lens.data_ptr(), decode.tokens.data_ptr()
         if prefill is not None:
-            args.num_chunks, args.chunk_slots, args.slot_starts = prefill.q_lens.numel(), prefill.slots.data_ptr(), prefill.slot_starts.data_ptr()
-            args.q_starts, args.q_lens, args.seq_lens = prefill.q_starts.data_ptr(), prefill.q_lens.data_ptr(), prefill.seq_lens.data_ptr()
+            args.num_chunks, args.chunk_slots = prefill.q_lens.numel(), prefill.slots.data_ptr()
+            args.slot_starts, args.q_starts = prefill.slot_starts.data_ptr(), prefill.q_starts.data_ptr()
+            args.q_lens, args.seq_lens = prefill.q_lens.data_ptr(), prefill.seq_lens.data_ptr()
         status = LIBRARY.get().decoder_stack(ctypes.byref(self.kernels), self.layers, len(self.layers), ctypes.byref(args))
         if status != 0:
             return None

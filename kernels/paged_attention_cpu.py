@@ -56,8 +56,7 @@ import torch.nn.functional as F
 from .numerics import cdiv
 from .paged_attention import is_fp8, kv_scales
 from .paged_decode_cpu import native_decode, paged_decode, supports
-from .paged_prefill_cpu import PrefillChunks, native_prefill, paged_prefill
-from .paged_prefill_cpu import supports as prefill_supports
+from .paged_prefill_cpu import PrefillChunks, native_prefill, paged_prefill, supports as prefill_supports
 
 CHUNK_KEYS = 128
 """Keys per decode split: measured best of 64/128/256 on SmolLM2 shapes."""
@@ -115,7 +114,8 @@ class DecodePlan:
     @functools.cached_property
     def split(self) -> SplitKV:
         lens = self.lens.long()
-        return _split_kv(self.tables.long(), lens, self.tokens, self.block_size, choose_chunk_keys(lens, self.requested_chunk_keys))
+        chunk_keys = choose_chunk_keys(lens, self.requested_chunk_keys)
+        return _split_kv(self.tables.long(), lens, self.tokens, self.block_size, chunk_keys)
 
 
 @dataclass

@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.rms_norm_cpu import add_rms_norm as add_rms_norm_cpu
-from pagedserve.kernels.rms_norm_cpu import rms_norm as rms_norm_cpu
+from pagedserve.kernels.rms_norm_cpu import add_rms_norm as add_rms_norm_cpu, rms_norm as rms_norm_cpu
 from pagedserve.kernels.rotary_cpu import rotary as rotary_cpu
 from pagedserve.kernels.silu_mul_cpu import silu_mul as silu_mul_cpu
 

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
-    from ..outputs import EngineStats
-    from ..outputs import RequestOutput
+    from ..outputs import EngineStats, RequestOutput
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
@@ -64,7 +63,9 @@ class _Families:
             return family.Metric(labels=self.labels, buckets=buckets)
         return family.Metric(labels=self.labels)
 
-    def labelled(self, name: str, description: str, label: str, values: tuple[str, ...], labels: Mapping[str, str]) -> dict[str, Any]:
+    def labelled(
+        self, name: str, description: str, label: str, values: tuple[str, ...], labels: Mapping[str, str]
+    ) -> dict[str, Any]:
         """One gauge family with a series per value of `label` (TensorRT-LLM's layout)."""
         family = self.pb_utils.MetricFamily(name=name, description=description, kind=self.pb_utils.MetricFamily.GAUGE)
         self.families.append(family)

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidRequestError
 from ..outputs import RequestOutput
 from ..tokenizer import decode_delta
-from ..errors import InvalidRequestError
 from .finals import ERROR_OUTPUT
 from .requests import CORE_OUTPUTS, RETURN_OUTPUTS, EngineRequest
 from .tensors import Arrays, flag, token_ids

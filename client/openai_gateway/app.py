@@ -209,7 +209,7 @@ async def sse(steps: AsyncIterator[Any], chunks: Callable[[Any], AsyncIterator[B
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except OpenAIError as error:  # after the 200 went out: OpenAI's in-stream error event
             yield f"data: {json.dumps(error.body())}\n\n"
-        except Exception:  # noqa: BLE001 (the gateway's own failure: logged, reported as internal)
+        except Exception:  # the gateway's own failure: logged, reported as internal
             log.exception("internal error in a streamed response")
             yield f"data: {json.dumps(internal_error().body())}\n\n"
         finally:
@@ -314,7 +314,7 @@ class RequestGuard:
 
         try:
             await self.app(scope, replay, watched_send)
-        except Exception:  # noqa: BLE001 (reported as the gateway's fault, never the client's)
+        except Exception:  # reported as the gateway's fault, never the client's
             log.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
             if not started:
                 await _send_error(send, internal_error())
@@ -351,7 +351,7 @@ async def merged(streams: list[AsyncIterator[LLMStep]]) -> AsyncIterator[tuple[i
             async for step in stream:
                 await queue.put((index, step))
             await queue.put((index, done))
-        except BaseException as error:  # handed to the consumer, which re-raises it
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
             await queue.put((index, error))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]

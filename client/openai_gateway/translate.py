@@ -58,7 +58,9 @@ class LLMRequest:
 
     def inputs(self) -> dict[str, Any]:
         """Input name -> value (str, bool), for the `llm` model."""
-        values: dict[str, Any] = {"messages": json.dumps(self.messages)} if self.messages is not None else {"text_input": self.text}
+        values: dict[str, Any] = (
+            {"messages": json.dumps(self.messages)} if self.messages is not None else {"text_input": self.text}
+        )
         if self.tools is not None:
             values["tools"] = json.dumps(self.tools.tools)
         values |= {

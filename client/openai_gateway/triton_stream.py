@@ -64,7 +64,7 @@ class TritonLLM:
     async def is_ready(self, model: str) -> bool:
         try:
             return await self.llm.client.is_server_ready() and await self.llm.client.is_model_ready(model)
-        except Exception:  # unreachable or not serving: not ready, whatever the cause
+        except Exception:  # noqa: BLE001 - unreachable or not serving: not ready, whatever the cause
             return False
 
     async def stream(self, model: str, request: LLMRequest) -> AsyncIterator[LLMStep]:
