@@ -116,7 +116,7 @@ class LLMEngine:
         runner_args = (loaded.model, num_blocks, config.block_size, self.kv_dtype, self.device, config.attention_backend,
                        config.max_num_batched_tokens if compiled else 0)
         if self.workers:
-            self.runner = TensorParallelRunner(self.workers, *runner_args)
+            self.runner: ModelRunner = TensorParallelRunner(self.workers, *runner_args)
         else:
             graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) else 0
             self.runner = ModelRunner(*runner_args, graphs, self.max_model_len)

@@ -68,6 +68,7 @@ def load_checkpoint(
         return model.eval()
     packed = None
     if config.packed_int4:
+        assert config.source_group_size is not None  # set with packed_int4 (checkpoints/hf.py)
         packed = PackedInt4Loader(model.packed_modules, config.packed_int4, config.source_group_size)
     load_weights(model, checkpoint.tensors, checkpoint.num_tensors, packed, few_row_blocks)
     if packed is not None:
@@ -140,7 +141,7 @@ def load_weights(
         parts = pending.setdefault(target, [None] * count)
         parts[index] = (name, take_shard(model.get_submodule(target.rpartition(".")[0]), index, tensor))
         if all(part is not None for part in parts):
-            rows = pending.pop(target)
+            rows = [part for part in pending.pop(target) if part is not None]  # all of them, as checked
             _copy_rows(params[target], rows)
             loaded.add(target)
             if few_row_blocks:

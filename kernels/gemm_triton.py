@@ -214,7 +214,7 @@ def _store_choice(key: Tuple, choice: GemmConfig) -> None:
 
 
 def timed_choice(key: Tuple, candidates: List[GemmConfig],
-                 run: Callable[[GemmConfig], None]) -> GemmConfig:
+                 run: Callable[[GemmConfig], object]) -> GemmConfig:
     """Pick the fastest candidate once per key (the small 'autotune' of this package);
     keys start with the kernel's name, so kernels share the cache without colliding."""
     if key in _TUNED:

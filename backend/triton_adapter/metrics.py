@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
     from ..outputs import EngineStats, RequestOutput
@@ -28,7 +28,8 @@ N_BUCKETS = [1, 2, 5, 10, 20]
 
 def buckets_1_2_5(limit: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
-    buckets, scale = [], 1
+    buckets: list[int] = []
+    scale = 1
     while True:
         for mantissa in (1, 2, 5):
             if mantissa * scale > limit:
@@ -54,7 +55,7 @@ class _Families:
         self.pb_utils, self.labels = pb_utils, dict(labels)
         self.families: list[Any] = []
 
-    def metric(self, name: str, description: str, kind: str, buckets: list[float] | None = None) -> Any:
+    def metric(self, name: str, description: str, kind: str, buckets: Sequence[float] | None = None) -> Any:
         family = self.pb_utils.MetricFamily(
             name=name, description=description, kind=getattr(self.pb_utils.MetricFamily, kind)
         )
@@ -95,7 +96,7 @@ class TrtllmMetrics:
 
     def refresh(self, stats: EngineStats, now_s: float) -> None:
         step = stats.last_step
-        values = {
+        values: dict[str, dict[str, float]] = {
             "request": {"active": stats.num_running + stats.num_waiting, "max": self.max_num_seqs,
                         "scheduled": step.context_requests + step.generation_requests,
                         "context": step.context_requests, "waiting": stats.num_waiting},

@@ -110,7 +110,8 @@ def postprocess_texts(inputs: Arrays, tokenizer: Any) -> list[str]:
     skip = flag(inputs, "skip_special_tokens", default=True)
     texts = []
     for ids, before, trim in zip(id_lists, context_lists, trims):
-        text = decode_delta(tokenizer, before, ids, skip, allow_partial=True) if ids else ""
+        # `or ""`: for the type checker, decode_delta is never None with allow_partial
+        text = (decode_delta(tokenizer, before, ids, skip, allow_partial=True) or "") if ids else ""
         texts.append(text[: len(text) - trim] if trim else text)
     return texts
 

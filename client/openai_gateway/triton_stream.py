@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 import grpc
 import numpy as np
@@ -67,7 +67,7 @@ class TritonLLM:
         except Exception:  # noqa: BLE001 - unreachable or not serving: not ready, whatever the cause
             return False
 
-    async def stream(self, model: str, request: LLMRequest) -> AsyncIterator[LLMStep]:
+    async def stream(self, model: str, request: LLMRequest) -> AsyncGenerator[LLMStep, None]:
         from tritonclient.utils import InferenceServerException
 
         try:
