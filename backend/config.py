@@ -33,9 +33,13 @@ class EngineConfig:
     model: str = ""
     """Hugging Face model directory or .gguf file; empty: bundled SmolLM2-135M-Instruct."""
     load_format: str = "auto"
-    """auto reads the checkpoint's weights; dummy gives random weights of the checkpoint's shape (only its config and tokenizer are read), as vLLM's `--load-format dummy`: for speed measurements of a model too large to ship (benchmarks/gpu.py)."""
+    """auto reads the checkpoint's weights; dummy gives random weights of the checkpoint's shape (only its
+    config and tokenizer are read), as vLLM's `--load-format dummy`: for speed measurements of a model too
+    large to ship (benchmarks/gpu.py)."""
     dtype: str = "auto"
-    """Compute and KV dtype: auto (bfloat16 on CUDA; on CPU, bfloat16 where the flags show native bf16 math (avx512_bf16, amx_bf16, Arm bf16) and it measures faster than float32 on the model's matmul shape at start-up, else float32), float32, bfloat16, float16."""
+    """Compute and KV dtype: auto (bfloat16 on CUDA; on CPU, bfloat16 where the flags show native bf16 math
+    (avx512_bf16, amx_bf16, Arm bf16) and it measures faster than float32 on the model's matmul shape at
+    start-up, else float32), float32, bfloat16, float16."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     block_size: int = 16
@@ -65,9 +69,15 @@ class EngineConfig:
     max_bad_words: int = 256
     """Most bad words one request may give (`bad_words` and `bad_words_ids` together): each is checked at every step."""
     step_timeout_s: float = 300.0
-    """A served engine step running longer than this is taken as hung (a stuck device or kernel): its requests fail, new ones are refused and the model reports not ready (`/v2/models/<name>/ready`, where the Triton release asks the model) until the step returns and the engine is rebuilt. 0: never. Generous by default because a step may compile a kernel the first time it meets a shape."""
+    """A served engine step running longer than this is taken as hung (a stuck device or kernel): its requests
+    fail, new ones are refused and the model reports not ready (`/v2/models/<name>/ready`, where the Triton
+    release asks the model) until the step returns and the engine is rebuilt. 0: never. Generous by default
+    because a step may compile a kernel the first time it meets a shape."""
     stream_interval: int = 1
-    """Tokens gathered into each streamed delta, as vLLM's `--stream-interval`: 1 streams every token as it is sampled; N > 1 sends a request's delta once N new tokens are waiting (the first and the last at once), so under load fewer responses carry the same tokens (less per-response work for the server and the client; benchmarks/RESULTS.md). A request's `stream_interval` sampling parameter may raise it."""
+    """Tokens gathered into each streamed delta, as vLLM's `--stream-interval`: 1 streams every token as it is
+    sampled; N > 1 sends a request's delta once N new tokens are waiting (the first and the last at once), so
+    under load fewer responses carry the same tokens (less per-response work for the server and the client;
+    benchmarks/RESULTS.md). A request's `stream_interval` sampling parameter may raise it."""
     scheduling_policy: str = "inflight"
     """inflight (continuous batching) or static (kept for benchmarks only)."""
     quantization: str = "none"
@@ -75,15 +85,27 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """KV cache storage: auto (the compute dtype) or fp8 (e4m3 with scales)."""
     attention_backend: str = "auto"
-    """auto (Triton kernel on CUDA, the CPU attention on CPU), cpu (kernels/paged_attention_cpu.py; CPU only), torch (the reference, kernels/paged_attention.py: the oracle the others are tested against), or triton."""
+    """auto (Triton kernel on CUDA, the CPU attention on CPU), cpu (kernels/paged_attention_cpu.py; CPU only),
+    torch (the reference, kernels/paged_attention.py: the oracle the others are tested against), or triton."""
     num_threads: int = 0
     """CPU threads for torch; 0 keeps torch's default (all cores)."""
     compile: str = "auto"
-    """The compiled step (backend/compiled_forward.py): torch.compile of each layer's work between its attentions, warmed up at load; and on CUDA every decode step replayed as one CUDA graph per batch-size bucket (backend/cuda_graphs.py; quantized models too). auto: compiled on CUDA where it is implemented (unquantized weights, one rank) and CUDA graphs on CUDA with one rank; off on CPU, where the eager step with oneDNN-packed weights measured faster (benchmarks/RESULTS.md). on: compiled (refused where not implemented); off: eager everywhere, no CUDA graphs."""
+    """The compiled step (backend/compiled_forward.py): torch.compile of each layer's work between its
+    attentions, warmed up at load; and on CUDA every decode step replayed as one CUDA graph per batch-size
+    bucket (backend/cuda_graphs.py; quantized models too). auto: compiled on CUDA where it is implemented
+    (unquantized weights, one rank) and CUDA graphs on CUDA with one rank; off on CPU, where the eager step
+    with oneDNN-packed weights measured faster (benchmarks/RESULTS.md). on: compiled (refused where not
+    implemented); off: eager everywhere, no CUDA graphs."""
     async_scheduling: str = "auto"
-    """Schedule and prepare step k+1 on the CPU while the device runs step k, applying step k's tokens after (vLLM's async scheduling): the host's work per step hides behind the device's. auto: on CUDA with one rank; on, off. Requests whose sampling needs every earlier token on the host (penalties, bad words, min_tokens, logprobs) run their steps one after the other either way."""
+    """Schedule and prepare step k+1 on the CPU while the device runs step k, applying step k's tokens after
+    (vLLM's async scheduling): the host's work per step hides behind the device's. auto: on CUDA with one
+    rank; on, off. Requests whose sampling needs every earlier token on the host (penalties, bad words,
+    min_tokens, logprobs) run their steps one after the other either way."""
     tensor_parallel_size: int = 1
-    """Ranks the model is split over (Megatron-style tensor parallelism): one process per rank, each holding its share of the weights and of the KV cache; rank 0 runs the engine and spawns the others. Must divide the attention heads, the intermediate size and the vocabulary. On CUDA one GPU per rank (NCCL), on CPU gloo."""
+    """Ranks the model is split over (Megatron-style tensor parallelism): one process per rank, each holding
+    its share of the weights and of the KV cache; rank 0 runs the engine and spawns the others. Must divide
+    the attention heads, the intermediate size and the vocabulary. On CUDA one GPU per rank (NCCL), on CPU
+    gloo."""
 
     def __post_init__(self) -> None:
         self._coerce_types()

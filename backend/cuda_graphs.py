@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+
 import numpy as np
 import torch
 

@@ -26,7 +26,7 @@ from .tokenizer import CONTEXT_TOKENS, decode_delta
 try:
     from tokenizers.decoders import DecodeStream
 except ImportError:  # tokenizers < 0.21
-    DecodeStream = None
+    DecodeStream = None  # type: ignore[assignment,misc]  # the name stands for "no streaming decoder" there
 
 
 class ByteLevelTable:
@@ -39,9 +39,8 @@ class ByteLevelTable:
     def of(cls, tokenizer: Any) -> ByteLevelTable | None:
         """The tokenizer's table (made once and kept on it), or None where its decoding is not
         the bytes laid end to end (another decoder, a normalizer-dependent vocabulary...)."""
-        cached = getattr(tokenizer, "_pagedserve_byte_table", False)
-        if cached is not False:
-            return cached
+        if hasattr(tokenizer, "_pagedserve_byte_table"):
+            return tokenizer._pagedserve_byte_table
         table = None
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is not None:
@@ -127,6 +126,7 @@ class IncrementalDetokenizer:
         """The new tokens' bytes after what is pending; released where they end a whole
         character (a token that ends inside one waits for the next), as a full decode would."""
         table, ids, pieces = self.table, self.token_ids, []
+        assert table is not None  # update() takes this path only with a table
         skip = self.skip_special_tokens
         while self.stepped < len(ids):
             token = ids[self.stepped]
@@ -155,9 +155,11 @@ class IncrementalDetokenizer:
 
     def _step_stream(self) -> str:
         pieces = []
+        stream, backend = self.stream, self.backend
+        assert stream is not None and backend is not None  # update() takes this path only with a stream
         while self.stepped < len(self.token_ids):
             try:
-                chunk = self.stream.step(self.backend, self.token_ids[self.stepped])
+                chunk = stream.step(backend, self.token_ids[self.stepped])
             except Exception:  # noqa: BLE001 - tokenizers' stream refuses some byte sequences
                 self.stream = None  # ("Invalid prefix encountered"): two-decode deltas from here on
                 break

@@ -10,11 +10,11 @@ wiring; every decision of its own lives in the module named after it. (A little 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence as Seq
 
 import torch
@@ -22,15 +22,15 @@ from tqdm.auto import tqdm
 
 from .block_manager import BlockManager
 from .compiled_forward import compile_wanted
-from .cuda_graphs import decode_graphs_wanted
 from .config import EngineConfig
 from .cpu_tuning import keep_freed_memory_in_heap
+from .cuda_graphs import decode_graphs_wanted
 from .device import max_model_len, num_kv_blocks, resolve_device, resolve_dtype
 from .distributed import TensorParallelRunner, start_workers
 from .errors import InvalidRequestError
 from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
-from .model_files import resolve_model_path
 from .matmul_probe import weight_layouts
+from .model_files import resolve_model_path
 from .model_loader import load_model, read_checkpoint
 from .model_runner import ModelRunner, StagedTokens
 from .models.linear import WeightLayouts, pack_weights
@@ -38,10 +38,10 @@ from .models.parallel import SINGLE_RANK
 from .output_renderer import OutputRenderer
 from .outputs import Completion, EngineStats, RequestOutput
 from .quantization import quantize_model
+from .sample_group import SampleGroup, SampleGroups, sample_id
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sample_group import SampleGroup, SampleGroups, sample_id
 from .sequence import FinishReason, Sequence, SequenceStatus
 from .structured_output import GrammarCompiler
 from .tokenizer import apply_chat_template, encode_prompt
@@ -116,7 +116,7 @@ class LLMEngine:
         runner_args = (loaded.model, num_blocks, config.block_size, self.kv_dtype, self.device, config.attention_backend,
                        config.max_num_batched_tokens if compiled else 0)
         if self.workers:
-            self.runner = TensorParallelRunner(self.workers, *runner_args)
+            self.runner: ModelRunner = TensorParallelRunner(self.workers, *runner_args)
         else:
             graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) else 0
             self.runner = ModelRunner(*runner_args, graphs, self.max_model_len)

@@ -139,7 +139,7 @@ class EngineThread:
         name_native_thread(self._thread.name)  # before the engine starts its OpenMP workers, which inherit it
         try:
             self.engine = make_engine()
-        except BaseException as error:
+        except BaseException as error:  # noqa: BLE001 - raised again in the thread that started the engine
             self._build_error = error
             return
         finally:
@@ -172,7 +172,7 @@ class EngineThread:
                                 self._deliver(output)
                     if self.on_step is not None:
                         self.on_step()
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - any failed step: logged, its requests failed, the engine reset
                 with self._delivery:
                     if not self._recover(error):
                         return
@@ -206,7 +206,7 @@ class EngineThread:
                        time.monotonic() - (self.hung_since or 0.0))
         try:
             self.engine.recover_from_failure()
-        except Exception as reset_error:
+        except Exception as reset_error:  # noqa: BLE001 - a failed reset: the engine is dead, logged in _die
             self._die(reset_error)
             return False
         with self._lock:
@@ -225,7 +225,7 @@ class EngineThread:
         self._fail_all(failure)
         try:
             self.engine.recover_from_failure()
-        except Exception as reset_error:
+        except Exception as reset_error:  # noqa: BLE001 - a failed reset: the engine is dead, logged in _die
             self._die(reset_error)
             return False
         return True
@@ -244,7 +244,7 @@ class EngineThread:
             self._callbacks[request_id] = callback
             try:
                 self.engine.add_request(ids, params, request_id=request_id)
-            except Exception as error:  # admitted already: a duplicate id, or a lost race for the last queue slot
+            except Exception as error:  # noqa: BLE001 - admitted already: a duplicate id, or a lost race for the last queue slot
                 self._deliver(_error_output(request_id, error))
         while self._aborts:
             output = self.engine.abort(self._aborts.popleft())

@@ -68,6 +68,7 @@ def load_checkpoint(
         return model.eval()
     packed = None
     if config.packed_int4:
+        assert config.source_group_size is not None  # set with packed_int4 (checkpoints/hf.py)
         packed = PackedInt4Loader(model.packed_modules, config.packed_int4, config.source_group_size)
     load_weights(model, checkpoint.tensors, checkpoint.num_tensors, packed, few_row_blocks)
     if packed is not None:
@@ -98,7 +99,11 @@ def build_empty_model(
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_TOP_LEVEL = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
+_TOP_LEVEL = {
+    "model.embed_tokens.weight": "embed_tokens.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 
 
 def load_weights(
@@ -113,7 +118,9 @@ def load_weights(
     any order, across shards); packed 4-bit projections go to `packed`. With tensor
     parallelism each tensor is cut to this rank's slice first (the layer's `shards`)."""
     # checkpoint projection -> (our packed module, its place in it, how many parts it has)
-    stacked_in = {part: (fused, index, len(parts)) for fused, parts in model.packed_modules.items() for index, part in enumerate(parts)}
+    stacked_in = {
+        part: (fused, index, len(parts)) for fused, parts in model.packed_modules.items() for index, part in enumerate(parts)
+    }
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {name for name in params if not (model.config.tie_word_embeddings and name == "lm_head.weight")}
     pending: dict[str, list[tuple[str, torch.Tensor] | None]] = {}
@@ -134,7 +141,7 @@ def load_weights(
         parts = pending.setdefault(target, [None] * count)
         parts[index] = (name, take_shard(model.get_submodule(target.rpartition(".")[0]), index, tensor))
         if all(part is not None for part in parts):
-            rows = pending.pop(target)
+            rows = [part for part in pending.pop(target) if part is not None]  # all of them, as checked
             _copy_rows(params[target], rows)
             loaded.add(target)
             if few_row_blocks:

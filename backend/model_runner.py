@@ -18,8 +18,8 @@ from pagedserve.kernels.dispatch import build_cpu_kernels
 
 from .attention import AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
 from .compiled_forward import CompiledForward
-from .cuda_graphs import DecodeGraphs
 from .cpu_tuning import advise_huge_pages
+from .cuda_graphs import DecodeGraphs
 from .models.llama import LlamaForCausalLM
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch

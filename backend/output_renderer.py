@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from .detokenizer import IncrementalDetokenizer
-from .tokenizer import CONTEXT_TOKENS
 from .outputs import RequestOutput
 from .sequence import Sequence
+from .tokenizer import CONTEXT_TOKENS
 
 
 class OutputRenderer:
@@ -78,6 +78,7 @@ class OutputRenderer:
 
     def collect(self, finished: bool) -> RequestOutput | None:
         """The delta since the last call; None if nothing new can be released yet."""
+        end_token: int | None
         if finished:
             self.text += self.detokenizer.update(final=True)
             end_token = self.seq.num_output_tokens

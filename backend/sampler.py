@@ -16,8 +16,8 @@ import torch
 from pagedserve.kernels.first_max_cpu import first_max_index as first_max_cpu
 
 from .sampling_params import SamplingParams
-from .structured_output import mask_logits
 from .sequence import Sequence, TokenLogprob
+from .structured_output import mask_logits
 
 
 @dataclass
@@ -112,13 +112,14 @@ class Sampler:
         if not rows:
             return result
         logprobs = raw[torch.tensor(rows, device=raw.device)].log_softmax(dim=-1)
-        top_n = max(params[i].logprobs for i in rows)
+        top_n = max(params[i].logprobs or 0 for i in rows)  # set in every row of `rows`
         top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
         chosen = logprobs[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])]
         ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
         for j, i in enumerate(rows):
             n = params[i].logprobs
-            top = list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist())) if n else []
+            top = (list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist()))
+                   if n and top_ids is not None and top_values is not None else [])
             result[i] = TokenLogprob(tokens[i], chosen[j].item(), int(ranks[j]), top)
         return result
 

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence as Seq
 
 from .block_manager import BlockManager
 from .errors import InvalidRequestError, QueueFullError
@@ -76,7 +76,7 @@ class Scheduler:
         max_queue_size: int,
         policy: str = "inflight",
         max_model_len: int | None = None,
-        eos_token_ids: list[int] = (),
+        eos_token_ids: Seq[int] = (),
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 

@@ -133,14 +133,15 @@ class GrammarCompiler:
                 constraint.compiled = self._compile(constraint)
         except InvalidRequestError:
             raise
-        except Exception as error:  # xgrammar's own: a bad schema, regex or grammar
+        except Exception as error:  # noqa: BLE001 - xgrammar's own: a bad schema, regex or grammar
             lines = str(error).strip().splitlines()
             message = _WHERE.sub("", lines[0]) if lines else type(error).__name__
             raise InvalidRequestError(constraint.field, f"does not compile: {message[:300]}") from None
 
     def _compile(self, constraint: StructuredOutputs) -> Any:
         compiler, kind, spec = self.compiler, constraint.kind, constraint.spec
-        if kind in ("json", "json_object"):  # json_object: any object, whitespace bounded (xgrammar's builtin JSON grammar is not)
+        # json_object: any object, whitespace bounded (xgrammar's builtin JSON grammar is not)
+        if kind in ("json", "json_object"):
             schema = spec if kind == "json" else '{"type": "object"}'
             if constraint.compact:
                 return compiler.compile_json_schema(schema, any_whitespace=False)

@@ -47,7 +47,9 @@ def tokenizer_dir(path: str) -> str:
     load_tokenizer(path)
     cache = _tokenizer_cache_dir(path)
     if not os.path.exists(os.path.join(cache, "tokenizer_config.json")):
-        raise ConfigError("model", f"could not write the converted tokenizer to {cache}; set PAGEDSERVE_CACHE_DIR to a writable directory")
+        raise ConfigError(
+            "model", f"could not write the converted tokenizer to {cache}; set PAGEDSERVE_CACHE_DIR to a writable directory"
+        )
     return cache
 
 
@@ -90,7 +92,7 @@ def apply_chat_template(tokenizer: Any, messages: Any, add_generation_prompt: bo
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
-    except Exception as error:  # the template's own refusal (jinja's raise_exception, a missing key)
+    except Exception as error:  # noqa: BLE001 - the template's own refusal (jinja's raise_exception, a missing key)
         raise InvalidRequestError("messages", f"the model's chat template refused them: {error}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
 

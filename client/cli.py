@@ -16,11 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="start a local tritonserver with the model repository")
-    serve.add_argument("--model", default="", help="Hugging Face model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    serve.add_argument("--model", default="",
+                       help="Hugging Face model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--metrics-port", type=int, default=8002)
-    serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine parameter, e.g. --set dtype=bfloat16 (repeatable)")
+    serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="engine parameter, e.g. --set dtype=bfloat16 (repeatable)")
     serve.add_argument("--repository-dir", default="", help="where to write the runtime model repository (default: a temp dir)")
     serve.add_argument("--exit-timeout-secs", type=int, default=5,
                        help="on Ctrl-C, how long Triton lets requests in flight finish before it exits (Triton's default: 30)")
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     add_openai_arguments(openai)
     openai.set_defaults(run=run_openai)
 
-    from .bench import add_bench_arguments  # noqa: PLC0415 (keeps start-up light)
+    from .bench import add_bench_arguments  # imported here: keeps start-up light
 
     bench = commands.add_parser("bench", help="load-generate against a running server")
     add_bench_arguments(bench)
@@ -91,7 +93,8 @@ def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
                         help="address to listen on (default: %(default)s, this machine only; another address needs "
                              "an API key or --allow-unauthenticated)")
     openai.add_argument("--port", type=int, default=default("port"), help="(default: %(default)s)")
-    openai.add_argument("--triton-url", default=default("triton_url"), help="gRPC endpoint of tritonserver (default: %(default)s)")
+    openai.add_argument("--triton-url", default=default("triton_url"),
+                        help="gRPC endpoint of tritonserver (default: %(default)s)")
     openai.add_argument("--model", action="append", default=None, dest="models",
                         help="Triton model to offer (repeatable; default: llm)")
     openai.add_argument("--served-model-name", default=None, help="OpenAI model id of the one model (default: its Triton name)")

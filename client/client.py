@@ -7,7 +7,7 @@ import json
 import queue
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncGenerator, AsyncIterator, Iterator
 
 import numpy as np
 
@@ -153,11 +153,12 @@ class AsyncLLMClient:
     async def stream(
         self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **sampling: Any
     ) -> AsyncIterator[Chunk]:
-        async with contextlib.aclosing(self.results(build_inputs(self._module, prompt, messages, stream=True, **sampling))) as results:
+        inputs = build_inputs(self._module, prompt, messages, stream=True, **sampling)
+        async with contextlib.aclosing(self.results(inputs)) as results:
             async for result in results:
                 yield parse_result(result)
 
-    async def results(self, inputs: list[Any], model: str | None = None) -> AsyncIterator[Any]:
+    async def results(self, inputs: list[Any], model: str | None = None) -> AsyncGenerator[Any, None]:
         """The raw results of one request on a gRPC stream of its own, up to the final one.
 
         The server's error is raised (InferenceServerException), as is a stream that ends

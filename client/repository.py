@@ -39,13 +39,13 @@ def write_repository(destination: str | os.PathLike, model: str = "", engine: Ma
     Engine settings are checked against EngineConfig first, so a typo fails here
     with the field named rather than at model load inside the server.
     """
-    engine = {k: str(v) for k, v in (engine or {}).items()}
-    EngineConfig.from_strings({k: v for k, v in engine.items() if k not in ENGINE_ONLY_PARAMETERS} | {"model": model})
+    strings = {k: str(v) for k, v in (engine or {}).items()}
+    EngineConfig.from_strings({k: v for k, v in strings.items() if k not in ENGINE_ONLY_PARAMETERS} | {"model": model})
     destination = Path(destination)
     if destination.exists():
         shutil.rmtree(destination)
     shutil.copytree(source_repository(), destination, ignore=shutil.ignore_patterns("__pycache__"))
-    set_parameters(destination / ENGINE_MODEL / "config.pbtxt", {"model": model, **engine})
+    set_parameters(destination / ENGINE_MODEL / "config.pbtxt", {"model": model, **strings})
     return destination
 
 

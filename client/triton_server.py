@@ -153,7 +153,11 @@ class TritonServer:
             process = self._launch(backend_dir, workdir)
             ready_url = self._http("/v2/health/ready")
             try:
-                process.wait_ready(lambda: http_status(ready_url) == 200, deadline, give_up=self.stop)
+                process.wait_ready(
+                    lambda: http_status(ready_url) == 200,  # noqa: B023 - called in this iteration only
+                    deadline,
+                    give_up=self.stop,
+                )
                 return self
             except TritonServerError:
                 port_clash = any("already in use" in ln for ln in self.error_lines())

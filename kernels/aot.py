@@ -118,7 +118,7 @@ def occupancy(target: Target, registers: int, shared: int, num_warps: int) -> Tu
         "warp slots": target.max_warps_per_sm // num_warps,
         "block slots": target.max_blocks_per_sm,
     }
-    limiter = min(limits, key=limits.get)
+    limiter = min(limits, key=limits.__getitem__)
     return limits[limiter] * num_warps, limiter
 
 
@@ -220,6 +220,7 @@ def _kernel_modules() -> SimpleNamespace:
                 knobs.runtime.interpret = False
                 spec = importlib.util.spec_from_file_location(
                     _PKG, os.path.join(here, "__init__.py"), submodule_search_locations=[here])
+                assert spec is not None and spec.loader is not None  # a .py file's spec
                 pkg = importlib.util.module_from_spec(spec)
                 sys.modules[_PKG] = pkg
                 spec.loader.exec_module(pkg)
@@ -242,7 +243,7 @@ def _device_model(target: Target, sms: int, log: List[Launch]):
     m = _kernel_modules()
     has_fp8 = divmod(target.capability, 10) >= NATIVE_FP8_CAPABILITY
     native = lambda device: has_fp8  # noqa: E731 - e4m3_triton.native_fp8 on the target
-    patches = [
+    patches: List[Tuple[Any, str, Any]] = [
         (m.paged_attention_triton, "_interpreting", lambda: False),
         (m.paged_attention_triton, "_num_sms", lambda device: sms),
         (m.paged_attention_triton, "native_fp8", native),
@@ -617,7 +618,9 @@ def _compile_in_children(targets, dtypes, models, reduced: bool, jobs: int) -> L
         for child, out, err in children:
             if child.wait() != 0 or not os.path.exists(out):
                 with open(err) as f:
-                    failures.append(f"child {child.args[-1]} exited {child.returncode}:\n{f.read()[-3000:]}")
+                    # child.args: the list of str given to Popen (its annotation allows bytes and paths too)
+                    label: str = child.args[-1]  # type: ignore[index,assignment]
+                    failures.append(f"child {label} exited {child.returncode}:\n{f.read()[-3000:]}")
                 continue
             with open(out) as f:
                 rows += json.load(f)

@@ -20,8 +20,16 @@ from pathlib import Path
 
 import torch
 
-from . import (bf16_matmul_cpu, block_matmul_cpu, cache_write_cpu, paged_decode_cpu, paged_prefill_cpu, rms_norm_cpu,
-               rotary_cpu, silu_mul_cpu)
+from . import (
+    bf16_matmul_cpu,
+    block_matmul_cpu,
+    cache_write_cpu,
+    paged_decode_cpu,
+    paged_prefill_cpu,
+    rms_norm_cpu,
+    rotary_cpu,
+    silu_mul_cpu,
+)
 from .bf16_matmul_cpu import GROUP, PairWeight
 from .block_matmul_cpu import BLOCK_KINDS, BlockWeight
 from .native_build import C_DTYPES, NativeLibrary
@@ -56,7 +64,7 @@ class LayerWeights(ctypes.Structure):
 class StepArgs(ctypes.Structure):
     """One step's shapes, attention plan and buffers (decoder_stack_cpu.c's Step)."""
 
-    _fields_ = [(name, _i32) for name in
+    _fields_ = [(name, _i32) for name in  # type: ignore[assignment]  # mypy joins the field types to object
                 ("tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size", "dtype",
                  "num_threads")] + [
         ("num_slots", _i64), ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("slot_mapping", _p),
@@ -191,9 +199,10 @@ class DecoderStack:
     def __init__(self, layers: list[LayerTensors], final_norm: torch.Tensor, shape: StackShape):
         self.kernels = kernels() if LIBRARY.get() is not None else None
         built = [layer.weights() for layer in layers]
+        weights = [w for w in built if w is not None]
         self.dtype = layers[0].dtype if layers else torch.bfloat16
-        self.layers = None if self.kernels is None or None in built or final_norm.dtype != self.dtype else (
-            (LayerWeights * len(built))(*built))
+        self.layers = None if self.kernels is None or len(weights) < len(built) or final_norm.dtype != self.dtype else (
+            (LayerWeights * len(weights))(*weights))
         self.tensors = (layers, final_norm)  # what the addresses point into, kept alive
         self.final_norm, self.shape = final_norm, shape
         cache = layers[0].key_cache if layers else None
@@ -214,7 +223,9 @@ class DecoderStack:
         those, as Linear.forward does for this many rows."""
         s = self.shape
         tokens = h.shape[0]
-        if (self.layers is None or h.dtype != self.dtype or not h.is_contiguous() or tokens == 0
+        library = LIBRARY.get()  # loaded wherever self.layers was built
+        if (self.layers is None or self.kernels is None or library is None
+                or h.dtype != self.dtype or not h.is_contiguous() or tokens == 0
                 or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
             return None
         new = h.new_empty
@@ -242,12 +253,14 @@ class DecoderStack:
             scratch = torch.empty((2, tokens, widest), dtype=torch.float32)
             args.few_rows, args.xf, args.yf = int(few_rows), scratch[0].data_ptr(), scratch[1].data_ptr()
         if decode is not None:
-            args.num_decodes, args.tables, args.table_width = decode.tokens.numel(), decode.tables.data_ptr(), decode.tables.shape[1]
+            args.num_decodes, args.tables = decode.tokens.numel(), decode.tables.data_ptr()
+            args.table_width = decode.tables.shape[1]
             args.lens, args.decode_rows = decode.lens.data_ptr(), decode.tokens.data_ptr()
         if prefill is not None:
-            args.num_chunks, args.chunk_slots, args.slot_starts = prefill.q_lens.numel(), prefill.slots.data_ptr(), prefill.slot_starts.data_ptr()
-            args.q_starts, args.q_lens, args.seq_lens = prefill.q_starts.data_ptr(), prefill.q_lens.data_ptr(), prefill.seq_lens.data_ptr()
-        status = LIBRARY.get().decoder_stack(ctypes.byref(self.kernels), self.layers, len(self.layers), ctypes.byref(args))
+            args.num_chunks, args.chunk_slots = prefill.q_lens.numel(), prefill.slots.data_ptr()
+            args.slot_starts, args.q_starts = prefill.slot_starts.data_ptr(), prefill.q_starts.data_ptr()
+            args.q_lens, args.seq_lens = prefill.q_lens.data_ptr(), prefill.seq_lens.data_ptr()
+        status = library.decoder_stack(ctypes.byref(self.kernels), self.layers, len(self.layers), ctypes.byref(args))
         if status != 0:
             return None
         return buffers["out"] if output_rows is None else buffers["out"][: output_rows.rows.numel()]

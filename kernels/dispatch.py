@@ -19,8 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from .cache_write import write_kv_cache_ref
-from .cache_write_cpu import LIBRARY as cache_write_library
-from .cache_write_cpu import write_kv_cache_cpu
+from .cache_write_cpu import LIBRARY as cache_write_library, write_kv_cache_cpu
 from .decoder_stack_cpu import LIBRARY as decoder_stack_library
 from .fp8 import Fp8Weight, fp8_matmul_ref
 from .int4 import Int4Weight, w4a16_matmul_ref

@@ -36,7 +36,8 @@ class Fp8Weight:
 
     @property
     def shape(self) -> Tuple[int, int]:
-        return tuple(self.weight.shape)
+        rows, cols = self.weight.shape  # 2-D, as checked
+        return rows, cols
 
     @property
     def nbytes(self) -> int:

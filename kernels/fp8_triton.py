@@ -40,8 +40,17 @@ import triton.language as tl
 from .e4m3_triton import decode_e4m3, e4m3_bits, native_fp8
 from .fp8 import Fp8Weight
 from .gemm_triton import (
-    GemmConfig, bucket_m, check_activations, grouped_tile, interpreter_tile, interpreting,
-    launch_splitk_reduce, plan_split, split_k_range, store_tile, timed_choice,
+    GemmConfig,
+    bucket_m,
+    check_activations,
+    grouped_tile,
+    interpreter_tile,
+    interpreting,
+    launch_splitk_reduce,
+    plan_split,
+    split_k_range,
+    store_tile,
+    timed_choice,
 )
 from .numerics import AMAX_EPS, FP8_DTYPE, FP8_MAX
 

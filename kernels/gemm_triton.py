@@ -31,7 +31,6 @@ import triton.language as tl
 
 from .numerics import cdiv
 
-
 # ------------------------------------------------------------------ in-kernel helpers
 
 @triton.jit
@@ -215,7 +214,7 @@ def _store_choice(key: Tuple, choice: GemmConfig) -> None:
 
 
 def timed_choice(key: Tuple, candidates: List[GemmConfig],
-                 run: Callable[[GemmConfig], None]) -> GemmConfig:
+                 run: Callable[[GemmConfig], object]) -> GemmConfig:
     """Pick the fastest candidate once per key (the small 'autotune' of this package);
     keys start with the kernel's name, so kernels share the cache without colliding."""
     if key in _TUNED:
@@ -232,8 +231,8 @@ def timed_choice(key: Tuple, candidates: List[GemmConfig],
     best, best_t = candidates[0], float("inf")
     for cand in candidates:
         try:
-            t = do_bench(lambda: run(cand), warmup=5, rep=20)
-        except Exception:  # e.g. out of shared memory on a smaller GPU
+            t = do_bench(lambda: run(cand), warmup=5, rep=20)  # noqa: B023 - called in this iteration only
+        except Exception:  # noqa: BLE001 - a candidate that fails to run (e.g. out of shared memory on a smaller GPU)
             continue
         if t < best_t:
             best, best_t = cand, t

@@ -29,8 +29,17 @@ import triton
 import triton.language as tl
 
 from .gemm_triton import (
-    GemmConfig, bucket_m, check_activations, grouped_tile, interpreter_tile, interpreting,
-    launch_splitk_reduce, plan_split, split_k_range, store_tile, timed_choice,
+    GemmConfig,
+    bucket_m,
+    check_activations,
+    grouped_tile,
+    interpreter_tile,
+    interpreting,
+    launch_splitk_reduce,
+    plan_split,
+    split_k_range,
+    store_tile,
+    timed_choice,
 )
 from .int4 import Int4Weight
 

@@ -111,7 +111,8 @@ def build(source: Path, cc: str, march: str = "native") -> Path:
     flags = [*FLAGS, *march_flags(march)]
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h"))  # what it may #include
                        if march in EMULATED or h.name != "cpu_simde.h")
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *flags]).encode() + cpu_signature().encode()).hexdigest()[:16]
+    inputs = source.read_bytes() + headers + " ".join([cc, *flags]).encode() + cpu_signature().encode()
+    key = hashlib.sha256(inputs).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
         return target

@@ -6,6 +6,8 @@ the engine and every tiling computation agree; this module imports only torch.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -14,6 +16,9 @@ AMAX_EPS = 1e-12
 """Floor on an amax before it becomes a scale, so all-zero rows do not divide by zero."""
 
 
-def cdiv(a: int, b: int) -> int:
+_Count = TypeVar("_Count", int, torch.Tensor)
+
+
+def cdiv(a: _Count, b: int) -> _Count:
     """Ceiling of a / b for integers (b > 0)."""
     return -(-a // b)

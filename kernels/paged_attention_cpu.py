@@ -56,8 +56,7 @@ import torch.nn.functional as F
 from .numerics import cdiv
 from .paged_attention import is_fp8, kv_scales
 from .paged_decode_cpu import native_decode, paged_decode, supports
-from .paged_prefill_cpu import PrefillChunks, native_prefill, paged_prefill
-from .paged_prefill_cpu import supports as prefill_supports
+from .paged_prefill_cpu import PrefillChunks, native_prefill, paged_prefill, supports as prefill_supports
 
 CHUNK_KEYS = 128
 """Keys per decode split: measured best of 64/128/256 on SmolLM2 shapes."""
@@ -115,7 +114,8 @@ class DecodePlan:
     @functools.cached_property
     def split(self) -> SplitKV:
         lens = self.lens.long()
-        return _split_kv(self.tables.long(), lens, self.tokens, self.block_size, choose_chunk_keys(lens, self.requested_chunk_keys))
+        chunk_keys = choose_chunk_keys(lens, self.requested_chunk_keys)
+        return _split_kv(self.tables.long(), lens, self.tokens, self.block_size, chunk_keys)
 
 
 @dataclass
@@ -196,7 +196,7 @@ def paged_attention_cpu(
         return out
     ks, vs = kv_scales(key_cache, k_scale, v_scale)
     keys, values = KVRows(key_cache, ks, query.dtype), KVRows(value_cache, vs, query.dtype)
-    if torch_decode:
+    if torch_decode and plan.decode is not None:  # torch_decode implies a decode plan
         out.index_copy_(0, plan.decode.tokens, _decode(query, keys, values, plan.decode, scale))
     for prefill in prefills:
         out[prefill.start : prefill.end] = _prefill(query, keys, values, prefill, scale)
@@ -303,10 +303,11 @@ def step_plan(
     same = _last.plan is not None and settings == _last.settings and all(
         a.shape == b.shape and np.array_equal(a, b) for a, b in zip(metadata, _last.metadata)
     )
-    if not same:
-        _last.plan = build_plan(block_tables, seq_lens, query_start_loc, block_size, chunk_keys)
+    plan = _last.plan
+    if plan is None or not same:  # (`same` is False without a plan)
+        plan = _last.plan = build_plan(block_tables, seq_lens, query_start_loc, block_size, chunk_keys)
         _last.settings, _last.metadata = settings, tuple(a.copy() for a in metadata)
-    return _last.plan
+    return plan
 
 
 def build_plan(

@@ -211,7 +211,7 @@ def _split_reduce_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     part = (token.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits
     m = tl.load(part_m_ptr + part)
-    l = tl.load(part_l_ptr + part)
+    l = tl.load(part_l_ptr + part)  # noqa: E741 - the docstring's (and flash attention's) m and l
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0

@@ -109,7 +109,11 @@ def _gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, 
 
 
 def _hf_name(gguf_name: str) -> str | None:
-    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    fixed = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
     if gguf_name in fixed:
         return fixed[gguf_name]
     parts = gguf_name.split(".")

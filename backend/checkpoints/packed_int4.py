@@ -64,6 +64,6 @@ class PackedInt4Loader:
                     raise ValueError(f"checkpoint lacks packed weights of layer {index} {missing}")
                 tensors = [self.parts.pop((index, n)) for n in names]
                 weight = concat_out_features([self._unpack(t) for t in tensors]).to(device)
-                biases = [t.get("bias") for t in tensors]
-                bias = torch.cat(biases).to(device, dtype) if all(b is not None for b in biases) else None
+                biases = [t["bias"] for t in tensors if t.get("bias") is not None]
+                bias = torch.cat(biases).to(device, dtype) if len(biases) == len(tensors) else None
                 layer.set_submodule(target, QuantizedLinear(weight, bias, int4_linear))

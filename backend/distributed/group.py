@@ -70,7 +70,8 @@ def connect(store: dist.Store, rank: int, size: int, device: torch.device) -> Pr
 
 
 def _gloo(store: dist.Store, rank: int, size: int) -> Any:
-    options = dist.ProcessGroupGloo._Options()
+    # _Options: private, not in torch's stubs; the one way to set gloo's timeout and devices
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = CONNECT_TIMEOUT
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
     return dist.ProcessGroupGloo(store, rank, size, options)

@@ -52,6 +52,7 @@ def main(argv: list[str]) -> int:
     runner = ModelRunner(model, message.arg, spec.block_size, DTYPES[spec.dtype], device, spec.attention_backend)
     collectives.barrier(LOAD_TIMEOUT)
     while (message := channel.receive()).command == Command.STEP:
+        assert message.inputs is not None  # a STEP carries its inputs
         runner.run(message.inputs)
     return 0
 

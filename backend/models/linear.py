@@ -128,7 +128,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:
-            return self._block_matmul(x)
+            return self._block_matmul(x, self.blocks)
         rows = x.shape[0]
         if self.few_row_blocks is not None and x.dim() == 2 and rows <= self.few_block_rows:
             bias = None if self.bias is None else self.bias.float()
@@ -136,7 +136,7 @@ class Linear(nn.Linear):
             if out is not None:
                 return out.to(x.dtype)
         if self.pairs is not None:
-            return self._pair_matmul(x)
+            return self._pair_matmul(x, self.pairs)
         # Inside the compiled step (plain weights) the rows are padded to a bucket already.
         bucket = row_bucket(rows, EXACT_ROWS) if self.packed is not None and x.dim() == 2 else rows
         if bucket != rows:
@@ -145,12 +145,12 @@ class Linear(nn.Linear):
             return self._matmul(padded)[:rows]
         return self._matmul(x)
 
-    def _block_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _block_matmul(self, x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        out = block_matmul(flat, self.blocks, self.bias)
+        out = block_matmul(flat, blocks, self.bias)
         if out is None:  # not float32 rows (or none): through the weight the blocks rebuild
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            out = F.linear(flat, self.blocks.dequantize().to(x.dtype), bias)
+            out = F.linear(flat, blocks.dequantize().to(x.dtype), bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     @property
@@ -158,11 +158,11 @@ class Linear(nn.Linear):
         """Row counts up to this multiply `few_row_blocks` (where the layer has them)."""
         return FEW_ROWS if self.pairs is None else FEW_ROWS_BESIDE_PAIRS
 
-    def _pair_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _pair_matmul(self, x: torch.Tensor, pairs: PairWeight) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a step's rows are 2-D already
-        out = pair_matmul(flat.contiguous(), self.pairs)
+        out = pair_matmul(flat.contiguous(), pairs)
         if out is None:  # not bf16 rows (or none): through the weight the pairs hold
-            out = F.linear(flat, self.pairs.unpack().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            out = F.linear(flat, pairs.unpack().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:

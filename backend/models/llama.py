@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Sequence, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.rms_norm_cpu import add_rms_norm as add_rms_norm_cpu
-from pagedserve.kernels.rms_norm_cpu import rms_norm as rms_norm_cpu
+from pagedserve.kernels.rms_norm_cpu import add_rms_norm as add_rms_norm_cpu, rms_norm as rms_norm_cpu
 from pagedserve.kernels.rotary_cpu import rotary as rotary_cpu
 from pagedserve.kernels.silu_mul_cpu import silu_mul as silu_mul_cpu
 
@@ -62,6 +61,9 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, computed once in float32 as HF does."""
+
+    cos: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    sin: torch.Tensor
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
@@ -253,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
         eager, pieces = pieces is None, pieces or EAGER_PIECES
         h, q, k, v = pieces.first(self, input_ids, positions)
         last = len(self.layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        for i, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches)):
             attn = attention(kernels, q, k, v, kv_cache, meta, layer.self_attn.scale)
             if i == last:
                 if output_rows is None or output_rows.numel() == h.shape[0]:
@@ -266,6 +268,11 @@ class LlamaForCausalLM(nn.Module):
             h, q, k, v = pieces.middle(self, layer, self.layers[i + 1], h, attn, positions)
         raise ValueError("a model without layers")
 
+    @property
+    def decoder_layers(self) -> Sequence[LlamaDecoderLayer]:
+        """`layers` as what it holds, for the type checker (an nn.ModuleList's items are typed Module)."""
+        return cast("Sequence[LlamaDecoderLayer]", self.layers)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
@@ -277,7 +284,7 @@ Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 def first_piece(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> Residual:
     """Embedding, then the first layer up to its attention."""
     h = model.embed_tokens(input_ids)
-    first = model.layers[0]
+    first: LlamaDecoderLayer = model.layers[0]  # type: ignore[assignment]  # a ModuleList's items are typed Module
     return (h, *first.self_attn.project(first.input_layernorm(h), model.rotary, positions))
 
 

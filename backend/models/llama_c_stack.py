@@ -9,7 +9,7 @@ and the model runs its layers itself.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,7 +50,7 @@ class LlamaCStack:
             return None
         h = model.embed_tokens(input_ids)
         cos, sin = model.rotary.tables(positions, h.dtype)
-        few_block_rows = model.layers[0].self_attn.qkv_proj.few_block_rows
+        few_block_rows = model.decoder_layers[0].self_attn.qkv_proj.few_block_rows
         kept = None
         if output_rows is not None and output_rows.numel() < input_ids.shape[0]:
             if output_rows.numel() > 1 and not bool((output_rows[1:] > output_rows[:-1]).all()):
@@ -70,16 +70,17 @@ class LlamaCStack:
         if model.config.qk_norm:
             return None  # the C layers have no per-head query / key norms
         layers = []
-        for layer, cache in zip(model.layers, kv_caches):
+        for layer, cache in zip(model.decoder_layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            tensors = [_linear_tensors(linear) for linear in linears]
-            if None in tensors or attn.o_proj.collectives is not None or mlp.down_proj.collectives is not None:
+            qkv, o, gate_up, down = (_linear_tensors(linear)
+                                     for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            if (qkv is None or o is None or gate_up is None or down is None
+                    or attn.o_proj.collectives is not None or mlp.down_proj.collectives is not None):
                 return None  # quantized or otherwise laid out, or sharded
             layers.append(decoder_stack_cpu.LayerTensors(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *tensors,
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv, o, gate_up, down,
                 cache.key, cache.value))  # a cache of another dtype (fp8) is declined by LayerTensors.weights
-        first = model.layers[0]
+        first = model.decoder_layers[0]
         shape = decoder_stack_cpu.StackShape(
             model.local_config.hidden_size, first.self_attn.num_heads, first.self_attn.num_kv_heads,
             model.config.head_dim, first.mlp.intermediate_size, first.input_layernorm.eps, first.self_attn.scale)
@@ -87,7 +88,7 @@ class LlamaCStack:
         return stack if stack.usable else None
 
 
-def _linear_tensors(linear: object) -> decoder_stack_cpu.LinearTensors | None:
+def _linear_tensors(linear: Any) -> decoder_stack_cpu.LinearTensors | None:
     """bf16 layers' pairs (with the few-row GGUF blocks), float32 layers' GGUF blocks (Linear.forward's
     paths for those); None for any other layout or a quantized layer."""
     pairs, blocks = getattr(linear, "pairs", None), getattr(linear, "blocks", None)

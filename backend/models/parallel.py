@@ -145,9 +145,9 @@ class CombiningLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        return out if self.collectives is None else self.combine(out)
+        return out if self.collectives is None else self.combine(out, self.collectives)
 
-    def combine(self, out: torch.Tensor) -> torch.Tensor:
+    def combine(self, out: torch.Tensor, collectives: Collectives) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -156,8 +156,8 @@ class RowParallelLinear(CombiningLinear):
 
     shard_dim = 1
 
-    def combine(self, out: torch.Tensor) -> torch.Tensor:
-        return self.collectives.all_reduce(out)
+    def combine(self, out: torch.Tensor, collectives: Collectives) -> torch.Tensor:
+        return collectives.all_reduce(out)
 
 
 class ParallelLMHead(CombiningLinear):
@@ -165,8 +165,8 @@ class ParallelLMHead(CombiningLinear):
 
     shard_dim = 0
 
-    def combine(self, out: torch.Tensor) -> torch.Tensor:
-        return self.collectives.all_gather(out)
+    def combine(self, out: torch.Tensor, collectives: Collectives) -> torch.Tensor:
+        return collectives.all_gather(out)
 
 
 class VocabParallelEmbedding(nn.Embedding):

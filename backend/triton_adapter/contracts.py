@@ -133,7 +133,9 @@ class _Trtllm:
         def reply(outputs: Arrays) -> list[dict[str, np.ndarray]]:
             ids = split_samples(outputs, "output_ids", "output_lengths")
             own = self.sequence_outputs(outputs, ids, tokenizer)
-            return [keep({**own[i], **sample_outputs(outputs, i, ids[i])}, requested) for i in samples_to_send(ids, request.stream)]
+            return [
+                keep({**own[i], **sample_outputs(outputs, i, ids[i])}, requested) for i in samples_to_send(ids, request.stream)
+            ]
 
         return RelayPlan(engine_inputs(request, prompt), TRTLLM_ENGINE_OUTPUTS, reply)
 

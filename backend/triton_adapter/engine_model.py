@@ -32,8 +32,8 @@ Triton (2.51) traps kept here:
 from __future__ import annotations
 
 import logging
-import secrets
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -174,7 +174,7 @@ class EngineModel:
                                                         reply=reply, rendered_reply=rendered_reply)
             submitted = request_id
             self.engine_thread.submit(request_id, parsed.prompt_token_ids, parsed.params, self.outbox.put)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - any failure to start a request is that request's error final
             if submitted is not None:
                 with self.lock:
                     self.active.pop(submitted, None)

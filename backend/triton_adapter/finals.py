@@ -84,6 +84,6 @@ def send_final(response_sender: Any, response: Any, final_flag: int) -> bool:
     if response is not None:
         try:
             response_sender.send(flags=final_flag)
-        except Exception:  # the sender is closed already: the server has the final
+        except Exception:  # noqa: BLE001 - the sender is closed already: the server has the final
             pass
     return False

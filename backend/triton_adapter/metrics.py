@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
-    from ..outputs import EngineStats
-    from ..outputs import RequestOutput
+    from ..outputs import EngineStats, RequestOutput
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
@@ -29,7 +28,8 @@ N_BUCKETS = [1, 2, 5, 10, 20]
 
 def buckets_1_2_5(limit: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
-    buckets, scale = [], 1
+    buckets: list[int] = []
+    scale = 1
     while True:
         for mantissa in (1, 2, 5):
             if mantissa * scale > limit:
@@ -55,7 +55,7 @@ class _Families:
         self.pb_utils, self.labels = pb_utils, dict(labels)
         self.families: list[Any] = []
 
-    def metric(self, name: str, description: str, kind: str, buckets: list[float] | None = None) -> Any:
+    def metric(self, name: str, description: str, kind: str, buckets: Sequence[float] | None = None) -> Any:
         family = self.pb_utils.MetricFamily(
             name=name, description=description, kind=getattr(self.pb_utils.MetricFamily, kind)
         )
@@ -64,7 +64,9 @@ class _Families:
             return family.Metric(labels=self.labels, buckets=buckets)
         return family.Metric(labels=self.labels)
 
-    def labelled(self, name: str, description: str, label: str, values: tuple[str, ...], labels: Mapping[str, str]) -> dict[str, Any]:
+    def labelled(
+        self, name: str, description: str, label: str, values: tuple[str, ...], labels: Mapping[str, str]
+    ) -> dict[str, Any]:
         """One gauge family with a series per value of `label` (TensorRT-LLM's layout)."""
         family = self.pb_utils.MetricFamily(name=name, description=description, kind=self.pb_utils.MetricFamily.GAUGE)
         self.families.append(family)
@@ -94,7 +96,7 @@ class TrtllmMetrics:
 
     def refresh(self, stats: EngineStats, now_s: float) -> None:
         step = stats.last_step
-        values = {
+        values: dict[str, dict[str, float]] = {
             "request": {"active": stats.num_running + stats.num_waiting, "max": self.max_num_seqs,
                         "scheduled": step.context_requests + step.generation_requests,
                         "context": step.context_requests, "waiting": stats.num_waiting},

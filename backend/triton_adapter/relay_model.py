@@ -96,7 +96,7 @@ class RelayModel:
             response_sender = request.get_response_sender()
             try:
                 relay = self._prepare(request, response_sender)
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - an unreadable request is answered INVALID_ARG at once
                 send_final(response_sender, Failure(str(error), "INVALID_ARG").response(self.pb_utils), self.final_flag)
                 continue
             if relay is None:
@@ -130,7 +130,9 @@ class RelayModel:
         with self.lock:
             targets = [r.request_id for r in self.active.values() if client_id and r.client_id == client_id]
         if not targets:
-            raise InvalidRequestError("stop", f"no request with id {client_id!r} is in flight; send the id of the request to stop")
+            raise InvalidRequestError(
+                "stop", f"no request with id {client_id!r} is in flight; send the id of the request to stop"
+            )
         for request_id in targets:
             self._cancel_in_engine(request_id)
 
@@ -233,7 +235,10 @@ class RelayModel:
             watched = list(self.active)
         cancelled = self.asks.ask(watched, self._take_cancelled)
         for request_id in cancelled:
-            log_info(self.pb_utils, f"[pagedserve] request {request_id} cancelled by its client; cancelling it in {self.engine_model}")
+            log_info(
+                self.pb_utils,
+                f"[pagedserve] request {request_id} cancelled by its client; cancelling it in {self.engine_model}",
+            )
             self._cancel_in_engine(request_id)
         now = time.monotonic()
         while self.drained and self.drained[0][0] <= now:

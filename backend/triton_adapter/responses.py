@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidRequestError
 from ..outputs import RequestOutput
 from ..tokenizer import decode_delta
-from ..errors import InvalidRequestError
 from .finals import ERROR_OUTPUT
 from .requests import CORE_OUTPUTS, RETURN_OUTPUTS, EngineRequest
 from .tensors import Arrays, flag, token_ids
@@ -110,7 +110,8 @@ def postprocess_texts(inputs: Arrays, tokenizer: Any) -> list[str]:
     skip = flag(inputs, "skip_special_tokens", default=True)
     texts = []
     for ids, before, trim in zip(id_lists, context_lists, trims):
-        text = decode_delta(tokenizer, before, ids, skip, allow_partial=True) if ids else ""
+        # `or ""`: for the type checker, decode_delta is never None with allow_partial
+        text = (decode_delta(tokenizer, before, ids, skip, allow_partial=True) or "") if ids else ""
         texts.append(text[: len(text) - trim] if trim else text)
     return texts
 

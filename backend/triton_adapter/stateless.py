@@ -130,7 +130,7 @@ class PostprocessingModel(TokenizerModel):
                 "trim_chars": trims[b],
                 "skip_special_tokens": np.array([skip]),
             }
-            if context is not None:
+            if context is not None and context_lengths is not None:  # sent together
                 row["context_ids"] = np.concatenate([context[b, k, : context_lengths[b, k]] for k in range(context.shape[1])])
                 row["context_lengths"] = context_lengths[b]
             texts.append(postprocess_texts(row, self.tokenizer))

@@ -87,5 +87,6 @@ def to_tensors(pb_utils: Any, arrays: Arrays) -> list[Any]:
 
 def _triton_array(array: np.ndarray) -> np.ndarray:
     if array.dtype == np.object_:  # STRING tensors travel as bytes
-        return np.array([v.encode("utf-8") if isinstance(v, str) else v for v in array.reshape(-1)], dtype=np.object_).reshape(array.shape)
+        encoded = [v.encode("utf-8") if isinstance(v, str) else v for v in array.reshape(-1)]
+        return np.array(encoded, dtype=np.object_).reshape(array.shape)
     return array

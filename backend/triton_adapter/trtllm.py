@@ -44,7 +44,9 @@ BEAM_ONLY = ("length_penalty", "len_penalty", "early_stopping", "beam_search_div
 """Beam-search settings: accepted and without effect at beam width 1, as there."""
 
 REFUSED = {
-    "beam_width": "beam search is not supported; send beam_width 1 (or leave it out) and use num_return_sequences for several outputs",
+    "beam_width": (
+        "beam search is not supported; send beam_width 1 (or leave it out) and use num_return_sequences for several outputs"
+    ),
     "return_context_logits": "context logits are not returned; leave return_context_logits false",
     "return_generation_logits": "generation logits are not returned; leave return_generation_logits false",
     "return_perf_metrics": "per-request perf metrics are not returned; read the server's metrics port instead",
@@ -120,7 +122,9 @@ def from_word_list(name: str, array: Any) -> list[list[int]]:
     if array.ndim == 3 and array.shape[0] == 1:
         array = array[0]
     if array.ndim != 2 or array.shape[0] != 2 or array.dtype.kind not in "iu":
-        raise InvalidRequestError(name, f"must be an INT32 word list of shape [2, N] (ids, end offsets), got {array.dtype} {list(array.shape)}")
+        raise InvalidRequestError(
+            name, f"must be an INT32 word list of shape [2, N] (ids, end offsets), got {array.dtype} {list(array.shape)}"
+        )
     flat, words, start = array[0].tolist(), [], 0
     for end in array[1].tolist():
         if end < 0:
@@ -159,7 +163,9 @@ def parse_trtllm_request(
         if value is not None and key != "stream":
             values[key] = value
     if "max_tokens" not in values:
-        raise InvalidRequestError(_name_of(names, "max_tokens"), "is required (the most tokens to generate: `max_tokens` of the ensemble)")
+        raise InvalidRequestError(
+            _name_of(names, "max_tokens"), "is required (the most tokens to generate: `max_tokens` of the ensemble)"
+        )
     top_k, top_p = values.pop("top_k", 0) or 0, values.pop("top_p", 0.0) or 0.0
     if top_k == 1 or (top_k == 0 and top_p == 0.0):
         values["temperature"] = 0.0  # TensorRT-LLM's default: greedy unless top_k or top_p asks to sample
@@ -195,7 +201,9 @@ def guided_decoding(inputs: Arrays) -> dict[str, Any]:
     guide = scalar(inputs, "guided_decoding_guide")
     if kind is None:
         if guide is not None:
-            raise InvalidRequestError("guided_decoding_guide_type", f"is required with guided_decoding_guide; one of {sorted(GUIDE_TYPES)}")
+            raise InvalidRequestError(
+                "guided_decoding_guide_type", f"is required with guided_decoding_guide; one of {sorted(GUIDE_TYPES)}"
+            )
         return {}
     kind = str(kind)
     if kind not in GUIDE_TYPES:

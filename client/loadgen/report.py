@@ -20,7 +20,7 @@ def format_summary(summary: Summary, title: str = "") -> str:
     )
     lines.append(f"throughput  {summary.requests_per_s:.2f} req/s  {summary.output_tokens_per_s:.1f} output tok/s")
     per_response = summary.client_cpu_per_response_us
-    if per_response is not None:
+    if per_response is not None and summary.client_cpu_s is not None:  # both, or neither
         share = summary.client_cpu_s / summary.window_s if summary.window_s > 0 else 0.0
         lines.append(f"client CPU  {summary.client_cpu_s:.2f} s: {per_response:.0f} us per streamed response "
                      f"({share:.1%} of a core; it shares the machine with the server when local)")

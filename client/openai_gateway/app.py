@@ -21,7 +21,7 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -91,7 +91,7 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
         status = 200 if all(ready) else 503
         return JSONResponse({"status": "ok" if status == 200 else "unavailable"}, status_code=status)
 
-    def bounded(streams: list[AsyncIterator[LLMStep]]) -> AsyncIterator[tuple[int, LLMStep]]:
+    def bounded(streams: list[AsyncGenerator[LLMStep, None]]) -> AsyncGenerator[tuple[int, LLMStep], None]:
         """The streams merged, under the request's deadline (from now)."""
         deadline = asyncio.get_running_loop().time() + config.request_timeout_s
         return within(merged(streams), deadline, config.request_timeout_s)
@@ -162,7 +162,7 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
     return app
 
 
-def with_usage(chunk: BaseModel, result: responses.Accumulator, continuous: bool) -> BaseModel:
+def with_usage(chunk: schemas.ResponseFields, result: responses.Accumulator, continuous: bool) -> BaseModel:
     """The chunk, with the usage so far where the client asked for it in every chunk."""
     if continuous:
         chunk.usage = result.usage()
@@ -192,7 +192,7 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
                 await task
 
 
-async def sse(steps: AsyncIterator[Any], chunks: Callable[[Any], AsyncIterator[BaseModel]]) -> StreamingResponse:
+async def sse(steps: AsyncGenerator[Any, None], chunks: Callable[[Any], AsyncIterator[BaseModel]]) -> StreamingResponse:
     """A Server-Sent Events response; the first response is awaited here so that an
     error before it (a refused request) is an HTTP error status."""
     try:
@@ -209,7 +209,7 @@ async def sse(steps: AsyncIterator[Any], chunks: Callable[[Any], AsyncIterator[B
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except OpenAIError as error:  # after the 200 went out: OpenAI's in-stream error event
             yield f"data: {json.dumps(error.body())}\n\n"
-        except Exception:  # noqa: BLE001 (the gateway's own failure: logged, reported as internal)
+        except Exception:  # the gateway's own failure: logged, reported as internal
             log.exception("internal error in a streamed response")
             yield f"data: {json.dumps(internal_error().body())}\n\n"
         finally:
@@ -219,7 +219,7 @@ async def sse(steps: AsyncIterator[Any], chunks: Callable[[Any], AsyncIterator[B
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def within(steps: AsyncIterator[Any], deadline: float, timeout_s: float) -> AsyncIterator[Any]:
+async def within(steps: AsyncGenerator[Any, None], deadline: float, timeout_s: float) -> AsyncGenerator[Any, None]:
     """`steps` until the loop's clock reaches `deadline`; then they are closed (which
     cancels their Triton requests) and a 504 naming `request_timeout_s` is raised."""
     try:
@@ -314,7 +314,7 @@ class RequestGuard:
 
         try:
             await self.app(scope, replay, watched_send)
-        except Exception:  # noqa: BLE001 (reported as the gateway's fault, never the client's)
+        except Exception:  # reported as the gateway's fault, never the client's
             log.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
             if not started:
                 await _send_error(send, internal_error())
@@ -336,7 +336,7 @@ async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield item
 
 
-async def merged(streams: list[AsyncIterator[LLMStep]]) -> AsyncIterator[tuple[int, LLMStep]]:
+async def merged(streams: list[AsyncGenerator[LLMStep, None]]) -> AsyncGenerator[tuple[int, LLMStep], None]:
     """(stream index, step) from several streams as they arrive; closing this closes them all."""
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]) as stream:
@@ -351,7 +351,7 @@ async def merged(streams: list[AsyncIterator[LLMStep]]) -> AsyncIterator[tuple[i
             async for step in stream:
                 await queue.put((index, step))
             await queue.put((index, done))
-        except BaseException as error:  # handed to the consumer, which re-raises it
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
             await queue.put((index, error))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]

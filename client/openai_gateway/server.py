@@ -33,7 +33,7 @@ class HeaderTimeoutProtocol(H11Protocol):
     header_timeout_s: float = 10.0
     max_header_bytes: int = 16 * 1024
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's: narrower than asyncio's
         self._header_timer: asyncio.TimerHandle | None = None
         super().connection_made(transport)
         self._arm_header_timer()

@@ -82,6 +82,7 @@ class ToolPlan:
         """`llm`'s structured outputs that force the call (required, a named function), in
         one compact form: no blank runs for a sampling model to spend max_tokens on."""
         if self.choice == "function":
+            assert self.named is not None  # the function choice always names one
             return {"json": self.parameters[self.named], "disable_any_whitespace": True}
         if self.choice != "required":
             return None
@@ -100,6 +101,7 @@ class ToolPlan:
     def extractor(self) -> CallExtractor:
         """A fresh reader of one choice's text."""
         if self.choice == "function":
+            assert self.named is not None  # the function choice always names one
             return NamedCall(self.named)
         if self.choice == "required":
             return RequiredCalls(self.parallel)

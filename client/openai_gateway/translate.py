@@ -58,7 +58,9 @@ class LLMRequest:
 
     def inputs(self) -> dict[str, Any]:
         """Input name -> value (str, bool), for the `llm` model."""
-        values: dict[str, Any] = {"messages": json.dumps(self.messages)} if self.messages is not None else {"text_input": self.text}
+        values: dict[str, Any] = (
+            {"messages": json.dumps(self.messages)} if self.messages is not None else {"text_input": self.text}
+        )
         if self.tools is not None:
             values["tools"] = json.dumps(self.tools.tools)
         values |= {
@@ -116,9 +118,10 @@ def completion_requests(request: CompletionRequest, default_max_tokens: int,
         raise unsupported("best_of", f"must equal `n` ({request.n}) here; best-of ranking is not supported")
     max_tokens = request.max_tokens or default_max_tokens
     sampling = _sampling(request, max_tokens, request.logprobs)
+    texts = [p for p in prompts if isinstance(p, str)]  # every one of them, as checked above
     return [
         LLMRequest(text=p, sampling=sampling, stream=request.stream, echo=request.echo, top_logprobs=request.logprobs)
-        for p in prompts
+        for p in texts
     ]
 
 

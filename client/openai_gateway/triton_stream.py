@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 import grpc
 import numpy as np
@@ -64,10 +64,10 @@ class TritonLLM:
     async def is_ready(self, model: str) -> bool:
         try:
             return await self.llm.client.is_server_ready() and await self.llm.client.is_model_ready(model)
-        except Exception:  # unreachable or not serving: not ready, whatever the cause
+        except Exception:  # noqa: BLE001 - unreachable or not serving: not ready, whatever the cause
             return False
 
-    async def stream(self, model: str, request: LLMRequest) -> AsyncIterator[LLMStep]:
+    async def stream(self, model: str, request: LLMRequest) -> AsyncGenerator[LLMStep, None]:
         from tritonclient.utils import InferenceServerException
 
         try:
