@@ -11,6 +11,7 @@ and a request whose grammar is complete ends there.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -165,12 +166,20 @@ class GrammarCompiler:
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-    """Mask, in place, the tokens each of `rows` may not take next under its matcher's grammar."""
+    """Mask, in place, the tokens each of `rows` may not take next under its matcher's grammar.
+    The rows' masks are filled by xgrammar's batch filler on torch's CPU threads (a JSON
+    grammar's row can take milliseconds; one at a time they add up across a batch)."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
-    for row, matcher in zip(rows, matchers):
-        matcher.fill_next_token_bitmask(bitmask, row)
+    _batch_filler(torch.get_num_threads()).batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
     if logits.device.type != "cpu":
         bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+@functools.cache
+def _batch_filler(threads: int) -> Any:
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher(max(1, threads))
