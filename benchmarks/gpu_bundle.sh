@@ -5,6 +5,10 @@
 #   here:   bash benchmarks/gpu_bundle.sh pack       # -> .gpu/ (git-ignored through .git/info/exclude)
 #   there:  bash benchmarks/gpu_bundle.sh install    # first thing in the call that carries .gpu
 #
+# The grammar mask's cost (gpu.py's last target) needs xgrammar, which does not fit beside the
+# server in one call's 64 MiB: `pack-grammar` (-> .gpu-grammar/, ~7 MB) and `install-grammar`,
+# in a call of its own (gpu.py --models "Llama-3-8B bf16" --skip-served --skip-peer).
+#
 # Packed: Triton 2.51's server, python backend and 3.12 stub out of the nvidia-pytriton
 # 0.7.0 wheel (xz, ~30 MB), numpy 1.26.4 (the 2.51 stub garbles string inputs under numpy
 # 2) and tritonclient 2.73.0 with what its gRPC client needs and the image lacks or
@@ -42,4 +46,23 @@ install() {
     python3 -c "import numpy, pagedserve.backend, tritonclient.grpc; print('served environment ready, numpy', numpy.__version__)"
 }
 
-"$@"
+pack_grammar() {  # xgrammar and what it needs that the image lacks: carried in a call of its own (the server's pack fills a call)
+    grep -qx "/.gpu-grammar/" .git/info/exclude 2>/dev/null || echo "/.gpu-grammar/" >> .git/info/exclude
+    mkdir -p .gpu-grammar && rm -rf .gpu-grammar/*
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .gpu-grammar xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic==2.12.5 pydantic-core==2.41.5 \
+        annotated-types==0.7.0 typing-inspection==0.4.2
+    du -sh .gpu-grammar
+}
+
+install_grammar() {
+    python3 -m pip install -q --no-index --no-deps --no-compile .gpu-grammar/*.whl
+    python3 -c "import xgrammar; print('xgrammar', xgrammar.__version__)"
+}
+
+case "${1:-}" in
+    pack-grammar) pack_grammar ;;
+    install-grammar) install_grammar ;;
+    *) "$@" ;;
+esac

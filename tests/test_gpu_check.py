@@ -27,9 +27,10 @@ def test_the_gpu_check_runs_every_section_on_cpu(tmp_path):
     for row in ours.values():
         assert row["decode_tok_s"] > 0 and row["offline_tok_s"] > 0 and row["ttft_2k_ms"] > 0
     assert ours["tiny bf16"]["offline_at_served_tok_s"] > 0
+    assert ours["tiny bf16"]["grammar_mask_share"] > -1  # measured where xgrammar is installed (here; a GPU machine: carried)
     systems = {row["system"] for row in result["rows"]}
     assert {"transformers continuous batching", "transformers static cache, compiled"} <= systems
     served = next(row for row in result["rows"] if "served_tok_s" in row)
     assert served["served_tok_s"] > 0 and served["served_requests"] > 0
-    assert len(result["targets"]) == 8  # every target has its line (NOT MEASURED on a tiny model)
+    assert len(result["targets"]) == 9  # every target has its line (NOT MEASURED on a tiny model)
     assert (tmp_path / "gpu.md").read_text().count("| pagedserve |") == 3
