@@ -82,7 +82,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
     """`pagedserve openai`'s flags: GatewayConfig's fields (its defaults, shown here)."""
     from .openai_gateway.config import API_KEY_ENV, API_KEY_FILE_ENV, FLAGS, GatewayConfig  # light: no server imports
-    from .openai_gateway.tools import PARSERS
+    from .openai_gateway.tool_parsers import PARSERS
 
     defaults = GatewayConfig.__dataclass_fields__
 

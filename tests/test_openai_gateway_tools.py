@@ -13,7 +13,8 @@ from pagedserve.client.openai_gateway import GatewayConfig, GatewayConfigError
 from pagedserve.client.openai_gateway.errors import OpenAIError
 from pagedserve.client.openai_gateway.responses import StreamedCalls
 from pagedserve.client.openai_gateway.schemas import ChatCompletionRequest
-from pagedserve.client.openai_gateway.tools import Emission, assemble, tool_plan
+from pagedserve.client.openai_gateway.tool_parsers import Emission, assemble
+from pagedserve.client.openai_gateway.tools import tool_plan
 from pagedserve.client.openai_gateway.translate import chat_request
 from pagedserve.client.openai_gateway.triton_stream import SampleDelta
 

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from .tools import PARSERS
+from .tool_parsers import PARSERS
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 API_KEY_FILE_ENV = "PAGEDSERVE_API_KEY_FILE"

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 from . import schemas
-from .tools import CallExtractor, Emission, ToolPlan, assemble
+from .tool_parsers import CallExtractor, Emission, assemble
+from .tools import ToolPlan
 from .triton_stream import LLMStep, SampleDelta, TokenLogprob
 
 try:

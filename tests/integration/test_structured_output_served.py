@@ -42,7 +42,9 @@ def samples(results) -> list[str]:
     joined: list[str] = []
     for result in results:
         for i, piece in enumerate(result.as_numpy("text_output").reshape(-1)):
-            joined[i:i + 1] = [(joined[i] if i < len(joined) else "") + piece.decode()]
+            if i == len(joined):
+                joined.append("")
+            joined[i] += piece.decode()
     return joined
 
 
