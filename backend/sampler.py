@@ -5,6 +5,13 @@ then greedy argmax, or temperature, top-k, top-p, min-p and a draw. A draw is
 an exponential race (argmax of p / Exp(1)), which equals sampling from p and
 lets a per-request generator make a request reproducible whatever its batch.
 Logprobs are those of the model's raw distribution.
+
+A structured output's grammar masks its row's logits before top-k, top-p and min-p
+(those keep the most likely tokens of what the grammar allows). A row with none of the
+three is masked only when its draw breaks the grammar: the race's winner, where the
+grammar allows it, is also the winner among the allowed tokens alone, so masking first
+would have chosen it too; otherwise the row is masked and raced again with the same noise.
+A model that follows its grammar then rarely pays for the mask.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from pagedserve.kernels.first_max_cpu import first_max_index as first_max_cpu
 
 from .sampling_params import SamplingParams
 from .sequence import Sequence, TokenLogprob
-from .structured_output import mask_logits
+from .structured_output import allows, mask_logits
 
 
 @dataclass
@@ -42,11 +49,17 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The next token of each row, left on the logits' device: nothing here waits for
-        the device, so the engine can schedule the next step while this one runs."""
+        the device, so the engine can schedule the next step while this one runs (a
+        structured output's row waits: its grammar checks the token on the host)."""
         logits = self.apply_processors(logits, seqs)
         if all(seq.params.greedy for seq in seqs):
-            return first_max_index(logits)
-        return self._sample(logits, seqs)
+            tokens, race = first_max_index(logits), None
+        else:
+            tokens, race = self._sample(logits, seqs)
+        late = [i for i, seq in enumerate(seqs) if seq.grammar is not None and masks_late(seq.params)]
+        if late:
+            self._follow_grammars(logits, race, tokens, seqs, late)
+        return tokens
 
     # -- logit processors ------------------------------------------------------
     def apply_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -54,7 +67,7 @@ class Sampler:
         if not rows:
             return logits
         logits = logits.clone()
-        constrained = [i for i in rows if seqs[i].params.structured_outputs is not None]
+        constrained = [i for i in rows if seqs[i].params.structured_outputs is not None and not masks_late(seqs[i].params)]
         for i in rows:
             seq, row = seqs[i], logits[i]
             p = seq.params
@@ -86,8 +99,25 @@ class Sampler:
                 banned.append(word[-1])
         return banned
 
+    def _follow_grammars(self, logits: torch.Tensor, race: Race | None, tokens: torch.Tensor,
+                         seqs: list[Sequence], rows: list[int]) -> None:
+        """Replace, in `tokens`, each of `rows`' token that its grammar does not allow by the
+        winner among the allowed ones: the greedy row's largest logit, the sampled row's race
+        run again in log space (log p - log E orders as p / E, and no allowed token's
+        probability underflows to zero beside a disallowed favourite)."""
+        chosen = tokens[_to(rows, tokens.device, torch.int64)].tolist()
+        broken = [i for i, token in zip(rows, chosen) if not allows(seqs[i].grammar, token)]
+        if not broken:
+            return
+        noise = {} if race is None else {i: race.noise[j] for j, i in enumerate(race.rows)}
+        scores = torch.stack([logits[i] / seqs[i].params.temperature - noise[i].log() if i in noise else logits[i]
+                              for i in broken])
+        mask_logits(scores, list(range(len(broken))), [seqs[i].grammar for i in broken])
+        tokens[_to(broken, tokens.device, torch.int64)] = first_max_index(scores)
+
     # -- sampling --------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, Race]:
+        """Each row's token (greedy rows' argmax) and the draw's noise."""
         params = [s.params for s in seqs]
         greedy = first_max_index(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -101,7 +131,7 @@ class Sampler:
             generator = seqs[i].generator or self.generator
             noise[j].exponential_(generator=generator)
         greedy[index] = first_max_index(probs / noise)
-        return greedy
+        return greedy, Race(rows, noise)
 
     def logprobs(self, raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
         """Logprobs of the sampled tokens (and the top alternatives) for the rows that ask,
@@ -124,10 +154,25 @@ class Sampler:
         return result
 
 
+@dataclass
+class Race:
+    """A step's exponential race: the sampled rows (indexes into the batch) and their noise."""
+
+    rows: list[int]
+    noise: torch.Tensor
+
+
+def masks_late(params: SamplingParams) -> bool:
+    """Whether a constrained row's mask can wait for its draw (see the module's docstring):
+    greedy, or sampled with no top-k, top-p or min-p, which would choose among the allowed
+    tokens rather than among all."""
+    return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
+
+
 def _has_processors(seq: Sequence) -> bool:
     p = seq.params
     return (p.needs_penalties or bool(p.bad_words_ids) or seq.num_output_tokens < p.min_tokens
-            or p.structured_outputs is not None)
+            or (p.structured_outputs is not None and not masks_late(p)))
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

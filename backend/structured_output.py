@@ -4,7 +4,8 @@ A request names one constraint (vLLM's `structured_outputs` keys, or the older `
 ones): a JSON schema, any JSON object, a regular expression, an EBNF grammar, a choice among
 strings, or a structural tag. xgrammar compiles it against the model's vocabulary once
 (cached by its text) on the thread that admits the request, not the engine's; each step the
-constrained rows' logits are masked by one batched token bitmask, and each sampled token
+constrained rows' logits are masked by one batched token bitmask (only the rows whose draw
+breaks the grammar, where the sampler can tell: backend/sampler.py), and each sampled token
 advances the request's matcher. End-of-sequence is allowed only where the grammar accepts,
 and a request whose grammar is complete ends there.
 """
@@ -176,6 +177,15 @@ def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> N
     if logits.device.type != "cpu":
         bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+def allows(matcher: Any, token: int) -> bool:
+    """Whether the matcher's grammar allows `token` next; the matcher is left as it was (the
+    engine advances it when the step's tokens are applied)."""
+    if not matcher.accept_token(token):
+        return False
+    matcher.rollback(1)
+    return True
 
 
 @functools.cache

@@ -131,3 +131,25 @@ def test_structural_tags_in_both_forms_compile_and_bad_ones_are_refused(engine):
             {"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": {"type": "nope"}}}}))
     assert refused.value.field == "structured_outputs.structural_tag"
     assert_engine_idle(engine)
+
+
+def test_masking_only_broken_draws_changes_no_answer(engine, monkeypatch):
+    """Rows without top-k, top-p or min-p are masked only where their draw breaks the grammar
+    (backend/sampler.py): the same seeded and greedy tokens as masking every row first, with
+    fewer rows masked than tokens drawn."""
+    from pagedserve.backend import sampler
+
+    prompt = engine.encode(PROMPT)
+    params = [SamplingParams.from_dict({"max_tokens": 96, "temperature": t, "seed": 5 + k, "structured_outputs": {"json": schema}})
+              for schema in SCHEMAS[:3] for k, t in enumerate((1.0, 0.7, 0.0))]
+    masked_rows = []
+    mask = sampler.mask_logits
+    monkeypatch.setattr(sampler, "mask_logits", lambda logits, rows, matchers: (masked_rows.append(len(rows)), mask(logits, rows, matchers)))
+    late = engine.generate([prompt] * len(params), params, use_tqdm=False)
+    late_masked = sum(masked_rows)
+    monkeypatch.setattr(sampler, "masks_late", lambda p: False)
+    first = engine.generate([prompt] * len(params), params, use_tqdm=False)
+    assert [o.token_ids for o in late] == [o.token_ids for o in first]
+    drawn = sum(len(o.token_ids) for o in late)
+    assert sum(masked_rows) - late_masked == drawn and late_masked < drawn, (late_masked, drawn)
+    assert_engine_idle(engine)
