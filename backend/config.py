@@ -101,6 +101,17 @@ class EngineConfig:
     (vLLM's async scheduling): the host's work per step hides behind the device's. auto: on CUDA with one
     rank; on, off. Requests whose sampling needs every earlier token on the host (penalties, bad words,
     min_tokens, logprobs) run their steps one after the other either way."""
+    deterministic: bool = False
+    """Greedy answers that do not depend on the batch (vLLM's and SGLang's batch-invariant mode): a
+    request gives the same tokens alone or beside others, whatever their lengths, because every row
+    count multiplies the same weights in the same order. In half precision a weight rounded from GGUF
+    blocks (the bundled model's) multiplies its exact blocks in float32 for a step of a few rows and
+    the rounded weight for more, so such a step's logits differ in the last bits; true keeps the
+    rounded weight for every row count, which costs a single stream's decode speed (measured
+    in benchmarks/RESULTS.md); and a float32 weight is packed for oneDNN whatever the probe measured
+    faster, since MKL and the few-row GEMV order a few rows' sums differently. Eager unquantized CPU
+    steps only: refused with quantization, compile=on, several ranks or CUDA (the Triton kernels pick
+    their tiles by batch size)."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (Megatron-style tensor parallelism): one process per rank, each holding
     its share of the weights and of the KV cache; rank 0 runs the engine and spawns the others. Must divide
@@ -153,6 +164,10 @@ class EngineConfig:
                 "the compiled step runs unquantized weights on one rank; set compile='auto' or 'off' "
                 f"(quantization={self.quantization!r}, tensor_parallel_size={self.tensor_parallel_size})",
             )
+        if self.deterministic and (self.quantization != "none" or self.compile == "on"):
+            raise ConfigError("deterministic", "is implemented for the eager step of unquantized weights; set "
+                                               f"quantization='none' and compile='auto' or 'off' (quantization="
+                                               f"{self.quantization!r}, compile={self.compile!r})")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         _at_least(self, "kv_cache_bytes", 1024**2)
@@ -189,7 +204,8 @@ class EngineConfig:
 
     def _validate_tensor_parallel(self) -> None:
         """Settings whose sharded form is not implemented (the model's shapes are checked at load)."""
-        for name, neutral in (("quantization", "none"), ("kv_cache_dtype", "auto"), ("async_scheduling", "auto")):
+        for name, neutral in (("quantization", "none"), ("kv_cache_dtype", "auto"), ("async_scheduling", "auto"),
+                              ("deterministic", False)):
             value = getattr(self, name)
             if value != neutral:
                 raise ConfigError(

@@ -27,13 +27,13 @@ from .cpu_tuning import keep_freed_memory_in_heap
 from .cuda_graphs import decode_graphs_wanted
 from .device import max_model_len, num_kv_blocks, resolve_device, resolve_dtype
 from .distributed import TensorParallelRunner, start_workers
-from .errors import InvalidRequestError
+from .errors import ConfigError, InvalidRequestError
 from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from .matmul_probe import weight_layouts
 from .model_files import resolve_model_path
 from .model_loader import load_model, read_checkpoint
 from .model_runner import ModelRunner, StagedTokens
-from .models.linear import WeightLayouts, pack_weights
+from .models.linear import BATCH_INVARIANT_LAYOUTS, WeightLayouts, pack_weights
 from .models.parallel import SINGLE_RANK
 from .output_renderer import OutputRenderer
 from .outputs import Completion, EngineStats, RequestOutput
@@ -79,6 +79,9 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        if config.deterministic and self.device.type != "cpu":
+            raise ConfigError("deterministic", "is implemented on CPU only (the Triton kernels pick their tiles by "
+                                               "batch size); set deterministic=false on CUDA")
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
         self.model_path = resolve_model_path(config.model)
@@ -89,15 +92,17 @@ class LLMEngine:
         """Ranks 1..N-1 with tensor_parallel_size N > 1 (this engine is rank 0), else None."""
         compiled = compile_wanted(config, self.device)
         few_row_blocks = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-                          and not compiled and config.quantization == "none" and not self.workers)
+                          and not compiled and config.quantization == "none" and not self.workers
+                          and not config.deterministic)
         parallel = self.workers.parallel if self.workers else SINGLE_RANK
         loaded = load_model(self.model_path, self.dtype, self.device, parallel, few_row_blocks, config.load_format)
         if config.quantization != "none":
             quantize_model(loaded.model, config.quantization)
         elif not compiled:
             # tensor-parallel ranks all keep the default layout (backend/distributed/worker.py)
-            pack_weights(loaded.model, WeightLayouts() if self.workers else
-                         weight_layouts(loaded.config, self.dtype, self.device, config.kv_cache_dtype == "fp8"))
+            pack_weights(loaded.model, BATCH_INVARIANT_LAYOUTS if config.deterministic else WeightLayouts()
+                         if self.workers else weight_layouts(loaded.config, self.dtype, self.device,
+                                                             config.kv_cache_dtype == "fp8"))
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
 

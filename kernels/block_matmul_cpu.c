@@ -147,53 +147,92 @@ static inline void unpack_q4(const uint8_t* p, vec low[GROUP], vec high[GROUP]) 
         }                                                                                                 \
     } while (0)
 
+/* As FOR_EACH_INPUT, the inputs in their order (the GEMM's scratch holds them so): a Q4_1 block's
+ * bytes are unpacked twice, for the low nibbles' inputs 0-15, then the high ones' 16-31. */
+#define FOR_EACH_INPUT_IN_ORDER(KIND, Q, D, M, BODY)                                                      \
+    do {                                                                                                  \
+        if ((KIND) == BLOCK_Q8_0) {                                                                       \
+            FOR_EACH_INPUT(KIND, Q, D, M, BODY);                                                          \
+            break;                                                                                        \
+        }                                                                                                 \
+        vec dd_[VPG], mm_[VPG];                                                                           \
+        for (int u_ = 0; u_ < VPG; ++u_) dd_[u_] = vload((D) + u_ * VLANES), mm_[u_] = vload((M) + u_ * VLANES); \
+        for (int k = 0; k < 32; ++k) {                                                                    \
+            vec low_[VPG], high_[VPG], w[VPG];                                                            \
+            unpack_q4((Q) + GROUP * (k & 15), low_, high_);                                               \
+            for (int u_ = 0; u_ < VPG; ++u_) w[u_] = vfma(dd_[u_], k < 16 ? low_[u_] : high_[u_], mm_[u_]); \
+            BODY                                                                                          \
+        }                                                                                                 \
+    } while (0)
+
 /* ---------------------------------------------------------------------- few rows */
 
 /* y[r, 16 g .. 16 g + 15] for ROWS rows (ROWS and kind constants at each call): CHAINS running
- * sums per row and vector, so the FMAs of consecutive inputs do not wait for each other. */
+ * sums per row and vector, so the FMAs of consecutive inputs do not wait for each other, the
+ * inputs in the order their bytes hold them; or (`one_chain`) the GEMM's order: one sum from zero
+ * over each `chunk_blocks` blocks of inputs, input by input, the chunks' sums added left to right. */
 static inline __attribute__((always_inline)) void gemv_group(
     const float* x, int64_t in, const uint8_t* q, const float* d, const float* m, int64_t g, float* y, int64_t out,
-    const int ROWS, const int kind) {
+    int64_t chunk_blocks, int one_chain, const int ROWS, const int kind) {
     enum { CHAINS = VPG == 1 ? 4 : 2, CHAIN_REGISTERS = VPG == 1 ? 8 : 4 };
-    const int chains = ROWS * VPG * CHAINS <= CHAIN_REGISTERS ? CHAINS : 1;
+    const int chains = !one_chain && ROWS * VPG * CHAINS <= CHAIN_REGISTERS ? CHAINS : 1;
     const int64_t blocks = in / 32;
-    vec acc[GEMV_ROWS][CHAINS][VPG];
+    vec acc[GEMV_ROWS][CHAINS][VPG], total[GEMV_ROWS][VPG];
     for (int r = 0; r < ROWS; ++r)
         for (int c = 0; c < chains; ++c)
             for (int u = 0; u < VPG; ++u) acc[r][c][u] = vzero();
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t at = g * blocks + b;
         const float* xb = x + 32 * b;
-        FOR_EACH_INPUT(kind, q + at * group_block_bytes(kind), d + at * GROUP, m + at * GROUP, {
-            for (int r = 0; r < ROWS; ++r) {
-                const vec xv = vset1(xb[r * in + k]);
-                for (int u = 0; u < VPG; ++u) acc[r][k % chains][u] = vfma(xv, w[u], acc[r][k % chains][u]);
+        const uint8_t* qb = q + at * group_block_bytes(kind);
+#define GEMV_INPUT                                                                                            \
+    {                                                                                                         \
+        for (int r = 0; r < ROWS; ++r) {                                                                      \
+            const vec xv = vset1(xb[r * in + k]);                                                             \
+            for (int u = 0; u < VPG; ++u) acc[r][k % chains][u] = vfma(xv, w[u], acc[r][k % chains][u]);      \
+        }                                                                                                     \
+    }
+        if (one_chain)
+            FOR_EACH_INPUT_IN_ORDER(kind, qb, d + at * GROUP, m + at * GROUP, GEMV_INPUT);
+        else
+            FOR_EACH_INPUT(kind, qb, d + at * GROUP, m + at * GROUP, GEMV_INPUT);
+#undef GEMV_INPUT
+        if ((b + 1) % chunk_blocks && b + 1 < blocks) continue;
+        for (int r = 0; r < ROWS; ++r) /* a chunk's end: its sum joins the total */
+            for (int u = 0; u < VPG; ++u) {
+                vec sum = acc[r][0][u];
+                for (int c = 1; c < chains; ++c) sum = vadd(sum, acc[r][c][u]);
+                total[r][u] = b + 1 <= chunk_blocks ? sum : vadd(sum, total[r][u]);
+                for (int c = 0; c < chains; ++c) acc[r][c][u] = vzero();
             }
-        });
     }
     for (int r = 0; r < ROWS; ++r)
-        for (int u = 0; u < VPG; ++u) {
-            vec total = acc[r][0][u];
-            for (int c = 1; c < chains; ++c) total = vadd(total, acc[r][c][u]);
-            vstore(y + r * out + GROUP * g + VLANES * u, total);
-        }
+        for (int u = 0; u < VPG; ++u) vstore(y + r * out + GROUP * g + VLANES * u, total[r][u]);
 }
 
 #define GEMV_ROWS_CASES(KIND)                                                    \
     switch (rows) {                                                              \
-        case 1: gemv_group(x, in, q, d, m, g, y, out, 1, KIND); break;           \
-        case 2: gemv_group(x, in, q, d, m, g, y, out, 2, KIND); break;           \
-        case 3: gemv_group(x, in, q, d, m, g, y, out, 3, KIND); break;           \
-        case 4: gemv_group(x, in, q, d, m, g, y, out, 4, KIND); break;           \
-        case 5: gemv_group(x, in, q, d, m, g, y, out, 5, KIND); break;           \
-        case 6: gemv_group(x, in, q, d, m, g, y, out, 6, KIND); break;           \
-        case 7: gemv_group(x, in, q, d, m, g, y, out, 7, KIND); break;           \
-        default: gemv_group(x, in, q, d, m, g, y, out, 8, KIND); break;          \
+        case 1: gemv_group(x, in, q, d, m, g, y, out, chunk_blocks, one_chain, 1, KIND); break;           \
+        case 2: gemv_group(x, in, q, d, m, g, y, out, chunk_blocks, one_chain, 2, KIND); break;           \
+        case 3: gemv_group(x, in, q, d, m, g, y, out, chunk_blocks, one_chain, 3, KIND); break;           \
+        case 4: gemv_group(x, in, q, d, m, g, y, out, chunk_blocks, one_chain, 4, KIND); break;           \
+        case 5: gemv_group(x, in, q, d, m, g, y, out, chunk_blocks, one_chain, 5, KIND); break;           \
+        case 6: gemv_group(x, in, q, d, m, g, y, out, chunk_blocks, one_chain, 6, KIND); break;           \
+        case 7: gemv_group(x, in, q, d, m, g, y, out, chunk_blocks, one_chain, 7, KIND); break;           \
+        default: gemv_group(x, in, q, d, m, g, y, out, chunk_blocks, one_chain, 8, KIND); break;          \
     }
+
+/* How many inputs the GEMM sums from zero before adding to its output (KC or fewer, the chunks
+ * even): the few-row loop's `one_chain` sums in these chunks too. */
+static int64_t chunk_inputs(int64_t in) {
+    const int64_t blocks = in / 32, chunks = (in + KC - 1) / KC;
+    return (blocks + chunks - 1) / chunks * 32;
+}
 
 /* y [rows, groups * GROUP] (the padded outputs): rows <= GEMV_ROWS. */
 static void block_gemv(const float* x, const uint8_t* q, const float* d, const float* m, float* y, int rows,
-                       int64_t in, int64_t groups, int kind, int num_threads) {
+                       int64_t in, int64_t groups, int kind, int one_chain, int num_threads) {
+    const int64_t chunk_blocks = chunk_inputs(in) / 32;
     const int64_t out = groups * GROUP;
 #pragma omp parallel for num_threads(num_threads) if (out * in >= 65536) schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
@@ -329,8 +368,7 @@ static void panel(const float* x, int64_t in, int rows, const uint8_t* q, const 
 /* y [rows, groups * GROUP] (the padded outputs), bias padded alike. */
 static void block_gemm(const float* x, const uint8_t* q, const float* d, const float* m, const float* bias, float* y,
                        int rows, int64_t in, int64_t groups, int kind, int num_threads) {
-    const int64_t blocks = in / 32, out = groups * GROUP;
-    const int64_t chunks = (in + KC - 1) / KC, chunk = (blocks + chunks - 1) / chunks * 32; /* even chunks */
+    const int64_t out = groups * GROUP, chunk = chunk_inputs(in);
     const int64_t panels = (groups + PANEL_GROUPS - 1) / PANEL_GROUPS;
     /* Rows per pass: MC, fewer for long inputs, so that a pass's rows (mc x in floats) fit in
      * L2_ROWS_BYTES and stay in L2 while every panel of the pass reads them: down_proj's 1,536
@@ -365,11 +403,13 @@ static void block_gemm(const float* x, const uint8_t* q, const float* d, const f
 /* y[r, o] = sum_i x[r, i] * W[o, i] + (bias ? bias[o] : 0) for W in blocks of `kind` (above), its
  * outputs padded to groups * GROUP: x [rows, in], y [rows, groups * GROUP] contiguous float32;
  * q: [groups, in / 32, block bytes, GROUP], d, m: [groups, in / 32, GROUP]; bias [groups * GROUP]
- * or NULL; in a multiple of 32. */
+ * or NULL; in a multiple of 32. `batch_invariant`: a row's sums in the same order at every row
+ * count (the few-row loop with one chain), else a row alone or beside one other may take several
+ * chains (faster on AVX-512) and differ from more rows in the last bits. */
 void block_matmul_f32(const float* x, const uint8_t* q, const float* d, const float* m, const float* bias, float* y,
-                      int rows, int64_t in, int64_t groups, int kind, int num_threads) {
+                      int rows, int64_t in, int64_t groups, int kind, int batch_invariant, int num_threads) {
     if (rows <= GEMV_UP_TO) {
-        block_gemv(x, q, d, m, y, rows, in, groups, kind, num_threads);
+        block_gemv(x, q, d, m, y, rows, in, groups, kind, batch_invariant, num_threads);
         if (bias)
             for (int r = 0; r < rows; ++r)
                 for (int64_t o = 0; o < groups * GROUP; ++o) y[r * groups * GROUP + o] += bias[o];

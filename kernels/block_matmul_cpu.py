@@ -31,7 +31,7 @@ from .native_build import NativeLibrary
 def _declare(library: ctypes.CDLL) -> None:
     p = ctypes.c_void_p
     library.block_matmul_f32.argtypes = [p, p, p, p, p, p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                                         ctypes.c_int]
+                                         ctypes.c_int, ctypes.c_int]
     library.block_matmul_f32.restype = None
 
 
@@ -74,6 +74,9 @@ class BlockWeight:
     offsets: torch.Tensor
     """float32 [groups, in / 32, GROUP]: m of each block (zeros for Q8_0)."""
     out_features: int
+    batch_invariant: bool = False
+    """A row's sums in one order whatever the row count (block_matmul_cpu.c's `batch_invariant`:
+    the few-row loop with one chain); else one or two rows may sum in several chains."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -179,7 +182,7 @@ def block_matmul(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
     out = x.new_empty((x.shape[0], padded))
     library.block_matmul_f32(x.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(), weight.offsets.data_ptr(),
                              None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], in_features,
-                             groups, BLOCK_KINDS[weight.kind], torch.get_num_threads())
+                             groups, BLOCK_KINDS[weight.kind], int(weight.batch_invariant), torch.get_num_threads())
     return out if padded == out_features else out[:, :out_features].contiguous()
 
 

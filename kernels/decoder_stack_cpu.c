@@ -38,7 +38,8 @@ typedef int (*PrefillFn)(const void* query, int64_t q_stride, const void* key_ca
                          int dim, float scale, int num_threads, int dtype);
 typedef void (*SiluMulFn)(const void* x, void* out, int64_t rows, int64_t n, int num_threads, int dtype);
 typedef void (*BlockMatmulFn)(const float* x, const uint8_t* q, const float* d, const float* m, const float* bias,
-                              float* y, int rows, int64_t in, int64_t groups, int kind, int num_threads);
+                              float* y, int rows, int64_t in, int64_t groups, int kind, int batch_invariant,
+                              int num_threads);
 
 /* The kernels, as addresses of their libraries' functions. */
 typedef struct {
@@ -64,6 +65,7 @@ typedef struct {
     const float* scales;
     const float* offsets;
     int kind;
+    int batch_invariant; /* kernels/block_matmul_cpu.c's */
 } Linear;
 
 /* One layer's norms, linears and KV cache. */
@@ -118,7 +120,8 @@ typedef struct {
 static void linear(const Kernels* k, const Linear* w, const void* x, void* y, int rows, int64_t in, int few_rows,
                    const Step* s) {
     if (!w->pairs) {
-        k->block_matmul(x, w->codes, w->scales, w->offsets, w->bias, y, rows, in, w->groups, w->kind, s->num_threads);
+        k->block_matmul(x, w->codes, w->scales, w->offsets, w->bias, y, rows, in, w->groups, w->kind, w->batch_invariant,
+                        s->num_threads);
         return;
     }
     if (!(few_rows && w->codes)) {
@@ -128,7 +131,7 @@ static void linear(const Kernels* k, const Linear* w, const void* x, void* y, in
     const int64_t n_in = rows * in, n_out = rows * w->groups * 16;
     for (int64_t i = 0; i < n_in; ++i) s->xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
     k->block_matmul(s->xf, w->codes, w->scales, w->offsets, w->bias, s->yf, rows, in, w->groups, w->kind,
-                    s->num_threads);
+                    w->batch_invariant, s->num_threads);
     for (int64_t i = 0; i < n_out; ++i) ((uint16_t*)y)[i] = f32_to_bf16(s->yf[i]);
 }
 

@@ -51,7 +51,7 @@ class LinearWeights(ctypes.Structure):
     """A linear's pairs and GGUF blocks, either NULL where it has none (decoder_stack_cpu.c's Linear)."""
 
     _fields_ = [("pairs", _p), ("bias", _p), ("groups", _i64), ("codes", _p), ("scales", _p), ("offsets", _p),
-                ("kind", _i32)]
+                ("kind", _i32), ("batch_invariant", _i32)]
 
 
 class LayerWeights(ctypes.Structure):
@@ -134,8 +134,9 @@ class LinearTensors:
                 return None
         if out_features != groups * GROUP or (bias is not None and not with_bias):
             return None
-        codes = (None, None, None, 0) if blocks is None else (
-            blocks.codes.data_ptr(), blocks.scales.data_ptr(), blocks.offsets.data_ptr(), BLOCK_KINDS[blocks.kind])
+        codes = (None, None, None, 0, 0) if blocks is None else (
+            blocks.codes.data_ptr(), blocks.scales.data_ptr(), blocks.offsets.data_ptr(), BLOCK_KINDS[blocks.kind],
+            int(blocks.batch_invariant))
         return LinearWeights(None if pairs is None else pairs.pairs.data_ptr(), None if bias is None else bias.data_ptr(),
                              groups, *codes)
 

@@ -42,6 +42,7 @@ so an engine packs only when it runs eagerly.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -93,11 +94,20 @@ class WeightLayouts:
 
     layers: str = "transposed"
     lm_head: str = "transposed"
+    batch_invariant: bool = False
+    """Exact GGUF blocks summed in one order at every row count (BlockWeight.batch_invariant)."""
 
     def __post_init__(self) -> None:
         for layout in (self.layers, self.lm_head):
             if layout not in FLOAT32_LAYOUTS:
                 raise ValueError(f"float32 layout must be one of {FLOAT32_LAYOUTS}, not {layout!r}")
+
+
+BATCH_INVARIANT_LAYOUTS = WeightLayouts("onednn", "onednn", batch_invariant=True)
+"""float32 layouts whose product of a row does not depend on how many rows are multiplied
+with it: oneDNN's packed kernel, and GGUF blocks in one order. MKL (transposed) and the C
+GEMV ("both": a few rows) sum a few rows in another order than many
+(tests/test_engine_greedy.py pins this)."""
 
 
 PACK_ROWS_HINT = 64
@@ -183,17 +193,19 @@ class Linear(nn.Linear):
         return (self.packed is None and self.transposed is None and self.blocks is None
                 and self.pairs is None) or self.gemv_rows > 0
 
-    def pack(self, float32_layout: str = "transposed") -> bool:
+    def pack(self, float32_layout: str = "transposed", batch_invariant: bool = False) -> bool:
         """Lay a CPU weight out as its matmul reads it fastest: half precision packed for
-        oneDNN, float32 as `float32_layout` says; False where nothing applies."""
+        oneDNN, float32 as `float32_layout` says (exact GGUF blocks summed in one order at
+        every row count where `batch_invariant`); False where nothing applies."""
         weight = self.weight
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
         if float32_layout not in FLOAT32_LAYOUTS:
             raise ValueError(f"float32_layout must be one of {FLOAT32_LAYOUTS}, not {float32_layout!r}")
         if weight.dtype == torch.float32 and block_matmul_cpu.LIBRARY.get() is not None:
-            self.blocks = as_blocks(weight)  # whatever the layout: exact GGUF blocks serve every step
-            if self.blocks is not None:
+            blocks = as_blocks(weight)  # whatever the layout: exact GGUF blocks serve every step
+            if blocks is not None:
+                self.blocks = dataclasses.replace(blocks, batch_invariant=batch_invariant)
                 return True
         if weight.dtype == torch.bfloat16 and bf16_matmul_cpu.native():
             self.pairs = pack_pairs(weight, self.bias)
@@ -230,7 +242,7 @@ def pack_weights(model: nn.Module, layouts: WeightLayouts = WeightLayouts()) -> 
     packed = 0
     for module in model.modules():
         layout = layouts.lm_head if module is getattr(model, "lm_head", None) else layouts.layers
-        if isinstance(module, Linear) and module.pack(layout):
+        if isinstance(module, Linear) and module.pack(layout, layouts.batch_invariant):
             packed += 1
             if id(module.weight) not in shared and not module.reads_plain_weight:
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

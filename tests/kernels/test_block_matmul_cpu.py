@@ -8,6 +8,7 @@ several chunks, rows in several passes)."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -102,6 +103,23 @@ def test_every_instruction_set_the_cpu_runs_computes_the_same_products(variant, 
             weight = grid_weight(kind, 50, 1600, seed=rows)
             assert as_blocks(weight).kind == kind
             assert_matches_float32_weight(torch.randn(rows, 1600, generator=g), weight, torch.randn(50, generator=g))
+
+
+@built
+@pytest.mark.parametrize("variant", ["x86-64", "avx2", "avx512", "native"])
+def test_batch_invariant_blocks_give_a_row_the_same_bits_at_every_row_count(variant, monkeypatch):
+    """`batch_invariant` (the engine's `deterministic`): each row's outputs bit for bit the same
+    whether it is multiplied alone, beside a few rows (the few-row loop) or many (the GEMM),
+    inputs in several chunks, a bias added; per vector width, as above."""
+    library = block_matmul_cpu.LIBRARY.load(march="native" if variant == "native" else march_for(variant))
+    monkeypatch.setattr(block_matmul_cpu.LIBRARY, "get", lambda: library)
+    g = torch.Generator().manual_seed(5)
+    for kind in block_matmul_cpu.BLOCK_KINDS:
+        weight = dataclasses.replace(as_blocks(grid_weight(kind, 40, 1600, seed=3)), batch_invariant=True)
+        x, bias = torch.randn(40, 1600, generator=g), torch.randn(40, generator=g)
+        every = block_matmul(x, weight, bias)
+        for rows in (1, 2, 3, 8, 9, 17):
+            assert torch.equal(block_matmul(x[:rows].contiguous(), weight, bias), every[:rows]), (kind, rows)
 
 
 @built
