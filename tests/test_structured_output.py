@@ -153,3 +153,22 @@ def test_masking_only_broken_draws_changes_no_answer(engine, monkeypatch):
     drawn = sum(len(o.token_ids) for o in late)
     assert sum(masked_rows) - late_masked == drawn and late_masked < drawn, (late_masked, drawn)
     assert_engine_idle(engine)
+
+
+def test_preempted_constrained_requests_resume_their_grammar(engine):
+    """A KV cache too small for the batch preempts requests mid-answer (recomputed later): each
+    matcher keeps the state of the tokens kept, so every answer still validates, and the
+    greedy ones equal those of the roomy engine."""
+    from pagedserve.backend import LLMEngine
+
+    prompt = engine.encode(PROMPT + " " + "Use many fields and long values. " * 6)
+    params = [SamplingParams.from_dict({"max_tokens": 120, "temperature": t, "seed": k,
+                                        "structured_outputs": {"json": SCHEMAS[k % 3]}}) for k, t in enumerate((0.0, 1.0) * 4)]
+    small = LLMEngine(dtype="float32", num_kv_blocks=20, max_num_seqs=8)  # 320 slots for 8 x (~70 + up to 120) tokens
+    squeezed = small.generate([prompt] * len(params), params, use_tqdm=False)
+    assert small.stats().num_preemptions > 0
+    for output, p in zip(squeezed, params):
+        jsonschema.validate(json.loads(output.text), json.loads(p.structured_outputs.spec))
+    roomy = engine.generate([prompt] * len(params), params, use_tqdm=False)
+    assert [o.token_ids for o in squeezed[::2]] == [o.token_ids for o in roomy[::2]]
+    assert_engine_idle(small)
