@@ -172,3 +172,18 @@ def test_preempted_constrained_requests_resume_their_grammar(engine):
     roomy = engine.generate([prompt] * len(params), params, use_tqdm=False)
     assert [o.token_ids for o in squeezed[::2]] == [o.token_ids for o in roomy[::2]]
     assert_engine_idle(small)
+
+
+def test_a_grammar_with_stop_strings_logprobs_and_top_p(engine):
+    """A constrained request also honours its stop string (the text ends before it), returns
+    logprobs of the model's raw distribution for every token, and with top-p (masked before
+    its draw) still follows the grammar."""
+    prompt = engine.encode("Write a code:")
+    params = [SamplingParams.from_dict({"max_tokens": 40, "temperature": 1.0, "seed": s, "logprobs": 2, "stop": ["-"],
+                                        "guided_regex": r"[0-9]{3}-[a-z]{2,4}", **extra})
+              for s, extra in enumerate(({}, {"top_p": 0.9}, {"top_k": 5}))]
+    for output in engine.generate([prompt] * len(params), params, use_tqdm=False):
+        assert output.finish_reason == "stop" and re.fullmatch(r"[0-9]{3}", output.text), output.text
+        assert len(output.logprobs) == len(output.token_ids) and all(len(lp.top) == 2 for lp in output.logprobs)
+        assert all(lp.logprob <= 0.0 and lp.rank >= 1 for lp in output.logprobs)
+    assert_engine_idle(engine)
