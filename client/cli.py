@@ -1,4 +1,4 @@
-"""`pagedserve` command line: serve, openai, generate, chat, bench, tokenizer."""
+"""`pagedserve` command line: serve, openai, generate, chat, bench, tokenizer, build-kernels."""
 
 from __future__ import annotations
 
@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizer", help="print a Hugging Face tokenizer directory for the model (genai-perf --tokenizer)")
     tokenizer.add_argument("--model", default="", help="model directory or .gguf file (default: the bundled one)")
     tokenizer.set_defaults(run=run_tokenizer)
+
+    kernels = commands.add_parser("build-kernels", help="compile the CPU kernels (C) for this machine now "
+                                                         "(make install runs it; an engine builds any missing at load)")
+    kernels.set_defaults(run=run_build_kernels)
 
     args = parser.parse_args(argv)
     return args.run(args) or 0
@@ -149,6 +153,19 @@ def run_openai(args: argparse.Namespace) -> int:
     from .openai_gateway import run_gateway
 
     run_gateway(config)
+    return 0
+
+
+def run_build_kernels(args: argparse.Namespace) -> int:
+    from pagedserve.kernels.native_build import build_all, cache_root
+
+    started = time.perf_counter()
+    built = build_all(report=lambda line: print(f"  {line}", flush=True))
+    ready = sum(built.values())
+    print(f"{ready} of {len(built)} CPU kernels ready in {cache_root() / 'kernels'} ({time.perf_counter() - started:.0f} s)")
+    if ready < len(built):
+        print("the rest run torch ops instead (slower): the warnings above name why (e.g. no C compiler: set CC "
+              "or install gcc)", file=sys.stderr)
     return 0
 
 

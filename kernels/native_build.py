@@ -1,9 +1,13 @@
-"""Building the CPU kernels written in C (paged_decode_cpu.c, rms_norm_cpu.c) at first use.
+"""Building the CPU kernels written in C (paged_decode_cpu.c, rms_norm_cpu.c, ...) on the
+machine that runs them.
 
-Why at run time: `-march=native` code is the point (AVX-512, AVX512-BF16 where the CPU has
-them) and it only runs where it was built, so each machine builds its own, with the C
-compiler inductor also uses ($CC, else cc): ~4 s once, then cached in kernels/ of the
-project's cache directory (`cache_root()`), keyed by source, flags and CPU. The libraries
+Why there: `-march=native` code is the point (AVX-512, AVX512-BF16 where the CPU has them)
+and it only runs where it was built, so each machine builds its own, with the C compiler
+inductor also uses ($CC, else cc), cached in kernels/ of the project's cache directory
+(`cache_root()`), keyed by source, flags and CPU. When: at install (`make install` runs
+`pagedserve build-kernels`, `build_all`), and again by a CPU engine at load for any the
+cache lacks (another CPU, changed sources); a kernel first used before either is built then,
+as a fallback (tests that rebuild for another -march do so). The libraries
 link libgomp, which resolves to the OpenMP runtime torch has already loaded: their
 threads are torch's.
 No compiler, a failed build, or PAGEDSERVE_NATIVE_CPU=0: `NativeLibrary.get()` returns
@@ -28,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -171,5 +176,29 @@ class NativeLibrary:
         return library
 
 
-__all__ = ["C_DTYPES", "DISABLE_ENV", "EMULATED", "MARCH_ENV", "NativeLibrary", "build", "cache_root", "compiler",
-           "simde_include"]
+def build_all(report: Callable[[str], None] | None = None) -> dict[str, bool]:
+    """Build (or find built) every C kernel for this CPU now, one per core at a time: what
+    `pagedserve build-kernels` and `make install` run, and a CPU engine at load, so no request
+    and no test pays a compile. Which kernels there are is read from the folder (each
+    `<name>.c` is bound by the module `<name>`), so a new kernel needs no list kept here.
+    Returns {kernel: built}; `report` gets a line per kernel as it finishes."""
+    import importlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    for source in sorted(Path(__file__).parent.glob("*.c")):
+        importlib.import_module(f"{__package__}.{source.stem}")
+
+    def one(library: NativeLibrary) -> tuple[str, bool]:
+        started = time.perf_counter()
+        built = library.get() is not None
+        if report is not None:
+            state = "ready" if built else f"not built (the engine uses {library.fallback})"
+            report(f"{library.source.stem}: {state} ({time.perf_counter() - started:.1f} s)")
+        return library.source.stem, built
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(pool.map(one, LIBRARIES))
+
+
+__all__ = ["C_DTYPES", "DISABLE_ENV", "EMULATED", "MARCH_ENV", "NativeLibrary", "build", "build_all", "cache_root",
+           "compiler", "simde_include"]

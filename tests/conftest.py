@@ -187,6 +187,14 @@ def small_prompts(sentencepiece_tokenizer) -> list[list[int]]:
     return [sentencepiece_tokenizer.encode(t) for t in texts]
 
 
+def pytest_sessionstart(session) -> None:
+    """Every C kernel built before the first test (as `make install` does), so no test's time
+    includes a compile; tests that build another -march still do."""
+    from pagedserve.kernels.native_build import build_all
+
+    build_all()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """Which ISA variants of the C kernels the run tested (natively or emulated by SIMDe) and
     which it could not on this CPU (tests/kernels/instruction_sets.py), so that a green run on an
