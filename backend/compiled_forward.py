@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from pagedserve.kernels.native_build import cache_root
+from pagedserve.kernels.cache_dir import cache_root
 
 from .config import EngineConfig
 from .models.linear import row_bucket

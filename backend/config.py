@@ -85,7 +85,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """KV cache storage: auto (the compute dtype) or fp8 (e4m3 with scales)."""
     attention_backend: str = "auto"
-    """auto (Triton kernel on CUDA, the CPU attention on CPU), cpu (kernels/paged_attention_cpu.py; CPU only),
+    """auto (Triton kernel on CUDA, the CPU attention on CPU), cpu (kernels/cpu/paged_attention.py; CPU only),
     torch (the reference, kernels/paged_attention.py: the oracle the others are tested against), or triton."""
     num_threads: int = 0
     """CPU threads for torch; 0 keeps torch's default (all cores)."""

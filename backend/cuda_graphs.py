@@ -36,7 +36,7 @@ def decode_graphs_wanted(config, device: torch.device) -> bool:
 SHORT_CONTEXT = 511
 """Decode batches of up to SHORT_BATCH sequences whose contexts are all at most this long
 replay a graph captured for such contexts: the attention then runs without its split over
-the keys (kernels/paged_attention_triton.py splits from 512 keys, 2 x MIN_KEYS_PER_SPLIT),
+the keys (kernels/triton/paged_attention.py splits from 512 keys, 2 x MIN_KEYS_PER_SPLIT),
 one kernel a layer fewer. Longer contexts replay the graph captured for max_model_len."""
 SHORT_BATCH = 64
 """Larger batches fill the GPU without splitting the keys anyway: one graph each."""

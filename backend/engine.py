@@ -84,7 +84,7 @@ class LLMEngine:
                                                "batch size); set deterministic=false on CUDA")
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
-            from pagedserve.kernels.native_build import build_all
+            from pagedserve.kernels.cpu.native_build import build_all
 
             build_all()  # every C kernel now (cached after install), so no request pays a compile
         self.model_path = resolve_model_path(config.model)

@@ -9,7 +9,7 @@ layout won 1.3-3x everywhere on the EPYC (MKL takes a slow path on AMD).
 
 Where oneDNN's packed float32 measures faster (`weight_layouts`), the model takes it for
 batches and keeps the plain weight beside it for steps of a few rows, which the C
-matrix-vector loop (kernels/gemv_cpu.py) streams faster than oneDNN or MKL: the "both"
+matrix-vector loop (kernels/cpu/gemv.py) streams faster than oneDNN or MKL: the "both"
 layout. The LM head always can (its plain weight is the tied embedding's, or takes the
 place of the transposed copy MKL would need); the decoder layers do where their second
 copy takes at most PLAIN_COPY_MAX_MEMORY of the machine's memory, else they keep only the
@@ -42,9 +42,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pagedserve.kernels import bf16_matmul_cpu, gemv_cpu
-from pagedserve.kernels.block_matmul_cpu import grid_weight
-from pagedserve.kernels.native_build import cache_root, cpu_signature
+from pagedserve.kernels.cache_dir import cache_root
+from pagedserve.kernels.cpu import bf16_matmul as bf16_matmul_cpu, gemv as gemv_cpu
+from pagedserve.kernels.cpu.block_matmul import grid_weight
+from pagedserve.kernels.cpu.native_build import cpu_signature
 
 from .model_config import ModelConfig
 from .models.linear import Linear, WeightLayouts

@@ -33,7 +33,7 @@ class ModelConfig:
     """Block size of the checkpoint's own weight quantization (GGUF Q4_1: 32), if any."""
     source_block_format: str | None = None
     """"q4_1" or "q8_0" when the checkpoint's layer weights are GGUF blocks of that format, which
-    float32 engines multiply through (kernels/block_matmul_cpu.py): dtype auto times those."""
+    float32 engines multiply through (kernels/cpu/block_matmul.py): dtype auto times those."""
     packed_int4: str | None = None
     """"awq" or "gptq"/"gptq_v2" when the checkpoint stores packed 4-bit linear weights."""
 

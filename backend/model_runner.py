@@ -14,8 +14,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.dispatch import build_cpu_kernels
-
 from .attention import AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
 from .compiled_forward import CompiledForward
 from .cpu_tuning import advise_huge_pages
@@ -86,8 +84,6 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.attention_kernels = select_attention_kernels(attention_backend, device)
-        if device.type == "cpu":
-            build_cpu_kernels()
         self.kv_caches = self.allocate_kv(num_blocks, kv_dtype)
         self.compiled = CompiledForward(model, device) if compile_max_tokens else None
         if self.compiled:

@@ -8,7 +8,7 @@ import hashlib
 import os
 from typing import Any, Sequence
 
-from pagedserve.kernels.native_build import cache_root
+from pagedserve.kernels.cache_dir import cache_root
 
 from .errors import ConfigError, InvalidRequestError
 from .model_files import is_gguf, resolve_model_path

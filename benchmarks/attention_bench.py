@@ -70,9 +70,9 @@ def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("attention_bench: no CUDA device; this benchmark measures GPU memory bandwidth and has nothing to run on CPU")
-    from pagedserve.kernels.cache_write_triton import write_kv_cache_triton
+    from pagedserve.kernels.triton.cache_write import write_kv_cache_triton
     from pagedserve.kernels.paged_attention import paged_attention_ref
-    from pagedserve.kernels.paged_attention_triton import paged_attention_triton
+    from pagedserve.kernels.triton.paged_attention import paged_attention_triton
 
     dtype = getattr(torch, args.dtype)
     fp8 = args.kv_dtype == "fp8"

@@ -1,5 +1,5 @@
 """CPU paged attention: the torch reference (kernels/paged_attention.py) vs the CPU attention
-(kernels/paged_attention_cpu.py) at SmolLM2-135M shapes (9 heads, 3 KV heads, head_dim 64,
+(kernels/cpu/paged_attention.py) at SmolLM2-135M shapes (9 heads, 3 KV heads, head_dim 64,
 block 16), and the whole engine with each.
 
 Kernel table: one "step" of a case is LAYERS calls (one per layer, each on its own cache)
@@ -41,7 +41,7 @@ from pagedserve.backend.cpu_tuning import keep_freed_memory_in_heap  # noqa: E40
 from pagedserve.kernels import dispatch  # noqa: E402
 from pagedserve.kernels.numerics import cdiv  # noqa: E402
 from pagedserve.kernels.paged_attention import paged_attention_ref  # noqa: E402
-from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu  # noqa: E402
+from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 9, 3, 64, 16, 30
 IMPLEMENTATIONS = {"reference": paged_attention_ref, "cpu": paged_attention_cpu}

@@ -2,7 +2,7 @@
 single stream's decode to a batch's step and a prefill chunk), each way the engine can
 (backend/models/linear.py), on its real weights.
 
-Ways: the C matmul over the weights' exact GGUF blocks (kernels/block_matmul_cpu.py: Q4_1
+Ways: the C matmul over the weights' exact GGUF blocks (kernels/cpu/block_matmul.py: Q4_1
 decoder layers, the Q8_0 embedding as LM head; a streaming loop up to 8 rows, a tiled GEMM
 beyond), the C GEMV over the plain float32 weight (up to 4 rows), oneDNN's packed float32
 weight, and MKL over a transposed copy. One pass = every decoder linear (qkv, o, gate_up,
@@ -31,7 +31,8 @@ from workload import machine  # noqa: E402
 from pagedserve.backend.model_files import default_model_path  # noqa: E402
 from pagedserve.backend.model_loader import load_model  # noqa: E402
 from pagedserve.backend.models.linear import PACK_ROWS_HINT, Linear  # noqa: E402
-from pagedserve.kernels import block_matmul_cpu, gemv_cpu  # noqa: E402
+from pagedserve.kernels.cpu import block_matmul as block_matmul_cpu
+from pagedserve.kernels import gemv_cpu  # noqa: E402
 
 Multiply = Callable[[torch.Tensor], object]
 

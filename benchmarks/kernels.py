@@ -3,7 +3,7 @@
 Rows: dense bf16 matmul (torch, the baseline), W4A16 (Triton), FP8 weights (Triton; FP8
 tensor cores on sm89+, W8A16 before), torch._scaled_mm (FP8 GEMM only, pre-quantized
 activations, for reference), and paged decode attention if
-`pagedserve.kernels.paged_attention_triton` exists (baseline: SDPA over the cache
+`pagedserve.kernels.triton.paged_attention` exists (baseline: SDPA over the cache
 gathered through the block table, and SDPA alone on a pre-gathered cache).
 
 Ceilings are measured, not taken from a spec sheet: bandwidth = a 1 GiB device-to-device
@@ -19,7 +19,7 @@ triton.testing.do_bench (L2 flushed between runs).
     python benchmarks/kernels.py --static [--targets sm_80,sm_89,sm_90] [--dtypes bfloat16]
                                           [--reduced]   # no GPU needed, see below
 
---static: every kernel configuration the launchers choose (kernels/aot.py: Llama-3-8B and
+--static: every kernel configuration the launchers choose (kernels/triton/aot.py: Llama-3-8B and
 SmolLM2-135M shapes, bf16/fp16/fp32 activations, bf16/fp16/fp8 KV) compiled ahead of time
 for each target on the CPU; per configuration and target: registers per thread, spilled
 words, shared memory, and the occupancy bound (resident warps per SM and what limits
@@ -136,9 +136,9 @@ def measure_ceilings(device: torch.device, timer, smoke: bool) -> Ceilings:
 
 def bench_linear(shapes, ms: List[int], device, timer) -> List[Row]:
     from pagedserve.kernels.fp8 import quantize_fp8, quantize_per_token_fp8
-    from pagedserve.kernels.fp8_triton import default_mode, fp8_matmul_triton
+    from pagedserve.kernels.triton.fp8 import default_mode, fp8_matmul_triton
     from pagedserve.kernels.int4 import quantize_int4
-    from pagedserve.kernels.int4_triton import w4a16_matmul_triton
+    from pagedserve.kernels.triton.int4 import w4a16_matmul_triton
 
     mode = default_mode(device)
     scaled_mm = (device.type == "cuda" and hasattr(torch, "_scaled_mm")
@@ -177,7 +177,7 @@ def bench_linear(shapes, ms: List[int], device, timer) -> List[Row]:
 
 def bench_attention(device, timer, smoke: bool) -> List[Row]:
     try:
-        from pagedserve.kernels.paged_attention_triton import paged_attention_triton
+        from pagedserve.kernels.triton.paged_attention import paged_attention_triton
     except ImportError as e:
         print(f"paged attention: skipped ({e})")
         return []
@@ -331,7 +331,7 @@ def traffic(launch) -> tuple:
 
 
 def static_report(targets: List[str], dtypes: List[torch.dtype], reduced: bool) -> str:
-    from pagedserve.kernels import aot
+    from pagedserve.kernels.triton import aot
 
     t0 = time.perf_counter()
     results = aot.compile_all(targets, dtypes, reduced=reduced)

@@ -157,7 +157,8 @@ def run_openai(args: argparse.Namespace) -> int:
 
 
 def run_build_kernels(args: argparse.Namespace) -> int:
-    from pagedserve.kernels.native_build import build_all, cache_root
+    from pagedserve.kernels.cache_dir import cache_root
+    from pagedserve.kernels.cpu.native_build import build_all
 
     started = time.perf_counter()
     built = build_all(report=lambda line: print(f"  {line}", flush=True))

@@ -1,8 +1,4 @@
-"""Kernels: each has a torch reference (test oracle) of the same signature; attention also
-has a CPU implementation (paged_attention_cpu, the CPU path)."""
-
-from .cache_write import write_kv_cache_ref
-from .paged_attention import paged_attention_ref
-from .paged_attention_cpu import paged_attention_cpu
-
-__all__ = ["paged_attention_cpu", "paged_attention_ref", "write_kv_cache_ref"]
+"""Kernels, one folder per family: each operation's interface and torch reference (the tests'
+oracle) here (paged_attention, cache_write, fp8, int4), the GPU kernels in the Triton language
+in triton/, the CPU ones in C with their bindings in cpu/. dispatch.py is the one place that
+picks among them; a family is imported only where it runs."""

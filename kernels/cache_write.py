@@ -4,7 +4,7 @@ Negative slots mean "skip this token" (padding). A float8_e4m3fn cache is
 quantized with a per-tensor scale: stored = clamp(x / scale, -448, 448), computed
 in float32 and rounded to nearest-even (scales are ignored for other dtypes).
 The Triton kernel of the same signature is `write_kv_cache_triton` in
-kernels/cache_write_triton.py; this module imports no triton.
+kernels/triton/cache_write.py; this module imports no triton.
 """
 
 from __future__ import annotations

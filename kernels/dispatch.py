@@ -3,9 +3,9 @@
 Callers get plain functions: the engine's attention layer asks `attention_kernels`
 once, the quantized linears call `int4_linear` / `fp8_linear` per step. Attention has
 a third implementation beside the Triton kernel and the reference: the CPU attention
-(kernels/paged_attention_cpu.py), what `auto` runs on CPU. Triton
-modules are imported only inside the Triton branch, so the torch path never needs
-triton installed; a missing triton surfaces as ImportError from the Triton branch.
+(kernels/cpu/paged_attention.py), what `auto` runs on CPU. Each family is imported only
+inside its branch: the GPU path loads nothing of kernels/cpu/, and the torch path never
+needs triton installed (a missing triton surfaces as ImportError from the Triton branch).
 PAGEDSERVE_FORCE_TRITON=1 sends CPU tensors of the linears to the Triton kernels
 too, which only works together with TRITON_INTERPRET=1 (set before triton is first
 imported); that is how the kernels are exercised on machines without a GPU.
@@ -19,15 +19,9 @@ from typing import Callable, Optional
 import torch
 
 from .cache_write import write_kv_cache_ref
-from .cache_write_cpu import LIBRARY as cache_write_library, write_kv_cache_cpu
-from .decoder_stack_cpu import LIBRARY as decoder_stack_library
 from .fp8 import Fp8Weight, fp8_matmul_ref
 from .int4 import Int4Weight, w4a16_matmul_ref
 from .paged_attention import paged_attention_ref
-from .paged_attention_cpu import paged_attention_cpu
-from .paged_decode_cpu import LIBRARY as paged_decode_library
-from .rms_norm_cpu import LIBRARY as rms_norm_library
-from .rotary_cpu import LIBRARY as rotary_library
 
 FORCE_ENV = "PAGEDSERVE_FORCE_TRITON"
 
@@ -51,26 +45,22 @@ def attention_kernels(name: str, device: torch.device) -> tuple[WriteCacheFn, At
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         if device.type != "cpu":
             raise ValueError(f"the CPU attention runs on CPU tensors only, not {device.type}")
+        from .cpu.cache_write import write_kv_cache_cpu
+        from .cpu.paged_attention import paged_attention_cpu
+
         return write_kv_cache_cpu, paged_attention_cpu
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return write_kv_cache_ref, paged_attention_ref
-    from .cache_write_triton import write_kv_cache_triton
-    from .paged_attention_triton import paged_attention_triton
+    from .triton.cache_write import write_kv_cache_triton
+    from .triton.paged_attention import paged_attention_triton
 
     return write_kv_cache_triton, paged_attention_triton
-
-
-def build_cpu_kernels() -> None:
-    """Build (or load from the disk cache) the CPU kernels in C now, while a model loads,
-    so no request pays the first build (kernels/native_build.py)."""
-    for library in (paged_decode_library, rms_norm_library, rotary_library, cache_write_library, decoder_stack_library):
-        library.get()
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with a packed INT4 weight; returns x.dtype [..., N]."""
     if use_triton(x):
-        from .int4_triton import w4a16_matmul_triton
+        from .triton.int4 import w4a16_matmul_triton
 
         return w4a16_matmul_triton(x, w, bias)
     return w4a16_matmul_ref(x, w, bias)
@@ -83,10 +73,10 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
     e4m3 (FP8 tensor cores); elsewhere the weight is upconverted (W8A16, as the reference).
     """
     if use_triton(x):
-        from .fp8_triton import fp8_matmul_triton
+        from .triton.fp8 import fp8_matmul_triton
 
         return fp8_matmul_triton(x, w, bias)
     return fp8_matmul_ref(x, w, bias)
 
 
-__all__ = ["FORCE_ENV", "attention_kernels", "build_cpu_kernels", "fp8_linear", "int4_linear", "use_triton"]
+__all__ = ["FORCE_ENV", "attention_kernels", "fp8_linear", "int4_linear", "use_triton"]

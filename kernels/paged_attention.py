@@ -16,7 +16,7 @@ ignored for other cache dtypes, and default to 1.0).
 
 `paged_attention_ref` is the torch reference: the CPU path and the test oracle.
 It imports no triton; the Triton kernel is `paged_attention_triton` in
-kernels/paged_attention_triton.py (same signature).
+kernels/triton/paged_attention.py (same signature).
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ def small_prompts(sentencepiece_tokenizer) -> list[list[int]]:
 def pytest_sessionstart(session) -> None:
     """Every C kernel built before the first test (as `make install` does), so no test's time
     includes a compile; tests that build another -march still do."""
-    from pagedserve.kernels.native_build import build_all
+    from pagedserve.kernels.cpu.native_build import build_all
 
     build_all()
 

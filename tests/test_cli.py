@@ -26,13 +26,13 @@ def test_build_kernels_compiles_every_c_kernel_for_this_cpu(capsys):
 
     import pytest
 
-    from pagedserve import kernels
-    from pagedserve.kernels.native_build import compiler
+    from pagedserve.kernels import cpu
+    from pagedserve.kernels.cpu.native_build import compiler
 
     if compiler() is None or os.environ.get("PAGEDSERVE_NATIVE_CPU") == "0":
         pytest.skip("no C compiler here (or the C kernels are turned off)")
     assert main(["build-kernels"]) == 0
     out = capsys.readouterr().out
-    sources = sorted(Path(kernels.__file__).parent.glob("*.c"))
+    sources = sorted(Path(cpu.__file__).parent.glob("*.c"))
     assert f"{len(sources)} of {len(sources)} CPU kernels ready" in out, out
     assert all(f"{source.stem}: ready" in out for source in sources)

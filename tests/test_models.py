@@ -98,7 +98,7 @@ def test_a_packed_linear_computes_what_the_plain_one_does(dtype, float32_layout)
     import torch.nn.functional as F
 
     from pagedserve.backend.models.linear import Linear
-    from pagedserve.kernels import bf16_matmul_cpu
+    from pagedserve.kernels.cpu import bf16_matmul as bf16_matmul_cpu
 
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).to(dtype)
@@ -128,7 +128,7 @@ def test_a_half_precision_linear_multiplies_a_few_rows_by_its_exact_blocks():
     import torch.nn.functional as F
 
     from pagedserve.backend.models.linear import Linear, keep_exact_blocks
-    from pagedserve.kernels import block_matmul_cpu
+    from pagedserve.kernels.cpu import block_matmul as block_matmul_cpu
 
     if block_matmul_cpu.LIBRARY.get() is None:
         pytest.skip("no C compiler: the blocks are not kept")
@@ -195,9 +195,9 @@ def test_a_gguf_exact_layer_multiplies_its_blocks_at_every_row_count_and_keeps_n
     import torch.nn.functional as F
 
     from pagedserve.backend.models.linear import Linear, WeightLayouts, pack_weights
-    from pagedserve.kernels import block_matmul_cpu
+    from pagedserve.kernels.cpu import block_matmul as block_matmul_cpu
 
-    from pagedserve.kernels.block_matmul_cpu import grid_weight
+    from pagedserve.kernels.cpu.block_matmul import grid_weight
 
     if block_matmul_cpu.LIBRARY.get() is None:
         pytest.skip("needs the C block matmul (a C compiler)")

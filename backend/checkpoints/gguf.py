@@ -65,7 +65,7 @@ def gguf_model_config(reader: GGUFFile) -> ModelConfig:
 
 def _block_format(qtypes: set[int]) -> str | None:
     """"q4_1" / "q8_0" when every layer's weights are in that one format (the formats whose
-    blocks kernels/block_matmul_cpu.py multiplies), else None."""
+    blocks kernels/cpu/block_matmul.py multiplies), else None."""
     from gguf import GGMLQuantizationType
 
     formats = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}

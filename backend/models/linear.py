@@ -13,7 +13,7 @@ independent in a matmul, so the padding rows (zeros) change nothing in the real 
 float32 laid out for MKL and CUDA need no buckets and take the plain path.
 
 Where the CPU has AVX512-BF16 but no AMX, a bf16 weight goes to neither: it is packed once,
-at load, in pairs of inputs for the C kernel of kernels/bf16_matmul_cpu.py (`pairs`),
+at load, in pairs of inputs for the C kernel of kernels/cpu/bf16_matmul.py (`pairs`),
 1.1-1.5x oneDNN's speed at the 6-128 rows of decode steps (every decoder linear, 2-core Zen
 4), with no kernel per shape and so no buckets. Otherwise the same half-precision weights are
 packed once, at load, into oneDNN's blocked layout (`pack_weights`): an unpacked weight is
@@ -23,12 +23,12 @@ transposed, [in, out]: MKL multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than 
 copy) on a Xeon with AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faster from
 8 rows on AMD EPYCs, where MKL is slow; or kept in "both" layouts: the plain [out, in]
 weight for up to GEMV_MAX_ROWS rows, through the C matrix-vector loop of
-kernels/gemv_cpu.py (a single stream's decode, bound by streaming the weights: ~25 GB/s
+kernels/cpu/gemv.py (a single stream's decode, bound by streaming the weights: ~25 GB/s
 there against ~18 through oneDNN on a 2-core EPYC), and the packed one for more. Which
 layout each part of the model gets is measured (`WeightLayouts`, backend/matmul_probe.py).
 A float32 weight that is exactly a GGUF Q4_1 or Q8_0 one (the bundled model's layers, its
 embedding) keeps none of these: every step multiplies those blocks (`blocks`,
-kernels/block_matmul_cpu.py), the same values in a sixth or a third of the bytes, faster
+kernels/cpu/block_matmul.py), the same values in a sixth or a third of the bytes, faster
 than oneDNN's float32 kernel at every row count measured (1-512 rows, 2-core AVX2 EPYC).
 All only reorder the weight or the additions: the product is the same up to the order of
 additions. Half-precision weights rounded from such blocks keep the blocks too
@@ -50,10 +50,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import bf16_matmul_cpu, block_matmul_cpu
-from pagedserve.kernels.bf16_matmul_cpu import PairWeight, pack_pairs, pair_matmul
-from pagedserve.kernels.block_matmul_cpu import BlockWeight, as_blocks, block_matmul
-from pagedserve.kernels.gemv_cpu import GEMV_MAX_ROWS, gemv
+from pagedserve.kernels.cpu import bf16_matmul as bf16_matmul_cpu, block_matmul as block_matmul_cpu
+from pagedserve.kernels.cpu.bf16_matmul import PairWeight, pack_pairs, pair_matmul
+from pagedserve.kernels.cpu.block_matmul import BlockWeight, as_blocks, block_matmul
+from pagedserve.kernels.cpu.gemv import GEMV_MAX_ROWS, gemv
 
 logger = logging.getLogger("pagedserve")
 
@@ -128,7 +128,7 @@ class Linear(nn.Linear):
     layer keeps no other copy."""
 
     pairs: PairWeight | None = None
-    """A bf16 weight packed for the C AVX512-BF16 kernel (kernels/bf16_matmul_cpu.py, after
+    """A bf16 weight packed for the C AVX512-BF16 kernel (kernels/cpu/bf16_matmul.py, after
     `pack_weights`, where the CPU has the instruction and no AMX): every step of more than
     FEW_ROWS_BESIDE_PAIRS rows multiplies it, and the layer keeps no oneDNN copy."""
     few_row_blocks: BlockWeight | None = None
@@ -249,6 +249,6 @@ def pack_weights(model: nn.Module, layouts: WeightLayouts = WeightLayouts()) -> 
     blocks = sum(isinstance(m, Linear) and m.blocks is not None for m in model.modules())
     if blocks:
         logger.info("%d of %d packed linears are exact GGUF Q4_1/Q8_0 weights: multiplied through those blocks "
-                    "(kernels/block_matmul_cpu.py) at every step, in a third to a sixth of the float32 bytes",
+                    "(kernels/cpu/block_matmul.py) at every step, in a third to a sixth of the float32 bytes",
                     blocks, packed)
     return packed

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.rms_norm_cpu import add_rms_norm as add_rms_norm_cpu, rms_norm as rms_norm_cpu
-from pagedserve.kernels.rotary_cpu import rotary as rotary_cpu
-from pagedserve.kernels.silu_mul_cpu import silu_mul as silu_mul_cpu
+from pagedserve.kernels.cpu.rms_norm import add_rms_norm as add_rms_norm_cpu, rms_norm as rms_norm_cpu
+from pagedserve.kernels.cpu.rotary import rotary as rotary_cpu
+from pagedserve.kernels.cpu.silu_mul import silu_mul as silu_mul_cpu
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache, attention
 from ..model_config import ModelConfig
@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """transformers' RMSNorm; on CPU one C pass (kernels/rms_norm_cpu.py) where it is built."""
+        """transformers' RMSNorm; on CPU one C pass (kernels/cpu/rms_norm.py) where it is built."""
         fused = rms_norm_cpu(x, self.weight, self.eps)
         if fused is not None:
             return fused

@@ -1,4 +1,4 @@
-"""The decoder layers of a Llama-family model as one C call per step (kernels/decoder_stack_cpu.py).
+"""The decoder layers of a Llama-family model as one C call per step (kernels/cpu/decoder_stack.py).
 
 Why a module of its own: llama.py says what the model computes; this says when a step may skip
 the Python around its kernels (the usual CPU steps: bf16 weights in pairs or float32 GGUF
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedserve.kernels import decoder_stack_cpu
-from pagedserve.kernels.cache_write_cpu import write_kv_cache_cpu
-from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu, step_plan
+from pagedserve.kernels.cpu import decoder_stack as decoder_stack_cpu
+from pagedserve.kernels.cpu.cache_write import write_kv_cache_cpu
+from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu, step_plan
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache
 

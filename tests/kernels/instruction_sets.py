@@ -1,6 +1,6 @@
 """What the tests of the C kernels share about instruction sets: the ISA variants of the kernels'
 code (VARIANTS), which of them this CPU runs natively, which run emulated by SIMDe (AVX-512 code
-on a CPU without it, kernels/cpu_simde.h), every kernel library rebuilt for one of them, and a
+on a CPU without it, kernels/cpu/cpu_simde.h), every kernel library rebuilt for one of them, and a
 record of the variants the session ran and could not, which tests/conftest.py prints at the end
 of the run (`make test`'s "C kernel instruction sets" line). A plain module (not collected).
 
@@ -16,18 +16,14 @@ import functools
 import importlib
 import importlib.metadata
 import platform
-import pkgutil
 from dataclasses import dataclass
 
 import pytest
 
-from pagedserve import kernels
 from pagedserve.backend.device import cpuinfo
-from pagedserve.kernels import native_build
+from pagedserve.kernels.cpu import native_build
 
-for _module in pkgutil.iter_modules(kernels.__path__):
-    if _module.name.endswith("_cpu"):  # the C kernels' modules: each makes its NativeLibrary at import
-        importlib.import_module(f"{kernels.__name__}.{_module.name}")
+native_build.build_all()  # imports every C kernel's module (each makes its NativeLibrary), built natively
 LIBRARIES = native_build.LIBRARIES
 
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}

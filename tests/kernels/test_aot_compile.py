@@ -1,5 +1,5 @@
 """Every Triton kernel configuration compiled for A100 (sm_80), L40S/L4 (sm_89) and H100
-(sm_90) on the CPU, ahead of time (kernels/aot.py), and checked: it compiles, it does not
+(sm_90) on the CPU, ahead of time (kernels/triton/aot.py), and checked: it compiles, it does not
 spill registers, its shared memory fits the target. No GPU is needed, none is skipped.
 
 The interpreter tests run the kernels' logic but accept code the compiler rejects (an
@@ -24,7 +24,7 @@ Shared memory: a configuration must fit unless it is only ever a timed GEMM cand
 to launch, and the first candidate is what runs untimed. Those are reported as warnings.
 
 The children run without TRITON_INTERPRET (set by conftest.py without CUDA; see
-kernels/aot.py); the results are shared by the tests here.
+kernels/triton/aot.py); the results are shared by the tests here.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import pytest
 import torch
 import triton  # noqa: F401 - a hard requirement here: this test is the GPU-less check
 
-from pagedserve.kernels import aot
+from pagedserve.kernels.triton import aot
 
 TARGETS = list(aot.TARGETS)
 
@@ -110,7 +110,7 @@ def test_fp8_kv_software_decode_matches_hardware(monkeypatch):
     """The e4m3 decode sm_80 compiles (KV_FP8=2) gives the same attention output as the
     hardware conversion (KV_FP8=1): both are exact. Runs wherever the other kernel tests
     run (interpreter on CPU, compiled on CUDA)."""
-    from pagedserve.kernels import paged_attention_triton as pa
+    from pagedserve.kernels.triton import paged_attention as pa
 
     if not torch.cuda.is_available() and not pa._interpreting():
         pytest.fail("kernels imported without TRITON_INTERPRET=1 and no CUDA")
@@ -135,7 +135,7 @@ def test_fp8_kv_software_decode_matches_hardware(monkeypatch):
 def test_fp8_gemm_mode_follows_capability(monkeypatch):
     """Without e4m3 hardware the FP8 GEMM defaults to W8A16 whatever PAGEDSERVE_FP8_MODE
     says, and refuses an explicit mode="fp8" (it would not compile)."""
-    from pagedserve.kernels import fp8_triton as ft
+    from pagedserve.kernels.triton import fp8 as ft
     from pagedserve.kernels.fp8 import quantize_fp8
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

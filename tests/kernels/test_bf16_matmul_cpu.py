@@ -1,4 +1,4 @@
-"""The C bf16 matmul (kernels/bf16_matmul_cpu.py) against a float64 product of the same bf16
+"""The C bf16 matmul (kernels/cpu/bf16_matmul.py) against a float64 product of the same bf16
 values.
 
 Sums are float32 and the result is rounded once to bf16, so each output is within half a bf16
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.kernels import bf16_matmul_cpu
-from pagedserve.kernels.bf16_matmul_cpu import pack_pairs, pair_matmul
+from pagedserve.kernels.cpu import bf16_matmul as bf16_matmul_cpu
+from pagedserve.kernels.cpu.bf16_matmul import pack_pairs, pair_matmul
 from .instruction_sets import march_for
 from .threads import same_on_one_thread
 

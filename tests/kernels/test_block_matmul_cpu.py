@@ -1,4 +1,4 @@
-"""The C matmul over exact GGUF blocks (kernels/block_matmul_cpu.py) against torch's matmul of
+"""The C matmul over exact GGUF blocks (kernels/cpu/block_matmul.py) against torch's matmul of
 the float32 weight the blocks rebuild.
 
 The weights are the same float32 values, so only the order of the additions differs: within
@@ -13,8 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from pagedserve.kernels import block_matmul_cpu
-from pagedserve.kernels.block_matmul_cpu import as_blocks, block_matmul, grid_weight
+from pagedserve.kernels.cpu import block_matmul as block_matmul_cpu
+from pagedserve.kernels.cpu.block_matmul import as_blocks, block_matmul, grid_weight
 from .instruction_sets import march_for
 from .threads import same_on_one_thread
 

@@ -1,4 +1,4 @@
-"""The C KV cache write (kernels/cache_write_cpu.py) against the torch reference: the same
+"""The C KV cache write (kernels/cpu/cache_write.py) against the torch reference: the same
 cache bytes, from K/V that are views of the fused projection as the model passes them."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import cache_write_cpu
+from pagedserve.kernels.cpu import cache_write as cache_write_cpu
 from pagedserve.kernels.cache_write import write_kv_cache_ref
 from pagedserve.kernels.numerics import FP8_DTYPE
 

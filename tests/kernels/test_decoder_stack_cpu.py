@@ -1,4 +1,4 @@
-"""The decoder layers in one C call (kernels/decoder_stack_cpu.py) against the same layers
+"""The decoder layers in one C call (kernels/cpu/decoder_stack.py) against the same layers
 run one kernel at a time from Python: the same logits to the bit and the same greedy tokens,
 over plain batches, chunked prefill mixed with decodes, and preemption; also in the AVX2 code
 an AVX2-only CPU runs."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedserve.backend import LLMEngine, SamplingParams
-from pagedserve.kernels import bf16_matmul_cpu, decoder_stack_cpu
+from pagedserve.kernels.cpu import bf16_matmul as bf16_matmul_cpu, decoder_stack as decoder_stack_cpu
 
 from ..conftest import assert_engine_idle
 from .instruction_sets import build_every_kernel_for, runs_avx2

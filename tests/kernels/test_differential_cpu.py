@@ -6,7 +6,7 @@ natively or emulated by SIMDe - and plain x86-64; tests/kernels/instruction_sets
 two ways:
 
 - exact: where the code promises the same bits, the same bits. The C decoder stack is the
-  Python layers' computation to the bit (kernels/decoder_stack_cpu.py), so every step it runs
+  Python layers' computation to the bit (kernels/cpu/decoder_stack.py), so every step it runs
   is run again by the Python layers on the same inputs and cache, and the hidden states must be
   equal (issue 43's bug broke exactly this). Other pairs of configurations are not bit-exact by
   design - a step's row count picks the matmul loop (few-row GEMV or GGUF blocks against
@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from pagedserve.backend import LLMEngine, SamplingParams
-from pagedserve.kernels import native_build
+from pagedserve.kernels.cpu import native_build
 
 from ..conftest import assert_engine_idle
 from .instruction_sets import VARIANTS, how_to_run, native_variant, runs_avx2, use_variant

@@ -1,4 +1,4 @@
-"""Greedy decoding's argmax in C (kernels/first_max_cpu.py) against torch's argmax: the same
+"""Greedy decoding's argmax in C (kernels/cpu/first_max.py) against torch's argmax: the same
 index on every row, ties (the first maximum), +-inf and NaN (the first NaN, as torch), rows
 of -inf only, widths that are not whole vectors; the same on one thread as on two; in the
 CPU's own code and the AVX2 code; declined where it does not apply (torch runs there)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.first_max_cpu import first_max_index
+from pagedserve.kernels.cpu.first_max import first_max_index
 
 from .threads import same_on_one_thread
 

@@ -44,7 +44,7 @@ ACT_QUANT_TOL = 0.04
 
 
 def _triton():
-    from pagedserve.kernels import fp8_triton
+    from pagedserve.kernels.triton import fp8 as fp8_triton
 
     return fp8_triton
 

@@ -1,4 +1,4 @@
-"""The quantized GEMMs' timed choice (kernels/gemm_triton.py): timed once per key, kept on
+"""The quantized GEMMs' timed choice (kernels/triton/gemm.py): timed once per key, kept on
 disk per GPU model so a restarted server reuses it, and a stored choice that is no longer a
 candidate is timed again."""
 
@@ -10,7 +10,7 @@ from .gemm_checks import needs_triton  # noqa: F401 - first: sets TRITON_INTERPR
 
 
 def test_a_timed_choice_is_stored_and_reused_by_the_next_process(tmp_path, monkeypatch):
-    from pagedserve.kernels import gemm_triton as gt
+    from pagedserve.kernels.triton import gemm as gt
 
     monkeypatch.setattr(gt, "_choices_file", lambda device: str(tmp_path / "gemm_choices" / "gpu.json"))
     monkeypatch.setattr(gt, "_TUNED", {})

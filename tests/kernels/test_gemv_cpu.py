@@ -1,4 +1,4 @@
-"""The C float32 GEMV (kernels/gemv_cpu.py) against torch's matmul.
+"""The C float32 GEMV (kernels/cpu/gemv.py) against torch's matmul.
 
 Only the order of the additions differs from torch's: within 1e-5 relative to the sum of
 |x_i w_i| of each output (measured ~1e-7 at SmolLM2's sizes)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import gemv_cpu
+from pagedserve.kernels.cpu import gemv as gemv_cpu
 from .threads import same_on_one_thread
 
 built = pytest.mark.skipif(gemv_cpu.LIBRARY.get() is None, reason="the C GEMV is not built here (no C compiler)")

@@ -192,7 +192,7 @@ def test_reference_matmul(m, dtype):
 # ----------------------------------------------------------------- Triton kernel
 
 def _triton():
-    from pagedserve.kernels import int4_triton
+    from pagedserve.kernels.triton import int4 as int4_triton
 
     return int4_triton
 

@@ -214,7 +214,7 @@ def test_loaders_reject_bad_input():
 @needs_triton
 @pytest.mark.parametrize("group_size", [64, 32])
 def test_triton_small_groups_and_act_order(group_size):
-    from pagedserve.kernels import int4_triton as it
+    from pagedserve.kernels.triton import int4 as it
 
     gen = torch.Generator().manual_seed(20 + group_size)
     (qweight, qzeros, scales, g_idx), _ = _act_order_checkpoint(48, 256, group_size, gen)

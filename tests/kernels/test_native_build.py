@@ -1,4 +1,4 @@
-"""Building the C kernels at first use (kernels/native_build.py): cached on disk, and
+"""Building the C kernels at first use (kernels/cpu/native_build.py): cached on disk, and
 every way it can fail leaves torch ops in charge with one warning naming the cause."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import logging
 
 import pytest
 
-from pagedserve.kernels import native_build
-from pagedserve.kernels.first_max_cpu import LIBRARY as FIRST_MAX
-from pagedserve.kernels.paged_decode_cpu import LIBRARY as DECODE
-from pagedserve.kernels.paged_prefill_cpu import LIBRARY as PREFILL
-from pagedserve.kernels.rms_norm_cpu import LIBRARY as RMS_NORM
-from pagedserve.kernels.silu_mul_cpu import LIBRARY as SILU_MUL
+from pagedserve.kernels.cpu import native_build
+from pagedserve.kernels.cpu.first_max import LIBRARY as FIRST_MAX
+from pagedserve.kernels.cpu.paged_decode import LIBRARY as DECODE
+from pagedserve.kernels.cpu.paged_prefill import LIBRARY as PREFILL
+from pagedserve.kernels.cpu.rms_norm import LIBRARY as RMS_NORM
+from pagedserve.kernels.cpu.silu_mul import LIBRARY as SILU_MUL
 
 
 @pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler here")

@@ -36,10 +36,10 @@ import pytest
 import torch
 
 from pagedserve.kernels.cache_write import write_kv_cache_ref
-from pagedserve.kernels.cache_write_cpu import write_kv_cache_cpu
+from pagedserve.kernels.cpu.cache_write import write_kv_cache_cpu
 from pagedserve.kernels.numerics import cdiv
 from pagedserve.kernels.paged_attention import paged_attention_ref
-from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu
+from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu
 
 from . import paged_batch
 from .paged_batch import DEVICE, FP8, TOL, rel_err
@@ -48,8 +48,8 @@ CUDA = torch.cuda.is_available()
 
 triton = pytest.importorskip("triton")
 from pagedserve.kernels import dispatch  # noqa: E402
-from pagedserve.kernels.cache_write_triton import write_kv_cache_triton  # noqa: E402
-from pagedserve.kernels.paged_attention_triton import (  # noqa: E402
+from pagedserve.kernels.triton.cache_write import write_kv_cache_triton  # noqa: E402
+from pagedserve.kernels.triton.paged_attention import (  # noqa: E402
     _interpreting,
     choose_num_splits,
     paged_attention_triton,
@@ -291,7 +291,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     except (ImportError, AssertionError) as error:
         print("NO_TOOLCHAIN", repr(error))
         sys.exit(0)
-    from pagedserve.kernels import cache_write_triton as cw, paged_attention_triton as pa
+    from pagedserve.kernels.triton import cache_write as cw, paged_attention as pa
 
     def build(fn, types, constexprs):
         sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}

@@ -1,4 +1,4 @@
-"""The CPU attention (kernels/paged_attention_cpu.py) vs the torch reference.
+"""The CPU attention (kernels/cpu/paged_attention.py) vs the torch reference.
 
 Fresh seeded random ragged batches (tests/kernels/paged_batch.py: the caches the CPU
 attention reads hold NaN in every slot past a sequence's end and behind every padding
@@ -29,9 +29,9 @@ from pagedserve.backend.attention import (
 from pagedserve.backend.errors import ConfigError
 from pagedserve.kernels import dispatch
 from pagedserve.kernels.cache_write import write_kv_cache_ref
-from pagedserve.kernels.cache_write_cpu import write_kv_cache_cpu
+from pagedserve.kernels.cpu.cache_write import write_kv_cache_cpu
 from pagedserve.kernels.paged_attention import paged_attention_ref
-from pagedserve.kernels.paged_attention_cpu import (
+from pagedserve.kernels.cpu.paged_attention import (
     CHUNK_KEYS,
     build_plan,
     choose_chunk_keys,
@@ -39,7 +39,7 @@ from pagedserve.kernels.paged_attention_cpu import (
     step_plan,
 )
 
-from pagedserve.kernels.paged_decode_cpu import native_decode
+from pagedserve.kernels.cpu.paged_decode import native_decode
 
 from .paged_batch import FP8, TOL, Batch, rel_err
 

@@ -1,4 +1,4 @@
-"""The C decode attention (kernels/paged_decode_cpu.py) against the torch reference.
+"""The C decode attention (kernels/cpu/paged_decode.py) against the torch reference.
 
 Decode-only ragged batches over NaN-poisoned caches (tests/kernels/paged_batch.py: any
 read past a sequence's end or through a padding entry of a block table shows as NaN).
@@ -17,8 +17,8 @@ import random
 import pytest
 import torch
 
-from pagedserve.kernels import paged_decode_cpu
-from pagedserve.kernels.paged_attention_cpu import build_plan, paged_attention_cpu
+from pagedserve.kernels.cpu import paged_decode as paged_decode_cpu
+from pagedserve.kernels.cpu.paged_attention import build_plan, paged_attention_cpu
 
 from .paged_batch import TOL, Batch, rel_err
 

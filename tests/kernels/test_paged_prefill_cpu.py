@@ -1,4 +1,4 @@
-"""The C prefill attention (kernels/paged_prefill_cpu.py) against the torch reference.
+"""The C prefill attention (kernels/cpu/paged_prefill.py) against the torch reference.
 
 Prefill chunks of every kind a step holds (a fresh prompt, the rest of a prompt after its
 cached prefix, one token past a prefix, whole and partial 16-key tiles) over NaN-poisoned
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import paged_prefill_cpu
-from pagedserve.kernels.paged_attention_cpu import build_plan, native_prefill_max_keys, paged_attention_cpu
+from pagedserve.kernels.cpu import paged_prefill as paged_prefill_cpu
+from pagedserve.kernels.cpu.paged_attention import build_plan, native_prefill_max_keys, paged_attention_cpu
 
 from .instruction_sets import use_variant
 from .paged_batch import TOL, Batch, rel_err

@@ -1,4 +1,4 @@
-"""The C RMSNorm (kernels/rms_norm_cpu.py) against the model's torch RMSNorm.
+"""The C RMSNorm (kernels/cpu/rms_norm.py) against the model's torch RMSNorm.
 
 Same rounding order as transformers (fp32 math, normalised row rounded to the model
 dtype, times the weight); only the summation order of the mean of squares differs.
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedserve.backend.models.llama import RMSNorm
-from pagedserve.kernels import rms_norm_cpu
+from pagedserve.kernels.cpu import rms_norm as rms_norm_cpu
 
 built = pytest.mark.skipif(rms_norm_cpu.LIBRARY.get() is None, reason="the C RMSNorm is not built here (no C compiler)")
 

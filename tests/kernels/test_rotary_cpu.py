@@ -1,4 +1,4 @@
-"""The C rotary embedding (kernels/rotary_cpu.py) against the model's torch rotation.
+"""The C rotary embedding (kernels/cpu/rotary.py) against the model's torch rotation.
 
 Same rounding order as transformers (each product rounded to the dtype, then their sum), so
 both dtypes must match bit for bit, read from a view of the fused q/k/v projection as the
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedserve.backend.models.llama import _rotate_half
-from pagedserve.kernels import rotary_cpu
+from pagedserve.kernels.cpu import rotary as rotary_cpu
 
 built = pytest.mark.skipif(rotary_cpu.LIBRARY.get() is None, reason="the C rotary is not built here (no C compiler)")
 

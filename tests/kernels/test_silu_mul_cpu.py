@@ -1,4 +1,4 @@
-"""SiLU(gate) * up in one C pass (kernels/silu_mul_cpu.py) against torch's two ops: within 1e-5
+"""SiLU(gate) * up in one C pass (kernels/cpu/silu_mul.py) against torch's two ops: within 1e-5
 relative (exp by a polynomial, ~2e-7; where exp(-gate) overflows in torch, both are ~0), for
 row widths that are not whole vectors; bfloat16 rounded once from the float32 result; the same
 in the AVX2 code as in the CPU's own; declined where it does not apply."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.silu_mul_cpu import silu_mul
+from pagedserve.kernels.cpu.silu_mul import silu_mul
 
 built = pytest.mark.skipif(silu_mul(torch.zeros(1, 32)) is None, reason="the C SiLU needs a C compiler and AVX2 or AVX-512")
 

@@ -1,0 +1,670 @@
+"""Ahead-of-time compilation of every Triton kernel configuration, for named GPUs, without a GPU.
+
+Past 300 lines on purpose: one pipeline (a device model and recorders running the real
+launchers, the scenarios, the keys that fold launches into configurations, the compile in
+this process or a child), each stage's private types (the Launch and KernelConfig records)
+feeding the next; split, the module boundaries would pass those private types around.
+
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs entirely on
+the CPU (Triton's MLIR passes, then the wheel's own ptxas), so CI can check that
+each kernel compiles for sm_80 (A100), sm_89 (L40S / L4 / RTX 4090) and sm_90
+(H100), and read what the cubin needs: registers, spills, shared memory.
+
+What is compiled: the configurations the launchers themselves choose. The real
+host code runs (`paged_attention_triton`, `write_kv_cache_triton`, the GEMMs'
+`_candidates` / `_launch`, `per_token_quant_fp8_triton`) on CPU tensors of the
+model shapes below, with the kernels replaced by recorders, under a device model
+of the target: its SM count (split-KV and split-K heuristics), its compute
+capability (fp8 paths) and compiled (not interpreted) tiles. Every recorded launch
+is turned into a compile with the JIT's own argument binder, so signatures,
+constexprs, alignment attributes, num_warps and num_stages are exactly what a
+launch on that GPU would compile. No tile table is copied here: a new block size
+in `_tiles` / `_candidates` or a new constexpr shows up by itself.
+
+Scenarios (per model, activation dtype, KV dtype): decode batches of 1..64
+sequences (the default max_num_seqs) over 512..8192 keys (both models' context),
+prefill chunks of 16..2048 tokens (the default max_num_batched_tokens) with and
+without cached context, one mixed batch; GEMMs at M = 1, 16, 64, 256, 2048 (every
+candidate regime: M <= 16, <= 64, > 64, with and without split-K) for each
+quantized linear (`LlamaForCausalLM.packed_modules`: qkv, o, gate_up, down; the LM
+head is never quantized, so the vocabulary size is no GEMM shape here). INT4
+group sizes: what `int4_group_size` picks for K, and 32 (GGUF Q4_1 checkpoints).
+FP8 GEMM: the mode `default_mode` picks on the target ("w8a16" before sm_89).
+
+One compile per configuration: launches that differ only in runtime integers
+(Triton also specialises integers on == 1 and % 16 == 0, e.g. M = 1 vs M = 16)
+share the compile of the first such launch; those variants differ in address
+arithmetic and masks, not in tiles, stages or shared memory.
+
+TRITON_INTERPRET=1 (the CPU test setting) matters twice. The kernel modules read it
+when imported (`@triton.jit` then builds interpreter objects), so this module imports
+its own private copies of them (package `_pagedserve_aot_kernels`) with the
+interpreter switched off; the modules the rest of the process uses are not touched.
+And triton.language's own @jit helpers (tl.zeros_like, tl.cdiv, ...) were built for
+the interpreter when triton was imported, so `triton.compile` of any kernel calling
+them fails in that process (and leaves triton.language patched for the
+interpreter). `compile_all` therefore compiles in one child process without
+TRITON_INTERPRET when it has to (`can_compile_in_process`), and in-process
+otherwise. Results are cached for the life of the process (and in Triton's on-disk
+cache, TRITON_CACHE_DIR, across processes).
+
+Resource numbers come from the cubin (`cuobjdump --dump-resource-usage`, shipped in
+the triton wheel): registers per thread, and spills = local memory bytes / 4, the
+same figures `CompiledKernel.n_regs` / `n_spills` report after loading on a GPU;
+shared memory is Triton's own `metadata.shared` (its dynamic allocation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# Targets
+
+# Per-SM limits from the CUDA C Programming Guide, "Technical Specifications per Compute
+# Capability" (the same for every GPU of one compute capability):
+REGS_PER_SM = 64 * 1024  # 32-bit registers per SM (cc 8.0, 8.9, 9.0)
+REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256 (8 per thread)
+SMEM_ALLOC_UNIT = 128  # shared memory allocation granularity, bytes
+SMEM_RESERVED_PER_BLOCK = 1024  # shared memory the CUDA runtime reserves per block (cc >= 8.0)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    capability: int  # e.g. 80 for compute capability 8.0
+    gpus: Tuple[Tuple[str, int], ...]  # (GPU, SM count): the split heuristics' inputs
+    smem_per_sm: int  # bytes of shared memory per SM (the largest carve-out)
+    smem_per_block: int  # most dynamic shared memory one block may opt into (= Triton's limit)
+    max_warps_per_sm: int
+    max_blocks_per_sm: int
+
+
+TARGETS: Dict[str, Target] = {
+    # sm_80: 164 KiB per SM, of which one block may use 163 KiB (1 KiB is reserved).
+    "sm_80": Target("sm_80", 80, (("A100", 108),), 164 * 1024, 163 * 1024, 64, 32),
+    # sm_89: 100 KiB per SM, 99 KiB per block; 48 warps and 24 blocks per SM.
+    "sm_89": Target("sm_89", 89, (("L40S", 142), ("L4", 58)), 100 * 1024, 99 * 1024, 48, 24),
+    # sm_90: 228 KiB per SM, 227 KiB per block.
+    "sm_90": Target("sm_90", 90, (("H100 SXM", 132), ("H100 PCIe", 114)), 228 * 1024, 227 * 1024, 64, 32),
+}
+
+
+def occupancy(target: Target, registers: int, shared: int, num_warps: int) -> Tuple[int, str]:
+    """(resident warps per SM, what limits them): an upper bound from registers, shared
+    memory, and the warp / block slots; 0 when one block does not fit at all. Ignores
+    the register file's split into 4 SM sub-partitions and L1/shared carve-out choices."""
+    regs_per_warp = math.ceil(max(registers, 1) * 32 / REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    smem_per_block = math.ceil(shared / SMEM_ALLOC_UNIT) * SMEM_ALLOC_UNIT + SMEM_RESERVED_PER_BLOCK
+    limits = {
+        "registers": (REGS_PER_SM // regs_per_warp) // num_warps,
+        "shared memory": target.smem_per_sm // smem_per_block if shared <= target.smem_per_block else 0,
+        "warp slots": target.max_warps_per_sm // num_warps,
+        "block slots": target.max_blocks_per_sm,
+    }
+    limiter = min(limits, key=limits.__getitem__)
+    return limits[limiter] * num_warps, limiter
+
+
+# ---------------------------------------------------------------------------------------------
+# Model shapes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int  # for completeness: the LM head is not quantized, so no kernel here sees it
+
+    def linears(self) -> Dict[str, Tuple[int, int]]:
+        """(N, K) of the quantized linears, as `LlamaForCausalLM.packed_modules` stacks them."""
+        return {
+            "qkv_proj": ((self.heads + 2 * self.kv_heads) * self.head_dim, self.hidden),
+            "o_proj": (self.hidden, self.heads * self.head_dim),
+            "gate_up_proj": (2 * self.intermediate, self.hidden),
+            "down_proj": (self.hidden, self.intermediate),
+        }
+
+
+MODELS: Tuple[ModelShape, ...] = (
+    ModelShape("Llama-3-8B", 4096, 32, 8, 128, 14336, 128256),
+    ModelShape("SmolLM2-135M", 576, 9, 3, 64, 1536, 49152),
+)
+DTYPES: Tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)  # engine dtypes
+KV_BLOCK_SIZE = 16  # EngineConfig.block_size default (a constexpr of index arithmetic only, not of tiles)
+DECODE_BATCHES = (1, 4, 16, 64)
+CONTEXTS = (512, 2048, 8192)
+PREFILLS = ((16, 0), (64, 8192), (512, 0), (2048, 0))  # (new tokens, cached tokens before them)
+GEMM_MS = (1, 16, 64, 256, 2048)
+GGUF_GROUP_SIZE = 32  # Q4_1 blocks, kept as the INT4 group when re-quantizing a GGUF checkpoint
+
+# ---------------------------------------------------------------------------------------------
+# Private compiled copies of the kernel modules, and launch recording
+
+_PKG = "_pagedserve_aot_kernels"
+_KERNELS = {  # module -> its @triton.jit kernels the launchers call
+    "paged_attention_triton": ("_paged_attention_kernel", "_split_reduce_kernel"),
+    "cache_write_triton": ("_write_kv_kernel",),
+    "gemm_triton": ("_splitk_reduce_kernel",),
+    "int4_triton": ("_w4a16_kernel", "_dequant_kernel"),
+    "fp8_triton": ("_fp8_gemm_kernel", "_per_token_quant_kernel"),
+}
+_LOCK = threading.RLock()
+
+
+@dataclass(eq=False)
+class Launch:
+    jit: Any  # the JITFunction
+    grid: Tuple[int, ...]
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+
+    @property
+    def kernel(self) -> str:
+        return self.jit.fn.__name__
+
+    def bound(self) -> Dict[str, Any]:
+        """Every kernel parameter by name (defaults applied), plus the launch options."""
+        params = [p.name for p in self.jit.params]
+        out = dict(zip(params, self.args))
+        out.update(self.kwargs)
+        return out
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch."""
+
+    def __init__(self, jit, log: List[Launch]):
+        self.jit, self.log = jit, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(Launch(self.jit, tuple(grid), args, kwargs))
+
+        return launch
+
+
+_MODULES: Optional[SimpleNamespace] = None
+
+
+def _kernel_modules() -> SimpleNamespace:
+    """The kernel modules imported afresh as package `_pagedserve_aot_kernels`, with the
+    interpreter off so that their kernels are JITFunctions (see module docstring)."""
+    global _MODULES
+    with _LOCK:
+        if _MODULES is None:
+            from triton import knobs
+
+            here = os.path.dirname(os.path.abspath(__file__))
+            with knobs.runtime.scope():
+                knobs.runtime.interpret = False
+                spec = importlib.util.spec_from_file_location(
+                    _PKG, os.path.join(here, "__init__.py"), submodule_search_locations=[here])
+                assert spec is not None and spec.loader is not None  # a .py file's spec
+                pkg = importlib.util.module_from_spec(spec)
+                sys.modules[_PKG] = pkg
+                spec.loader.exec_module(pkg)
+                mods = {name: importlib.import_module(f"{_PKG}.{name}") for name in _KERNELS}
+            from triton.runtime.jit import JITFunction
+
+            for name, kernels in _KERNELS.items():
+                for k in kernels:
+                    assert isinstance(getattr(mods[name], k), JITFunction), f"{name}.{k} is not compiled"
+            _MODULES = SimpleNamespace(**mods)
+    return _MODULES
+
+
+@contextlib.contextmanager
+def _device_model(target: Target, sms: int, log: List[Launch]):
+    """Patch the private kernel modules so their launchers act as on `target` with `sms`
+    SMs (compiled tiles, fp8 capability, SM count) and record kernel launches in `log`."""
+    from .e4m3 import NATIVE_FP8_CAPABILITY
+
+    m = _kernel_modules()
+    has_fp8 = divmod(target.capability, 10) >= NATIVE_FP8_CAPABILITY
+    native = lambda device: has_fp8  # noqa: E731 - e4m3_triton.native_fp8 on the target
+    patches: List[Tuple[Any, str, Any]] = [
+        (m.paged_attention_triton, "_interpreting", lambda: False),
+        (m.paged_attention_triton, "_num_sms", lambda device: sms),
+        (m.paged_attention_triton, "native_fp8", native),
+        (m.gemm_triton, "num_sms", lambda device: sms),
+        (m.int4_triton, "interpreting", lambda: False),
+        (m.fp8_triton, "interpreting", lambda: False),
+        (m.fp8_triton, "native_fp8", native),
+    ]
+    for mod, kernels in _KERNELS.items():
+        for k in kernels:
+            mod_obj = getattr(m, mod)
+            patches.append((mod_obj, k, _Recorder(getattr(mod_obj, k), log)))
+    with _LOCK:
+        saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+        try:
+            for mod, name, value in patches:
+                setattr(mod, name, value)
+            yield m
+        finally:
+            for mod, name, value in saved:
+                setattr(mod, name, value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios: the real launchers on CPU tensors
+
+
+def _attention_batch(model: ModelShape, dtype: torch.dtype, q_lens: Sequence[int], seq_lens: Sequence[int]):
+    num_tokens = sum(q_lens)
+    query = torch.empty(num_tokens, model.heads, model.head_dim, dtype=dtype)
+    width = max(-(-s // KV_BLOCK_SIZE) for s in seq_lens)
+    block_tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    starts = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    return query, block_tables, torch.tensor(seq_lens, dtype=torch.int32), starts
+
+
+def _attention_scenarios() -> List[Tuple[str, List[int], List[int]]]:
+    """(label, q_lens, seq_lens) of the batches the attention kernels are launched on."""
+    out = []
+    for b in DECODE_BATCHES:
+        for ctx in CONTEXTS:
+            out.append((f"decode B={b} ctx={ctx}", [1] * b, [ctx] * b))
+    for t, ctx in PREFILLS:
+        out.append((f"prefill T={t} ctx={ctx}", [t], [ctx + t]))
+    out.append(("mixed 1x1024 prefill + 32 decodes ctx=2048", [1024] + [1] * 32, [1024] + [2048] * 32))
+    return out
+
+
+def _record_attention(m, log: List[Launch], model: ModelShape, dtype: torch.dtype,
+                      kv_fp8: bool) -> List[Tuple[str, Launch]]:
+    cache_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
+    cache = torch.empty(4, KV_BLOCK_SIZE, model.kv_heads, model.head_dim, dtype=cache_dtype)
+    scales = {"k_scale": 0.5, "v_scale": 0.5} if kv_fp8 else {}
+    kv = f"{'fp8' if kv_fp8 else str(dtype).replace('torch.', '')} KV"
+    out = []
+    log.clear()
+    new = torch.empty(2, model.kv_heads, model.head_dim, dtype=dtype)
+    m.cache_write_triton.write_kv_cache_triton(new, new, cache, cache, torch.zeros(2, dtype=torch.long), **scales)
+    out += [(f"{model.name} cache write, {kv}", launch) for launch in log]
+    for label, q_lens, seq_lens in _attention_scenarios():
+        log.clear()
+        query, tables, lens, starts = _attention_batch(model, dtype, q_lens, seq_lens)
+        m.paged_attention_triton.paged_attention_triton(
+            query, cache, cache, tables, lens, starts, model.head_dim ** -0.5, **scales)
+        out += [(f"{model.name} {label}, {kv}", launch) for launch in log]
+    return out
+
+
+_TIMED = " (timed candidate)"  # a GEMM candidate after the first: launched only by timed_choice
+
+
+def _record_gemms(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -> List[Tuple[str, Launch]]:
+    from pagedserve.kernels.int4 import int4_group_size  # the engine's group-size policy
+
+    it, ft = m.int4_triton, m.fp8_triton
+    mode = ft.default_mode(torch.device("cuda"))  # patched: the target's capability decides
+    out = []
+    log.clear()
+    for layer, (n, k) in model.linears().items():
+        groups = sorted({int4_group_size(k), GGUF_GROUP_SIZE}, reverse=True)
+        w8 = m.fp8_triton.Fp8Weight(torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n))
+        for mm in GEMM_MS:
+            x = torch.empty(mm, k, dtype=dtype)
+            out_t = torch.empty(mm, n, dtype=dtype)
+            label = f"{model.name} {layer} M={mm}"
+            for g in groups:
+                w4 = it.Int4Weight(torch.empty(k // 8, n, dtype=torch.int32), torch.empty(k // g, n, dtype=dtype),
+                                   torch.empty(k // g, n, dtype=dtype), g, (n, k))
+                for i, cfg in enumerate(it._candidates(mm, n, k, g)):
+                    log.clear()
+                    if cfg.variant == "dequant":  # its kernel alone: the matmul after it is cuBLAS's
+                        it.dequantize_int4_triton(w4, dtype)
+                    else:
+                        it._launch(x, w4, None, out_t, cfg)
+                    out += [(f"{label} group={g}" + _TIMED * (i > 0), launch) for launch in log]
+            for i, cfg in enumerate(ft._candidates(mm, n, k, mode)):
+                log.clear()
+                ft._run(x, w8, None, out_t, cfg, mode)  # the per-token quantization too, where cfg takes it
+                out += [(f"{label} fp8 {mode}{' ' + cfg.variant if cfg.variant else ''}" + _TIMED * (i > 0), launch)
+                        for launch in log]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Configurations
+
+
+@dataclass(eq=False)
+class KernelConfig:
+    """One compile: a kernel, its constexprs / dtypes / launch options, the first launch
+    that chose it (compiled) and every scenario that chose it."""
+
+    kernel: str
+    key: Tuple
+    launch: Launch
+    uses: List[str] = field(default_factory=list)
+
+    @property
+    def timed_only(self) -> bool:
+        """Launched only while `gemm_triton.timed_choice` times GEMM candidates (never as the
+        first candidate, which runs untimed: PAGEDSERVE_AUTOTUNE=0, CUDA graph capture). A
+        candidate that fails to launch there (e.g. too much shared memory) is skipped."""
+        return all(u.endswith(_TIMED) for u in self.uses)
+
+    @property
+    def summary(self) -> str:
+        """Tensor dtypes, constexprs and launch options, compactly (for tables)."""
+        b = self.launch.bound()
+        parts = []
+        for p in self.launch.jit.params:
+            v = b[p.name]
+            if p.is_constexpr and p.name not in _SUMMARY_SKIP:
+                parts.append(f"{p.name}={int(v) if isinstance(v, bool) else v}")
+            elif p.name in _SUMMARY_TENSORS and isinstance(v, torch.Tensor):
+                parts.append(f"{p.name[:-4]}:{_SHORT_DTYPE.get(v.dtype, v.dtype)}")
+        parts.append(f"w{b.get('num_warps', 4)}s{b.get('num_stages', 3)}")
+        return " ".join(parts)
+
+
+_SUMMARY_SKIP = {"DOT_FP32", "DOT_F32", "PRECISION", "FP8_MAX_C", "EPS", "GROUP_M", "HEAD_DIM_PAD", "BLOCK_Q",
+                 "KV_BLOCK_SIZE", "BLOCK_SIZE"}
+_SUMMARY_TENSORS = {"q_ptr", "k_ptr", "key_ptr", "key_cache_ptr", "x_ptr", "a_ptr", "b_ptr", "part_ptr", "out_ptr"}
+_SHORT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+                torch.float8_e4m3fn: "e4m3", torch.int32: "i32"}
+
+
+def _config_key(launch: Launch) -> Tuple:
+    """What makes one compile: the kernel, its constexprs, the dtypes of its tensor
+    arguments and the launch options (num_warps, num_stages), not runtime integers."""
+    b = launch.bound()
+    names = {p.name for p in launch.jit.params}
+    parts = []
+    for p in launch.jit.params:
+        v = b[p.name]
+        if p.is_constexpr:
+            parts.append((p.name, v))
+        elif isinstance(v, torch.Tensor):
+            parts.append((p.name, str(v.dtype)))
+    options = tuple(sorted((k, v) for k, v in launch.kwargs.items() if k not in names))
+    return (launch.kernel, tuple(parts), options)
+
+
+def enumerate_configs(target: Target, dtypes: Iterable[torch.dtype] = DTYPES,
+                      models: Iterable[ModelShape] = MODELS) -> List[KernelConfig]:
+    """Every kernel configuration the launchers choose on `target` for these models and
+    activation dtypes (float32 only reaches the attention kernels: the quantized GEMMs
+    take bf16 / fp16), in first-seen order."""
+    configs: Dict[Tuple, KernelConfig] = {}
+    for _, sms in target.gpus:
+        log: List[Launch] = []
+        with _device_model(target, sms, log) as m:
+            recorded: List[Tuple[str, Launch]] = []
+            for model in models:
+                for dtype in dtypes:
+                    for kv_fp8 in (False, True):
+                        recorded += _record_attention(m, log, model, dtype, kv_fp8)
+                    if dtype != torch.float32:
+                        recorded += _record_gemms(m, log, model, dtype)
+        for label, launch in recorded:
+            key = _config_key(launch)
+            cfg = configs.setdefault(key, KernelConfig(launch.kernel, key, launch))
+            if label not in cfg.uses:
+                cfg.uses.append(label)
+    return list(configs.values())
+
+
+_DOMINATED = {  # kernel -> the constexpr whose largest value stands for the others (`representative`)
+    "_w4a16_kernel": "BLOCK_K",
+    "_fp8_gemm_kernel": "BLOCK_K",
+    "_paged_attention_kernel": "NUM_SPLITS",
+    "_split_reduce_kernel": "NUM_SPLITS",
+    "_splitk_reduce_kernel": "SPLIT_K",
+}
+
+
+def representative(configs: Sequence[KernelConfig]) -> List[KernelConfig]:
+    """A smaller set for quick checks: of configurations that differ only in a GEMM's
+    BLOCK_K, in the attention kernel's NUM_SPLITS (when > 1) or in a reduction's split
+    count, keep the largest value (its scenarios are merged in). A GEMM's K tile scales
+    its shared memory (stages x (BLOCK_M + BLOCK_N) x BLOCK_K) and its operand registers,
+    so the largest BLOCK_K bounds the others (smaller K tiles come from INT4 group sizes
+    32 / 64). NUM_SPLITS > 1 only enters the attention kernel's scalar arithmetic (loop
+    bounds, partial offsets), not its tiles. The reductions' split counts (NUM_SPLITS:
+    rows of the partials tile; SPLIT_K: an unrolled loop) grow their register use with
+    the value. Timed-only GEMM candidates and configurations launched untimed are thinned
+    separately (`KernelConfig.timed_only` keeps its meaning). Every other configuration
+    is kept."""
+    out: List[KernelConfig] = []
+    best: Dict[Tuple, KernelConfig] = {}
+    for cfg in configs:
+        name = _DOMINATED.get(cfg.kernel)
+        parts = dict(cfg.key[1])
+        if name is None or (cfg.kernel == "_paged_attention_kernel" and parts[name] == 1):
+            out.append(cfg)
+            continue
+        rest = (cfg.kernel, tuple(p for p in cfg.key[1] if p[0] != name), cfg.key[2], cfg.timed_only)
+        kept = best.get(rest)
+        if kept is None:
+            best[rest] = cfg
+            out.append(cfg)
+            continue
+        if parts[name] > dict(kept.key[1])[name]:
+            cfg = dataclasses.replace(cfg, uses=list(cfg.uses))
+            out[out.index(kept)] = cfg
+            best[rest], kept, cfg = cfg, cfg, kept
+        kept.uses.extend(u for u in cfg.uses if u not in kept.uses)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    kernel: str
+    config: str
+    target: str
+    ok: bool
+    error: str = ""
+    registers: int = 0
+    spills: int = 0
+    shared: int = 0
+    num_warps: int = 0
+    num_stages: int = 0
+    smem_limit: int = 0
+    warps_per_sm: int = 0
+    occupancy_limit: str = ""
+
+    @property
+    def smem_ok(self) -> bool:
+        return self.shared <= self.smem_limit
+
+
+_RESULTS: Dict[Tuple[str, Tuple], CompileResult] = {}  # (target, config key) -> result, for the process
+
+
+def _resource_usage(cubin: bytes, kernel: str) -> Tuple[int, int]:
+    """(registers per thread, local memory bytes per thread) of `kernel` in a cubin."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                              check=True, capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    match = re.search(rf"Function {re.escape(kernel)}:\s*REG:(\d+) STACK:\d+ SHARED:\d+ LOCAL:(\d+)", text)
+    if match is None:
+        raise RuntimeError(f"no resource usage for {kernel} in cuobjdump output:\n{text}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _compile_here(cfg: KernelConfig, target: Target) -> CompileResult:
+    """Compile `cfg` for `target` in this process, as a launch on that GPU would."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    launch = cfg.launch
+    jit = launch.jit
+    gpu = GPUTarget("cuda", target.capability, 32)
+    backend = make_backend(gpu)
+    # What JITFunction.run does before binding, then its binder and _pack_args (private
+    # API of the pinned triton): the signature, constexprs and attributes of a real launch.
+    kwargs = dict(launch.kwargs)
+    kwargs["debug"] = kwargs.get("debug", jit.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # triton >= 3.7
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, options)
+    common = dict(kernel=cfg.kernel, config=cfg.summary, target=target.name, num_warps=options.num_warps,
+                  num_stages=options.num_stages, smem_limit=target.smem_per_block)
+    try:
+        compiled = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=gpu,
+                                  options=options.__dict__)
+    except Exception as e:  # noqa: BLE001 - a compile error is a result here
+        return CompileResult(ok=False, error=_error_message(e), **common)
+    regs, local = _resource_usage(compiled.asm["cubin"], compiled.metadata.name)
+    shared = compiled.metadata.shared
+    warps, limiter = occupancy(target, regs, shared, options.num_warps)
+    return CompileResult(ok=True, registers=regs, spills=local // 4, shared=shared,
+                         warps_per_sm=warps, occupancy_limit=limiter, **common)
+
+
+def _error_message(e: BaseException) -> str:
+    """The innermost cause's message (a CompilationError's own text is a source excerpt)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and ln.strip() != "^"]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"[:400]
+
+
+def can_compile_in_process() -> bool:
+    """False when triton.language was imported under TRITON_INTERPRET=1: its own @jit
+    helpers (tl.zeros_like, tl.cdiv, ...) are then interpreter objects, and compiling a
+    kernel that calls them fails (and leaves triton.language patched for the interpreter)."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(tl.zeros_like, JITFunction)
+
+
+def _configs(target: Target, dtypes, models, reduced: bool) -> List[KernelConfig]:
+    configs = enumerate_configs(target, dtypes, models)
+    return representative(configs) if reduced else configs
+
+
+def compile_all(targets: Iterable[str] = tuple(TARGETS), dtypes: Iterable[torch.dtype] = DTYPES,
+                models: Iterable[ModelShape] = MODELS, reduced: bool = False,
+                jobs: Optional[int] = None) -> List[Tuple[KernelConfig, CompileResult]]:
+    """Enumerate (`reduced`: then thin out with `representative`) and compile every
+    configuration for each target: (config, result) pairs in order. Results are cached
+    for the process. With `jobs` > 1 (default: PAGEDSERVE_AOT_JOBS, else the CPU count)
+    the compiles are shared out among that many child processes; under TRITON_INTERPRET=1
+    (see `can_compile_in_process`) they always run in children, without it."""
+    targets, dtypes, models = tuple(targets), tuple(dtypes), tuple(models)
+    todo = [(cfg, TARGETS[name]) for name in targets for cfg in _configs(TARGETS[name], dtypes, models, reduced)]
+    missing = [(cfg, t) for cfg, t in todo if (t.name, cfg.key) not in _RESULTS]
+    jobs = max(1, min(jobs or int(os.environ.get("PAGEDSERVE_AOT_JOBS", 0)) or os.cpu_count() or 1, len(missing)))
+    if missing and jobs == 1 and can_compile_in_process():
+        for cfg, t in missing:
+            _RESULTS[(t.name, cfg.key)] = _compile_here(cfg, t)
+    elif missing:
+        rows = _compile_in_children(targets, dtypes, models, reduced, jobs)
+        by_repr = {(t.name, repr(cfg.key)): (t.name, cfg.key) for cfg, t in todo}
+        _RESULTS.update({by_repr[(r["target"], r["key"])]: CompileResult(**r["result"]) for r in rows})
+    return [(cfg, _RESULTS[(t.name, cfg.key)]) for cfg, t in todo]
+
+
+def _compile_in_children(targets, dtypes, models, reduced: bool, jobs: int) -> List[Dict[str, Any]]:
+    """Run `jobs` children (`python -m pagedserve.kernels.triton.aot --shard i/jobs`, without
+    TRITON_INTERPRET), each compiling every jobs-th configuration; their JSON rows."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    rows: List[Dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        children = []
+        for i in range(jobs):
+            out, err = os.path.join(tmp, f"shard{i}.json"), os.path.join(tmp, f"shard{i}.err")
+            cmd = [sys.executable, "-m", "pagedserve.kernels.triton.aot", "--json", out, "--shard", f"{i}/{jobs}",
+                   "--targets", ",".join(targets), "--dtypes", ",".join(_dtype_name(d) for d in dtypes),
+                   "--models", ",".join(m.name for m in models)] + ["--reduced"] * reduced
+            with open(err, "w") as f:  # a file, not a pipe: a full pipe would stall the child
+                children.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=f), out, err))
+        failures = []
+        for child, out, err in children:
+            if child.wait() != 0 or not os.path.exists(out):
+                with open(err) as f:
+                    # child.args: the list of str given to Popen (its annotation allows bytes and paths too)
+                    label: str = child.args[-1]  # type: ignore[index,assignment]
+                    failures.append(f"child {label} exited {child.returncode}:\n{f.read()[-3000:]}")
+                continue
+            with open(out) as f:
+                rows += json.load(f)
+    if failures:
+        raise RuntimeError("AOT compile failed:\n" + "\n".join(failures))
+    return rows
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """`python -m pagedserve.kernels.triton.aot --json PATH [--shard I/N] [...]`: compile (every N-th
+    configuration from the I-th) and write the results as JSON; what `compile_all` runs in
+    its children. For a table, see `python benchmarks/kernels.py --static`."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--json", required=True)
+    p.add_argument("--shard", default="0/1")
+    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--dtypes", default=",".join(_dtype_name(d) for d in DTYPES))
+    p.add_argument("--models", default=",".join(m.name for m in MODELS))
+    p.add_argument("--reduced", action="store_true", help="`representative` configurations only")
+    args = p.parse_args(argv)
+    if not can_compile_in_process():
+        sys.exit("run without TRITON_INTERPRET=1")
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    models = [m for m in MODELS if m.name in args.models.split(",")]
+    todo = [(cfg, TARGETS[name]) for name in args.targets.split(",")
+            for cfg in _configs(TARGETS[name], dtypes, models, args.reduced)]
+    i, n = (int(v) for v in args.shard.split("/"))
+    rows = [{"target": t.name, "key": repr(cfg.key), "result": dataclasses.asdict(_compile_here(cfg, t))}
+            for cfg, t in todo[i::n]]
+    with open(args.json, "w") as f:
+        json.dump(rows, f)
+
+
+__all__ = [
+    "CompileResult", "KernelConfig", "Launch", "MODELS", "ModelShape", "TARGETS", "Target",
+    "can_compile_in_process", "compile_all", "enumerate_configs", "occupancy", "representative",
+]
+
+
+if __name__ == "__main__":
+    main()
