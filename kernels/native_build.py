@@ -2,7 +2,7 @@
 
 Why at run time: `-march=native` code is the point (AVX-512, AVX512-BF16 where the CPU has
 them) and it only runs where it was built, so each machine builds its own, with the C
-compiler inductor also uses ($CC, else cc): ~4 s once, then cached in kernels/ of the
+compiler inductor also uses ($CC, else cc): a few seconds once, then cached in kernels/ of the
 project's cache directory (`cache_root()`), keyed by source, flags and CPU. The libraries
 link libgomp, which resolves to the OpenMP runtime torch has already loaded: their
 threads are torch's.
