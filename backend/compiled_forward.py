@@ -100,5 +100,7 @@ class CompiledForward:
 
 def compile_wanted(config: EngineConfig, device: torch.device) -> bool:
     """`compile: auto` compiles on CUDA only: on CPU the eager step with packed half-precision
-    weights is faster (inductor takes plain weights), and float32 gained 2% for 4 s of load."""
+    weights is faster (inductor takes plain weights), and float32 gained too little for the
+    seconds of load it costs (benchmarks/RESULTS.md, "Figures behind design choices in the
+    code")."""
     return config.compile == "on" or (config.compile == "auto" and config.compile_supported and device.type == "cuda")

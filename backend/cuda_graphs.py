@@ -1,6 +1,6 @@
 """Decode steps as whole CUDA graphs: one launch replays every kernel of a step.
 
-A decode step of an 8B model is ~5 ms of GPU work split over ~400 kernels (norms,
+A decode step of an 8B model is little GPU work split over ~400 kernels (norms,
 projections, rotary, the paged attention and the cache write of each layer, the LM head).
 Launched one by one from Python they cost more host time than the GPU spends; captured
 once per batch-size bucket and replayed, the host pays one launch. What makes a step

@@ -35,7 +35,9 @@ def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig) ->
     oneDNN reports bf16 as supported on any AVX-512 CPU, emulating it there at about
     half of float32's speed, so native support is read from the CPU flags first. The
     flags alone do not settle it (backend/matmul_probe.py): with avx512_bf16 and no
-    AMX, bf16 lost to float32 at batch sizes on a Xeon and won 2-6x on an AMD EPYC."""
+    AMX, bf16 lost to float32 at batch sizes on a Xeon and won by far on an AMD EPYC
+    (benchmarks/RESULTS.md, "Xeon (no AMX): bf16 and float32 matmuls" and "fp8 KV cache
+    perplexity and the CPU float32 layouts")."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":

@@ -4,8 +4,9 @@ Built there, not handed over, because of torch's OpenMP runtime on Linux (libgom
 OS thread that runs a parallel op owns a team of workers, and once the process has more
 of those than CPUs, libgomp cuts its workers' spin-wait to almost nothing, so every op
 after has to wake sleeping workers. A model loaded on Triton's thread and stepped on
-this one made two teams: decode steps ran 1.75x slower served than offline (42.6 vs
-24.2 ms per step, one sequence, bf16, 2 cores). One thread for load and steps: one team.
+this one made two teams: decode steps ran much slower served than offline (one sequence,
+bf16, 2 cores; benchmarks/RESULTS.md, "Figures behind design choices in the code").
+One thread for load and steps: one team.
 
 Any thread may submit or abort; requests enter the engine at the start of the
 next step (so an abort frees its blocks within one step). Outputs reach each

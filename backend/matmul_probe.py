@@ -2,10 +2,11 @@
 
 Measured, not read off the CPU flags, because the flags do not tell: with the same
 avx512_bf16 flag and no AMX, an Intel Xeon ran the model's bf16 matmuls slower than
-float32's from ~24 rows on, while an AMD EPYC ran them 2-6x faster than float32's at
-every row count (benchmarks/RESULTS.md). float32's best layout differs the same way:
+float32's at batch sizes, while an AMD EPYC ran them far faster than float32's at every
+row count (benchmarks/RESULTS.md, "Xeon (no AMX): bf16 and float32 matmuls" and "fp8 KV
+cache perplexity and the CPU float32 layouts"). float32's best layout differs the same way:
 MKL over a transposed [in, out] copy won at one row on the Xeon, oneDNN's packed
-layout won 1.3-3x everywhere on the EPYC (MKL takes a slow path on AMD).
+layout won everywhere on the EPYC (MKL takes a slow path on AMD).
 
 Where oneDNN's packed float32 measures faster (`weight_layouts`), the model takes it for
 batches and keeps the plain weight beside it for steps of a few rows, which the C
@@ -16,7 +17,7 @@ copy takes at most PLAIN_COPY_MAX_MEMORY of the machine's memory, else they keep
 packed one. (Whatever the layout, a float32 weight that is exactly a GGUF Q4_1 or Q8_0 one
 is multiplied through those blocks at every row count instead: backend/models/linear.py.
 So for a checkpoint of such blocks, as the bundled one is, float32 is timed through them: on an
-AMD EPYC with avx512_bf16 oneDNN's bf16 beat its float32 2-6x, while the blocks run a
+AMD EPYC with avx512_bf16 oneDNN's bf16 beat its float32 by far, while the blocks run a
 single stream's float32 steps from a sixth of the bytes.)
 Engines with an fp8 KV cache keep the decoder layers transposed: its perplexity bound
 (tests/test_quantization.py, 2% over float32) was set with MKL's summation order, and with
@@ -26,7 +27,7 @@ another). The LM head writes no cache, so it takes oneDNN's layout there too.
 The probe times the model's gate/up projection (its largest matmul per layer) as the
 engine runs it (backend/models/linear.py: bf16 through the C AVX512-BF16 kernel where the
 CPU has that instruction, else oneDNN's), at one row (a single stream's decode) and 32
-rows (a batch's), in each candidate; under a second for a small model. The verdict
+rows (a batch's), in each candidate; quick for a small model. The verdict
 is kept in the cache directory, keyed by CPU, torch version, threads and shape, so a
 restart reads it instead of measuring again.
 """

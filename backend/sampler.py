@@ -210,8 +210,9 @@ def _to(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 def first_max_index(rows: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim (the first maximum, NaN counting as largest, as argmax).
-    On CPU one C pass a row (kernels/cpu/first_max.py: 0.1 ms for 32 rows of a 49,152-token
-    vocabulary, torch's max(dim) 0.7 ms); elsewhere `max(dim).indices`, because torch's CPU
-    argmax is slower still. The tests pin equality with argmax, ties included."""
+    On CPU one C pass a row (kernels/cpu/first_max.py: several times faster than torch's
+    max(dim) on a step's logits; benchmarks/RESULTS.md, "Zen 4: CPU kernels"); elsewhere
+    `max(dim).indices`, because torch's CPU argmax is slower still. The tests pin equality
+    with argmax, ties included."""
     fast = first_max_cpu(rows)
     return fast if fast is not None else rows.max(dim=-1).indices

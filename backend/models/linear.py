@@ -1,31 +1,33 @@
 """The model's dense linear layer: nn.Linear whose oneDNN calls on CPU see a few row counts.
 
 On CPU, torch runs bf16/fp16 matmuls through oneDNN, which builds a kernel for every
-input shape (1-4 ms each on a 2-core machine) and keeps up to 1,024 of them (a few
-hundred KB each). The row count is the step's token count, which changes nearly every
+input shape (a delay a step notices on a 2-core machine) and keeps up to 1,024 of them (a
+few hundred KB each). The row count is the step's token count, which changes nearly every
 step: without buckets each new count pays the build and the cache grows to hundreds of
 MB over a long run. Rows padded to a bucket (exact up to EXACT_ROWS, then a multiple of
 16 up to 256, of 64 up to 1,024, then of 256) leave under a hundred shapes per layer.
 Exact up to 64 rows because a decode step's rows are its sequences, and where oneDNN's
 bf16 kernel is bound by arithmetic (AVX512-BF16 without AMX) every padding row costs as
-much as a real one: 17 sequences padded to 32 took 1.8x the time of 17. Rows are
+much as a real one: 17 sequences padded to 32 took far longer than 17. Rows are
 independent in a matmul, so the padding rows (zeros) change nothing in the real ones.
 float32 laid out for MKL and CUDA need no buckets and take the plain path.
 
 Where the CPU has AVX512-BF16 but no AMX, a bf16 weight goes to neither: it is packed once,
 at load, in pairs of inputs for the C kernel of kernels/cpu/bf16_matmul.py (`pairs`),
-1.1-1.5x oneDNN's speed at the 6-128 rows of decode steps (every decoder linear, 2-core Zen
-4), with no kernel per shape and so no buckets. Otherwise the same half-precision weights are
+faster than oneDNN at the 6-128 rows of decode steps (every decoder linear, 2-core Zen 4),
+with no kernel per shape and so no buckets. Otherwise the same half-precision weights are
 packed once, at load, into oneDNN's blocked layout (`pack_weights`): an unpacked weight is
-re-laid-out by oneDNN on every call, which made the matmuls of a decode step 1.4-1.6x slower
-(AMX Xeon, 2 cores; measured in benchmarks/RESULTS.md). float32 weights are stored
-transposed, [in, out]: MKL multiplies x @ W^T 1.5-2.3x slower at 4-16 rows than x @ (that
-copy) on a Xeon with AVX-512. A float32 weight can also be packed for oneDNN ("onednn"), 1.3-4x faster from
-8 rows on AMD EPYCs, where MKL is slow; or kept in "both" layouts: the plain [out, in]
-weight for up to GEMV_MAX_ROWS rows, through the C matrix-vector loop of
-kernels/cpu/gemv.py (a single stream's decode, bound by streaming the weights: ~25 GB/s
-there against ~18 through oneDNN on a 2-core EPYC), and the packed one for more. Which
-layout each part of the model gets is measured (`WeightLayouts`, backend/matmul_probe.py).
+re-laid-out by oneDNN on every call, which made the matmuls of a decode step markedly
+slower (AMX Xeon, 2 cores). float32 weights are stored transposed, [in, out]: MKL
+multiplies x @ W^T slower at 4-16 rows than x @ (that copy) on a Xeon with AVX-512. A
+float32 weight can also be packed for oneDNN ("onednn"), faster from 8 rows on AMD EPYCs,
+where MKL is slow; or kept in "both" layouts: the plain [out, in] weight for up to
+GEMV_MAX_ROWS rows, through the C matrix-vector loop of kernels/cpu/gemv.py (a single
+stream's decode, bound by streaming the weights, which that loop reads faster than
+oneDNN on a 2-core EPYC), and the packed one for more. Which layout each part of the
+model gets is measured (`WeightLayouts`, backend/matmul_probe.py); the figures behind
+these comparisons are in benchmarks/RESULTS.md ("Zen 4: CPU kernels", "Packed bf16
+weights and the compiled step on CPU", "Figures behind design choices in the code").
 A float32 weight that is exactly a GGUF Q4_1 or Q8_0 one (the bundled model's layers, its
 embedding) keeps none of these: every step multiplies those blocks (`blocks`,
 kernels/cpu/block_matmul.py), the same values in a sixth or a third of the bytes, faster
@@ -65,13 +67,13 @@ FEW_ROWS = 8
 """Half precision on CPU: up to this many rows multiply the weight's exact GGUF blocks in
 float32 (`few_row_blocks`), more take oneDNN's packed kernel. A few rows are bound by
 streaming the weight (a third of bf16's bytes in Q4_1 blocks); many by arithmetic, where
-AVX512-BF16 doubles float32's rate (2-core Zen 4, every decoder linear: 1 row 5.3 vs 12.2
-ms, 8 rows 11.7 vs 12.6, 32 rows 43 vs 24)."""
+AVX512-BF16 doubles float32's rate (2-core Zen 4, every decoder linear: the blocks ahead at
+1 and 8 rows, oneDNN's bf16 ahead at 32; benchmarks/RESULTS.md, "Zen 4: CPU kernels")."""
 
 FEW_ROWS_BESIDE_PAIRS = 4
 """FEW_ROWS where the layer has `pairs` (the C AVX512-BF16 kernel, from 5 rows faster than the
-blocks: every decoder linear on a 2-core Zen 4, 4 rows 7.7 vs 8.6 ms, 6 rows 10.0 vs 8.7, 8
-rows 12.5 vs 9.1)."""
+blocks: every decoder linear on a 2-core Zen 4, the blocks ahead at 4 rows, the pairs at 6
+and 8; benchmarks/RESULTS.md, "Zen 4: CPU kernels")."""
 
 
 def row_bucket(rows: int, exact: int = 16) -> int:

@@ -30,7 +30,8 @@ the server is (the rotation before the time budget: a cancelled request stopped 
 ASK_BUDGET_S = 0.02
 """Past MIN_ASKS_PER_TICK, a tick asks until it has spent this long (a fifth of the
 interval) in round trips: at a full queue (64 running, 1,024 waiting) the old fixed 8 asks a
-tick noticed a disconnect after up to 14 s."""
+tick noticed a disconnect only after many seconds (benchmarks/RESULTS.md, "Cancellation
+noticed at a full queue")."""
 GENERATING_EVERY_S = 0.5
 """A request that is generating (it costs engine steps) and was not asked for this long goes
 before every waiting one."""

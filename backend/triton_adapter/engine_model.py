@@ -5,7 +5,8 @@ contract in and out, and token ids in and out for the relays (`llm_engine`,
 A text request is planned by the model's client contract (contracts.py: prompt to
 token ids) and each engine response is rendered by it (ids to a text delta), in this
 process: a streamed token crosses one process boundary on its way to the client, not
-two as through a relay (that hop cost 5-10% of throughput at 32 streams on 2 cores).
+two as through a relay (that hop cost throughput at 32 streams on 2 cores:
+benchmarks/RESULTS.md, "One process hop per streamed token").
 
 execute() only parses and hands requests to the engine thread, then returns.
 Besides the engine thread, two threads of our own: the response thread turns
@@ -258,7 +259,8 @@ class EngineModel:
     def _replies(self, active: ActiveRequest, output: RequestOutput) -> list[dict[str, Any]]:
         """The client's responses' tensors for an output. A text client whose text leaves out
         the prompt (every streaming one) gets the text the engine rendered: building a streamed
-        token's response by decoding its ids again took 37 us of the GIL, this 3 us."""
+        token's response by decoding its ids again held the GIL far longer than this does
+        (benchmarks/RESULTS.md, "Figures behind design choices in the code")."""
         request = active.request
         if active.rendered_reply is not None and request.exclude_input:
             tensors = engine_response(request, output, self.tokenizer, only=CLIENT_OUTPUTS)

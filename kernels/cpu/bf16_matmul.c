@@ -1,13 +1,14 @@
 /* bf16 matmuls on CPU: y = x @ W^T (+ bias), bf16 in and out, sums in float32.
  *
  * Why our own: on a CPU with AVX512-BF16 (no AMX) one VDPBF16PS does 32 bf16 products into 16
- * float32 sums, twice an FMA's work; oneDNN's bf16 kernel reaches ~62% of that peak at 32 rows
- * and ~90% from 512 (2-core Zen 4), and splits each matmul between threads up front, so on a
- * 2-core machine serving requests a core taken by the server or the client for a moment leaves
- * the other thread waiting. This loop reaches 80% at 32 rows and ~90% from 64 on (weights
- * streamed from memory as in a decode step; ~88% at 16 rows on weights in cache) and hands the
- * work out a panel at a time (benchmarks/RESULTS.md: 1.2-1.5x oneDNN's at 1-128 rows, level at
- * 2,048, over a whole model's decoder layers).
+ * float32 sums, twice an FMA's work; oneDNN's bf16 kernel leaves much of that peak unused at the
+ * row counts of decode steps and nears it only at prefill sizes (2-core Zen 4), and splits each
+ * matmul between threads up front, so on a 2-core machine serving requests a core taken by the
+ * server or the client for a moment leaves the other thread waiting. This loop comes near the
+ * peak from 32 rows on (weights streamed from memory as in a decode step; from fewer rows on
+ * weights in cache) and hands the work out a panel at a time: faster than oneDNN's at 1-128
+ * rows, level at 2,048, over a whole model's decoder layers (benchmarks/RESULTS.md, "Zen 4: CPU
+ * kernels" and "Figures behind design choices in the code").
  *
  * Layout (kernels/cpu/bf16_matmul.py's PairWeight): outputs in groups of GROUP (16), and within
  * a group, for each pair of inputs (2k, 2k + 1), the 16 outputs' two weights side by side:
@@ -22,8 +23,9 @@
  * claiming its next panel as it starts one, so that while its later row tiles run from L2 it
  * can pull the next panel's weights from memory into L2 (`Ahead`): otherwise a panel's first
  * tile waits on memory with the arithmetic idle (decode-step weights do not fit in any cache).
- * That took every decoder linear plus the LM head at 16 / 32 / 64 rows from 289 / 346-353 / 392-401
- * to 326-345 / 370-377 / 410-422 GFLOP/s over several runs (2-core Zen 4; peak ~460).
+ * That sped up every decoder linear plus the LM head at 16, 32 and 64 rows in every run (2-core
+ * Zen 4; benchmarks/RESULTS.md, "Zen 4: CPU kernels" and "Figures behind design choices in the
+ * code").
  *
  * Without AVX512-BF16 a plain loop over the same layout computes the same sums (in another
  * order): tests check the layout and the leftovers with it on any CPU; engines use this kernel
@@ -47,7 +49,8 @@ typedef struct {
 
 /* Full tile i of `tiles` over a panel pulls its share of the next panel: none for the first (it
  * waits on memory for its own weights), the rest split evenly among the others. The last few
- * rows' tile (i == tiles) pulls none: too short to hide the loads (9 rows ran 7% slower). */
+ * rows' tile (i == tiles) pulls none: too short to hide the loads (9 rows ran slower when it
+ * did: benchmarks/RESULTS.md, "Figures behind design choices in the code"). */
 static inline Ahead ahead_share(Ahead next, int64_t gstride, int i, int tiles) {
     Ahead share = {next.w, 0};
     if (!next.w || i == 0 || i >= tiles) return share;

@@ -1,10 +1,11 @@
 """bf16 matmuls for CPUs with AVX512-BF16, in C (kernels/cpu/bf16_matmul.c), over a weight
 packed once at load as pairs of inputs (`PairWeight`).
 
-Where the CPU has AVX512-BF16 but no AMX, oneDNN's bf16 kernel leaves a third of the
+Where the CPU has AVX512-BF16 but no AMX, oneDNN's bf16 kernel leaves much of the
 arithmetic unused at the row counts of decode steps (8-128 rows) and splits each matmul
-between threads up front; this one runs at 80-90% of the VDPBF16PS peak from 32 rows and hands
-work out a panel at a time (the .c file says how; benchmarks/RESULTS.md has the times).
+between threads up front; this one comes near the VDPBF16PS peak from 32 rows and hands work
+out a panel at a time (the .c file says how; benchmarks/RESULTS.md, "Zen 4: CPU kernels" and
+"Figures behind design choices in the code", has the times).
 backend/models/linear.py packs every bf16 layer this way where `native()` says the CPU has
 the instruction, and keeps no oneDNN copy then. Sums are float32, rounded to bf16 once, as
 oneDNN's; only their order differs. Built at first use (kernels/cpu/native_build.py);

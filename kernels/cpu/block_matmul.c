@@ -21,8 +21,9 @@
  *   scratch in L1 (input-major, KC inputs at a time), then MR rows at a time are multiplied by
  *   it: per input, the panel's vectors are loaded once and each row's value is broadcast into
  *   MR x (vectors) accumulators that never leave their registers. With AVX-512 the tile is 8
- *   rows x 48 outputs (24 of 32 registers; 3 loads and 8 broadcasts feed 24 FMAs): 87-92% of
- *   a 2-core Xeon's FMA peak from 32 rows, where the lane-sum tile it replaced reached 73-82%.
+ *   rows x 48 outputs (24 of 32 registers; 3 loads and 8 broadcasts feed 24 FMAs): near a
+ *   2-core Xeon's FMA peak from 32 rows, well above the lane-sum tile it replaced
+ *   (benchmarks/RESULTS.md, "Figures behind design choices in the code").
  *   AVX2: 6 rows x 16 outputs (12 of 16 registers). Rows go MC at a time (fewer for long
  *   inputs), so the rows being multiplied stay in L2 while the weights pass.
  * Built at first use by kernels/cpu/native_build.py (-O3 -march=native -fopenmp); threads split the
@@ -319,8 +320,8 @@ static inline __attribute__((always_inline)) void panel_rows(const float* x, int
 
 /* Each panel width's row loop as a function of its own, not inlined into the threads' item loop:
  * there the tile's row offsets found no free registers and were reloaded from the stack at every
- * input (2-core AVX2 EPYC, every decoder linear, median: 2,048 rows 117-119 -> 127-131 GFLOP/s,
- * 512 rows 110 -> 126, 128 rows 124 -> 131; the sums unchanged). */
+ * input (slower at 128 to 2,048 rows on a 2-core AVX2 EPYC, every decoder linear, median:
+ * benchmarks/RESULTS.md, "Zen 3: the float32 block GEMM at prefill sizes"; the sums unchanged). */
 #define PANEL_ROWS_OF_WIDTH(NV)                                                                                    \
     static __attribute__((noinline)) void panel_rows_##NV(const float* x, int64_t xs, int rows, const float* w,   \
                                                           int64_t len, float* y, int64_t ys, int accumulate,     \
@@ -373,8 +374,9 @@ static void block_gemm(const float* x, const uint8_t* q, const float* d, const f
     /* Rows per pass: MC, fewer for long inputs, so that a pass's rows (mc x in floats) fit in
      * L2_ROWS_BYTES and stay in L2 while every panel of the pass reads them: down_proj's 1,536
      * inputs at 128 rows (768 KB) came from L3 for each panel, which a busy neighbour on the same
-     * L3 slowed down (2-core AVX2 EPYC, every decoder linear, median pass: 2,048 rows 107 -> 127
-     * GFLOP/s, 512 rows 106 -> 116; the sums unchanged, rows are independent). */
+     * L3 slowed down (fewer rows a pass ran faster at 512 and 2,048 rows on a 2-core AVX2 EPYC,
+     * every decoder linear, median pass: benchmarks/RESULTS.md, "Figures behind design choices
+     * in the code"; the sums unchanged, rows are independent). */
     int mc = (int)(L2_ROWS_BYTES / (4 * in)) / MR * MR;
     mc = mc > MC ? MC : mc < 8 * MR ? 8 * MR : mc;
     const int64_t passes = (rows + mc - 1) / mc;
@@ -386,8 +388,9 @@ static void block_gemm(const float* x, const uint8_t* q, const float* d, const f
          * client) takes a core now and then, and a static half would leave the other thread
          * waiting at the barrier. Items go pass by pass, so both threads share the pass's rows in
          * cache; one loop over every pass's items, not a loop per pass, so the threads meet at one
-         * barrier per call instead of one per pass (2-core AVX2 EPYC, every decoder linear at
-         * 2,048 rows: the median pass 12% faster, at 512 rows 5%; the sums unchanged). */
+         * barrier per call instead of one per pass (2-core AVX2 EPYC, every decoder linear: the
+         * median pass faster at 512 and 2,048 rows; the sums unchanged; benchmarks/RESULTS.md,
+         * "Figures behind design choices in the code"). */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < passes * panels; ++item) {
             const int r0 = (int)(item / panels) * mc;

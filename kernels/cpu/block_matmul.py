@@ -6,11 +6,13 @@ A model read from a GGUF checkpoint of those formats (the bundled one) has float
 are exactly d * q + m per block of 32 inputs. `as_blocks` recovers those parts at load and keeps
 them only if they rebuild every value bit for bit; `block_matmul` multiplies by them at any row
 count: a few rows (decoding sequences) through a loop bound by how fast the blocks stream, more
-rows (batches, prefill chunks) through a register-tiled GEMM bound by the FMA units, 1.0-1.6x
-oneDNN's packed float32 kernel on a 2-core AVX2 EPYC (benchmarks/cpu_matmul.py). The weights are
-the float32 ones, so only the order of the sums differs from torch's. The blocks of 16
-consecutive outputs are kept interleaved (`BlockWeight`), so that both loops multiply a vector
-of 16 outputs' weights by one input value at a time and never sum across vector lanes.
+rows (batches, prefill chunks) through a register-tiled GEMM bound by the FMA units, level
+with or faster than oneDNN's packed float32 kernel on a 2-core AVX2 EPYC
+(benchmarks/cpu_matmul.py; benchmarks/RESULTS.md, "Figures behind design choices in the
+code"). The weights are the float32 ones, so only the order of the sums differs from
+torch's. The blocks of 16 consecutive outputs are kept interleaved (`BlockWeight`), so that
+both loops multiply a vector of 16 outputs' weights by one input value at a time and never
+sum across vector lanes.
 backend/models/linear.py sends every float32 step of such a layer here. Built at first use
 (kernels/cpu/native_build.py); returns None where it does not apply, and the caller runs torch.
 """

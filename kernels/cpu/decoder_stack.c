@@ -4,11 +4,11 @@
  * same to the bit.
  *
  * Why: between those ~10 calls a layer (~310 a step of a 30-layer model) the Python around
- * them - module calls, argument checks, allocations, the attention plan's lookup - took ~11 ms
- * of a ~70 ms step at 32 sequences (benchmarks/RESULTS.md, 2-core Zen 4), and the OpenMP
- * worker thread waits through all of it. Here the kernels are reached through function
- * pointers into their own libraries (kernels/cpu/decoder_stack.py passes them), so each stays
- * built and tested on its own.
+ * them - module calls, argument checks, allocations, the attention plan's lookup - took a
+ * sizeable part of a step at 32 sequences (2-core Zen 4; benchmarks/RESULTS.md, "Figures behind
+ * design choices in the code"), and the OpenMP worker thread waits through all of it. Here the
+ * kernels are reached through function pointers into their own libraries
+ * (kernels/cpu/decoder_stack.py passes them), so each stays built and tested on its own.
  *
  * Built at first use by kernels/cpu/native_build.py.
  */

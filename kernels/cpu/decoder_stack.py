@@ -1,7 +1,8 @@
 """Every decoder layer of a step in one C call (kernels/cpu/decoder_stack.c).
 
 Why: a 30-layer model's step makes ~310 calls into the C kernels, and the Python around
-them was ~11 ms of a ~70 ms step at 32 sequences (2-core Zen 4, bf16), time in which the
+them was a sizeable part of a step at 32 sequences (2-core Zen 4, bf16;
+benchmarks/RESULTS.md, "Figures behind design choices in the code"), time in which the
 OpenMP worker thread only waits. The C loop calls the same kernels, through their own
 libraries' function addresses, in the same order on the same buffers: the hidden states
 are the eager layers' to the bit (tests/kernels/test_decoder_stack_cpu.py).

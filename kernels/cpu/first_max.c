@@ -1,11 +1,12 @@
 /* The first index of each row's maximum, float32 rows on CPU: greedy decoding's argmax.
  *
- * Why: torch's max(dim) over a [rows, vocab] float32 tensor ran ~2 G elements/s here (0.73 ms
- * for 32 rows of a 49,152-token vocabulary on a 2-core Zen 4, ~2% of a 32-sequence decode step;
- * argmax is slower still). One AVX-512 pass per row: each lane keeps its largest value and the
- * first index it was seen at (strictly greater replaces, so ties keep the earlier index), then
- * the lanes holding the row's maximum give their smallest index. A NaN counts as larger than
- * anything, as in torch: a row holding one answers its first NaN. Built at first use by
+ * Why: torch's max(dim) over a [rows, vocab] float32 tensor ran slowly here (32 rows of a
+ * 49,152-token vocabulary on a 2-core Zen 4, a share of a 32-sequence decode step worth taking
+ * back; argmax is slower still; benchmarks/RESULTS.md, "Zen 4: CPU kernels" and "Figures behind
+ * design choices in the code"). One AVX-512 pass per row: each lane keeps its largest value
+ * and the first index it was seen at (strictly greater replaces, so ties keep the earlier
+ * index), then the lanes holding the row's maximum give their smallest index. A NaN counts as
+ * larger than anything, as in torch: a row holding one answers its first NaN. Built at first use by
  * kernels/cpu/native_build.py (-O3 -march=native -fopenmp); AVX-512, or AVX2 (8 lanes, the row's
  * last partial vector element by element); elsewhere first_max_available says 0 and the caller
  * runs torch.

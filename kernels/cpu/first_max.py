@@ -1,11 +1,11 @@
 """Greedy decoding's argmax for CPU float32 logits in C (kernels/cpu/first_max.c).
 
-torch's max(dim) over a step's logits ([sequences, vocab], float32) ran ~2 G elements/s on
-2 cores, ~2% of a 32-sequence decode step; one AVX-512 pass a row is ~5x that (AVX2: 8 lanes
-a pass). Same answer
-as argmax: the first index of the maximum, a NaN counting as the largest. Built at first use
-(kernels/cpu/native_build.py); `first_max_index` returns None where it does not apply and the
-caller runs torch.
+torch's max(dim) over a step's logits ([sequences, vocab], float32) ran slowly on 2 cores, a
+share of a 32-sequence decode step worth taking back; one AVX-512 pass a row is several times
+faster (AVX2: 8 lanes a pass; benchmarks/RESULTS.md, "Zen 4: CPU kernels" and "Figures behind
+design choices in the code"). Same answer as argmax: the first index of the maximum, a NaN
+counting as the largest. Built at first use (kernels/cpu/native_build.py); `first_max_index`
+returns None where it does not apply and the caller runs torch.
 """
 
 from __future__ import annotations

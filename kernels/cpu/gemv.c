@@ -2,9 +2,10 @@
  *
  * Why: one decoding sequence multiplies one row by every weight of the model, so its step
  * is bound by how fast the weights stream from memory. On a 2-core AVX2 AMD EPYC, oneDNN's
- * packed float32 matmul read them at ~18 GB/s at one row and MKL at ~13-16, against ~25 for
- * this loop over the weight as the checkpoint stores it ([out, in], each output a dot
- * product of contiguous memory) and ~30 for a plain sum (benchmarks/RESULTS.md).
+ * packed float32 matmul and MKL read them more slowly at one row than this loop over the
+ * weight as the checkpoint stores it ([out, in], each output a dot product of contiguous
+ * memory), and a plain sum reads them faster still (benchmarks/RESULTS.md, "Figures behind
+ * design choices in the code").
  * Four weight rows go at a time, with two accumulators each to hide the FMA latency; the
  * few input rows of a call reuse those weight rows while they are in L1, so a call of up
  * to GEMV_MAX_ROWS (kernels/cpu/gemv.py) rows streams W once.

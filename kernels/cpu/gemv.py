@@ -20,8 +20,8 @@ from .native_build import NativeLibrary
 GEMV_MAX_ROWS = 4
 """Rows per call the C loop takes: it streams the weight once per call, and each further row
 adds dot products. Against oneDNN's packed float32 over 30 layers of SmolLM2's weights (2-core
-AVX2 EPYC): 18.2 vs 21.5 ms at one row, 19.7 vs 21.7 at two, 23.1 vs 25.1 at four; beyond a
-few rows oneDNN's blocked kernel wins."""
+AVX2 EPYC) the C loop is faster at one, two and four rows; beyond a few rows oneDNN's blocked
+kernel wins (benchmarks/RESULTS.md, "Figures behind design choices in the code")."""
 
 
 def _declare(library: ctypes.CDLL) -> None:

@@ -10,8 +10,9 @@ on CPU (kernels/dispatch.py).
 
 Where the reference loses time on CPU, and what this module does instead:
 - Prefill chunks: the reference hands SDPA 3-D tensors, which torch's CPU dispatcher
-  sends to the math kernel (scores materialised; 2x slower in float32 and 5-6x in
-  bfloat16 than the flash kernel it picks for 4-D inputs). Here: one 4-D flash SDPA per sequence with enable_gqa;
+  sends to the math kernel (scores materialised; slower than the flash kernel it picks for
+  4-D inputs, far slower in bfloat16: benchmarks/RESULTS.md, "CPU paged attention"). Here:
+  one 4-D flash SDPA per sequence with enable_gqa;
   `is_causal` when the chunk has no cached prefix, else an additive lower-right causal
   mask built once per step.
 - Decodes (query_len 1): the reference pads every decode to the batch's longest context
@@ -69,10 +70,11 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 def native_prefill_max_keys(head_dim: int) -> int:
     """Sequences up to this long go to the C prefill: 1024 keys at head dim 64, 256 at 128.
-    Measured against SDPA (float32, 2-core Xeon): head dim 64 (9 / 3 heads) 2.1 vs 4.8 ms for
-    16 fresh chunks of 128 tokens, 6.0 vs 9.1 for 2 x 512 after 512 cached, 24 vs 27 for one
-    of 2,048, but 131 vs 95 for one of 4,096 and 404 vs 182 for 2,048 after 6,144; head dim 128
-    (32 / 8 heads) 37 vs 52 for 8 x 256, 41 vs 25 for 4 x 128 after 384, 119 vs 52 at 1,024."""
+    Measured against SDPA (float32, 2-core Xeon). Head dim 64 (9 / 3 heads): the C loop is
+    faster on 16 fresh chunks of 128 tokens, on 2 x 512 after 512 cached and on one of 2,048,
+    slower on one of 4,096 and on 2,048 after 6,144. Head dim 128 (32 / 8 heads): faster on
+    8 x 256, slower on 4 x 128 after 384 and at 1,024 (benchmarks/RESULTS.md, "Xeon (no AMX):
+    CPU kernels" and "Figures behind design choices in the code")."""
     return 1024 * 64 * 64 // (head_dim * head_dim)
 
 
@@ -102,7 +104,8 @@ class SplitKV:
 class DecodePlan:
     """The step's decodes as the C decode reads them; the torch-op decode's split-KV layout
     (`split`) is built on first use, since a step the C code runs never needs it (building it
-    took ~0.2 ms a step, 3-5% of a one-sequence decode step)."""
+    every step slowed a one-sequence decode step measurably: benchmarks/RESULTS.md, "Figures
+    behind design choices in the code")."""
 
     tokens: torch.Tensor  # [num_decodes] query rows of the decodes
     tables: torch.Tensor  # int32 [num_decodes, max_blocks]: the decodes' block-table rows
@@ -315,7 +318,8 @@ def build_plan(
     chunk_keys: int | None = None,
 ) -> StepPlan:
     """Split the flat batch into decodes (one batched plan) and prefill chunks (one plan each).
-    In numpy: as torch ops on these few dozen numbers each step's plan took ~0.2 ms."""
+    In numpy: as torch ops on these few dozen numbers, building each step's plan was a cost
+    the step noticed (benchmarks/RESULTS.md, "Figures behind design choices in the code")."""
     tables, lens = block_tables.numpy(), seq_lens.numpy()
     starts = query_start_loc.numpy().astype(np.int64)
     is_decode = np.diff(starts) == 1

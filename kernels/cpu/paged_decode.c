@@ -10,8 +10,9 @@
  * (V read once), each pass 16 tokens at a time with the item's KV heads in turn (see
  * PREFETCH_AHEAD). Specialised per (head_dim 64/128, group <= 8, dtype, a power-of-two block
  * size) with AVX-512 or, without it, AVX2 and FMA (vectorised exp, the cache read in place:
- * 2x the portable loop in float32 at 32 decodes, 2.6-4x in bf16, on an AVX2-only EPYC); a
- * portable loop for other shapes. The torch reference (kernels/paged_attention.py) is the test oracle.
+ * faster than the portable loop at 32 decodes on an AVX2-only EPYC, more so in bf16 than in
+ * float32; benchmarks/RESULTS.md, "Figures behind design choices in the code"); a portable loop for
+ * other shapes. The torch reference (kernels/paged_attention.py) is the test oracle.
  */
 #include <math.h>
 #include <stdint.h>
@@ -105,18 +106,20 @@ static inline void attend_item(
  * while it is at hand (one head over the whole context, then the next, read each row three
  * times from further away). Each head asks for its part of the row PREFETCH_AHEAD tokens
  * on: blocks lie anywhere, so the hardware prefetcher cannot guess the next one, and while
- * the arithmetic runs the loads would otherwise wait one after another. Both together took
- * decode attention from 16 to 21-22 GB/s (48 decodes of ~265 tokens, SmolLM2's shapes,
- * blocks in random order, 2-core Xeon; 18.5 to 24.5 with blocks in order); prefetching the
- * whole row for the first head instead (more lines in flight than the core tracks) or
- * prefetching alone gained nothing. The lines go to L2 (prefetcht1), not L1: on a 2-core
- * Zen 4 that took 64 decodes of ~265 tokens from 15 to 23 GB/s (L1 prefetches of 6 lines a
- * token, 16 tokens on, left loads waiting for fill buffers). The key pass's last tokens ask
- * for the value pass's first (`prefetch_part` on the values at t - len), and a thread asks
- * for its next item's first keys as it starts an item (`lead_in`): 21 -> 23 GB/s at 32
- * decodes of 150 tokens, where item starts are frequent. */
+ * the arithmetic runs the loads would otherwise wait one after another. Both together sped
+ * decode attention up, with blocks in random order and in order (48 decodes of ~265 tokens,
+ * SmolLM2's shapes, 2-core Xeon); prefetching the whole row for the first head instead (more
+ * lines in flight than the core tracks) or prefetching alone gained nothing. The lines go to
+ * L2 (prefetcht1), not L1: on a 2-core Zen 4 that sped up 64 decodes of ~265 tokens (L1
+ * prefetches of 6 lines a token, 16 tokens on, left loads waiting for fill buffers). The key
+ * pass's last tokens ask for the value pass's first (`prefetch_part` on the values at
+ * t - len), and a thread asks for its next item's first keys as it starts an item (`lead_in`):
+ * faster at 32 decodes of 150 tokens, where item starts are frequent (benchmarks/RESULTS.md,
+ * "Xeon (no AMX): CPU kernels", "Zen 4: CPU kernels" and "Figures behind design choices in the
+ * code"). */
 /* Where token t's row starts; block_size a power of two (attend_item_fast): by shifts, since a
- * division per row (two with the prefetch) cost ~25% of the time. */
+ * division per row (two with the prefetch) cost a large share of the time
+ * (benchmarks/RESULTS.md, "Figures behind design choices in the code"). */
 static inline int64_t token_row(const int32_t* table, int t, int block_size, int64_t token_stride) {
     return ((int64_t)table[t >> __builtin_ctz(block_size)] * block_size + (t & (block_size - 1))) * token_stride;
 }

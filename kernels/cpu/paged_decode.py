@@ -2,10 +2,11 @@
 
 Why C: torch has no CPU op that reads through a block table, so the torch-op path copies
 every decode's keys and values out of the cache (index_select) before a flash kernel reads
-them again; that copy and the flash kernel's tiling for one query row were ~20 ms of a
-~60 ms decode step (32 sequences, SmolLM2, bf16). The C loop reads each key and value row
-once, where it lies. Built at first use (kernels/cpu/native_build.py); where it cannot be,
-`native_decode()` returns None and the torch-op decode runs instead.
+them again; that copy and the flash kernel's tiling for one query row were a large share of
+a decode step (32 sequences, SmolLM2, bf16; benchmarks/RESULTS.md, "Figures behind design
+choices in the code"). The C loop reads each key and value row once, where it lies. Built
+at first use (kernels/cpu/native_build.py); where it cannot be, `native_decode()` returns None
+and the torch-op decode runs instead.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
  *
  * Why: torch's route gathers each chunk's keys and values and runs a flash SDPA call per chunk
  * and layer; for the short prompts of a serving burst (16 sequences of ~130 tokens in a
- * 2,048-token step) that took ~225 ms of a ~2 s step (2-core Xeon), about 70 GFLOP/s.
+ * 2,048-token step) that took a noticeable part of the step, far below the FMA peak (2-core
+ * Xeon; benchmarks/RESULTS.md, "Xeon (no AMX): CPU kernels" and "Figures behind design choices
+ * in the code").
  *
  * A work item is (sequence, KV head, 16 query positions): the query rows of that head's group
  * at those positions, against the keys up to the last position's, 16 keys at a time. Each key
@@ -16,9 +18,9 @@
  * its rows see, so long contexts, which SDPA's larger query blocks read fewer times, are
  * left to SDPA. bfloat16 queries and caches are widened to float32 as they are read (the
  * sums in float32) and the output rounded to nearest-even once; where the CPU has AVX512-BF16
- * they are multiplied as bf16 pairs instead (attend_rows_pairs: 195 -> 86 ms for the 30 layers
- * of a 2,048-token step of 10 prompts, 2-core Zen 4; error within the same bound, measured
- * 2e-3 to 6e-3 of the largest output). Built at first use by
+ * they are multiplied as bf16 pairs instead (attend_rows_pairs: faster for the 30 layers of a
+ * 2,048-token step of 10 prompts, 2-core Zen 4, benchmarks/RESULTS.md, "Zen 4: CPU kernels";
+ * error within the same bound, measured 2e-3 to 6e-3 of the largest output). Built at first use by
  * kernels/cpu/native_build.py
  * (-O3 -march=native -fopenmp) and called through ctypes from kernels/cpu/paged_prefill.py.
  * With AVX2 and FMA but no AVX-512 the same items run in 8-lane vectors (attend_rows' AVX2 form:
@@ -440,7 +442,8 @@ int paged_prefill(const void* query, int64_t q_stride, const void* key_cache, co
 #if defined(__AVX512F__) /* two rows' sums fill the registers */
                 for (; r + 2 <= n; r += 2) ATTEND_ROWS(2, 128);
                 if (r < n) ATTEND_ROWS(1, 128);
-#else /* the sums are in memory: four rows share each value row's loads, as at 64 (2 rows: 0.65-0.91x SDPA) */
+#else /* the sums are in memory: four rows share each value row's loads, as at 64 (two rows a
+       * call lost to SDPA: benchmarks/RESULTS.md, "Figures behind design choices in the code") */
                 FOUR_ROWS_A_CALL(128);
 #endif
             }

@@ -2,8 +2,9 @@
 
 Why C: torch has no CPU attention that reads through a block table or takes chunks of
 different lengths at once, so each prefill chunk gathered its keys and values and ran its
-own flash SDPA call, per layer: ~70 GFLOP/s on the short prompts of a serving burst, ~11%
-of a 2,048-token step. The C loop takes every chunk of the step in one call (float32 or
+own flash SDPA call, per layer: far below the FMA peak on the short prompts of a serving
+burst, and a noticeable part of a 2,048-token step (benchmarks/RESULTS.md, "Figures behind
+design choices in the code"). The C loop takes every chunk of the step in one call (float32 or
 bfloat16, bf16 multiplied in pairs by VDPBF16PS where the CPU has AVX512-BF16; AVX-512 or
 AVX2: without them `native_prefill()` is None; other dtypes or shapes are declined; SDPA runs
 there).

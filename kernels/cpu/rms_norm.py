@@ -1,10 +1,11 @@
 """RMSNorm for CPU tensors in one C pass per row (kernels/cpu/rms_norm.c).
 
 The model's RMSNorm is eight small torch ops; at 61 norms per step of a 30-layer model
-their dispatch and memory passes were ~1-4 ms of a 24-50 ms decode step and ~6 ms of a
-128-token prefill (SmolLM2, bf16, 2 cores); the residual add before each norm joins it
-(`add_rms_norm`). Built at first use (kernels/cpu/native_build.py);
-`rms_norm` returns None where it does not apply and the caller runs its torch ops.
+their dispatch and memory passes were a noticeable part of a decode step and of a
+128-token prefill (SmolLM2, bf16, 2 cores; benchmarks/RESULTS.md, "Figures behind design
+choices in the code"); the residual add before each norm joins it (`add_rms_norm`). Built
+at first use (kernels/cpu/native_build.py); `rms_norm` returns None where it does not apply and
+the caller runs its torch ops.
 """
 
 from __future__ import annotations

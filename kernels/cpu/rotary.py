@@ -1,7 +1,8 @@
 """Rotary position embedding for CPU tensors in one C pass (kernels/cpu/rotary.c).
 
 In eager torch the rotation is seven small ops per layer; at 30 layers their dispatch and
-allocations were ~2 ms of a decode step (SmolLM2, 2 cores). Built at first use
+allocations were a noticeable part of a decode step (SmolLM2, 2 cores;
+benchmarks/RESULTS.md, "Figures behind design choices in the code"). Built at first use
 (kernels/cpu/native_build.py); `rotary` returns None where it does not apply and the caller
 runs its torch ops.
 """

@@ -2,10 +2,11 @@
  * g = x[r, j], u = x[r, n + j], x the fused gate_up projection's output [rows, 2n].
  *
  * Why: torch runs SiLU over the gate half (a strided view) and then the product, two passes
- * and ~3.2 ms per layer at 2,048 rows x 1,536 (SmolLM2, 2-core Xeon): ~95 ms of a ~1.8 s
- * prefill step. The same formula here, the division exact, exp by cpu_avx512.h's polynomial
- * (relative error ~2e-7, where torch's is ~1 ulp). bfloat16 rows are widened as read and the
- * product rounded once (torch rounds SiLU's output and then the product). Built at first use by
+ * and a noticeable part of a prefill step at 2,048 rows x 1,536 (SmolLM2, 2-core Xeon;
+ * benchmarks/RESULTS.md, "Figures behind design choices in the code"). The same formula here,
+ * the division exact, exp by cpu_avx512.h's polynomial (relative error ~2e-7, where torch's is
+ * ~1 ulp). bfloat16 rows are widened as read and the product rounded once (torch rounds SiLU's
+ * output and then the product). Built at first use by
  * kernels/cpu/native_build.py (-O3 -march=native -fopenmp); AVX-512, or AVX2 and FMA (8 lanes, the
  * same polynomial, the last partial vector through a small buffer); elsewhere silu_mul_available
  * says 0, the library is not used and the caller runs torch.

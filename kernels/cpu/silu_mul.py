@@ -1,10 +1,12 @@
 """SiLU(gate) * up for CPU float32 or bfloat16 in one C pass (kernels/cpu/silu_mul.c).
 
 The MLP's activation after the fused gate_up projection: torch's SiLU over the gate half and
-the product with the up half were ~5% of a 2,048-token prefill step on a 2-core Xeon; one
-pass over both halves takes ~a third of that. Built at first use (kernels/cpu/native_build.py);
-`silu_mul` returns None where it does not apply (not float32 or bfloat16 / contiguous / CPU,
-inside a compiled graph, no AVX2, no compiler) and the caller runs torch.
+the product with the up half were a noticeable part of a 2,048-token prefill step on a 2-core
+Xeon; one pass over both halves takes far less (benchmarks/RESULTS.md, "Xeon (no AMX): CPU
+kernels" and "Figures behind design choices in the code"). Built at first use
+(kernels/cpu/native_build.py); `silu_mul` returns None where it does not apply (not float32 or
+bfloat16 / contiguous / CPU, inside a compiled graph, no AVX2, no compiler) and the caller
+runs torch.
 """
 
 from __future__ import annotations
