@@ -1,6 +1,6 @@
 """Group-wise asymmetric INT4 weights for a linear layer (W4A16), torch reference.
 
-Our packed layout (shared by the reference and `int4_triton`), for a linear
+Our packed layout (shared by the reference and `triton/int4.py`), for a linear
 weight W [N, K] (out_features, in_features) and group size G along K:
 
   qweight  int32 [K // 8, N]   nibble j (bits 4j..4j+3) of qweight[r, n] holds the

@@ -163,11 +163,11 @@ GGUF_GROUP_SIZE = 32  # Q4_1 blocks, kept as the INT4 group when re-quantizing a
 
 _PKG = "_pagedserve_aot_kernels"
 _KERNELS = {  # module -> its @triton.jit kernels the launchers call
-    "paged_attention_triton": ("_paged_attention_kernel", "_split_reduce_kernel"),
-    "cache_write_triton": ("_write_kv_kernel",),
-    "gemm_triton": ("_splitk_reduce_kernel",),
-    "int4_triton": ("_w4a16_kernel", "_dequant_kernel"),
-    "fp8_triton": ("_fp8_gemm_kernel", "_per_token_quant_kernel"),
+    "paged_attention": ("_paged_attention_kernel", "_split_reduce_kernel"),
+    "cache_write": ("_write_kv_kernel",),
+    "gemm": ("_splitk_reduce_kernel",),
+    "int4": ("_w4a16_kernel", "_dequant_kernel"),
+    "fp8": ("_fp8_gemm_kernel", "_per_token_quant_kernel"),
 }
 _LOCK = threading.RLock()
 
@@ -215,16 +215,16 @@ def _kernel_modules() -> SimpleNamespace:
         if _MODULES is None:
             from triton import knobs
 
-            here = os.path.dirname(os.path.abspath(__file__))
+            kernels = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the Triton modules' parent
             with knobs.runtime.scope():
                 knobs.runtime.interpret = False
                 spec = importlib.util.spec_from_file_location(
-                    _PKG, os.path.join(here, "__init__.py"), submodule_search_locations=[here])
+                    _PKG, os.path.join(kernels, "__init__.py"), submodule_search_locations=[kernels])
                 assert spec is not None and spec.loader is not None  # a .py file's spec
                 pkg = importlib.util.module_from_spec(spec)
                 sys.modules[_PKG] = pkg
                 spec.loader.exec_module(pkg)
-                mods = {name: importlib.import_module(f"{_PKG}.{name}") for name in _KERNELS}
+                mods = {name: importlib.import_module(f"{_PKG}.triton.{name}") for name in _KERNELS}
             from triton.runtime.jit import JITFunction
 
             for name, kernels in _KERNELS.items():
@@ -242,15 +242,15 @@ def _device_model(target: Target, sms: int, log: List[Launch]):
 
     m = _kernel_modules()
     has_fp8 = divmod(target.capability, 10) >= NATIVE_FP8_CAPABILITY
-    native = lambda device: has_fp8  # noqa: E731 - e4m3_triton.native_fp8 on the target
+    native = lambda device: has_fp8  # noqa: E731 - triton/e4m3.py's native_fp8 on the target
     patches: List[Tuple[Any, str, Any]] = [
-        (m.paged_attention_triton, "_interpreting", lambda: False),
-        (m.paged_attention_triton, "_num_sms", lambda device: sms),
-        (m.paged_attention_triton, "native_fp8", native),
-        (m.gemm_triton, "num_sms", lambda device: sms),
-        (m.int4_triton, "interpreting", lambda: False),
-        (m.fp8_triton, "interpreting", lambda: False),
-        (m.fp8_triton, "native_fp8", native),
+        (m.paged_attention, "_interpreting", lambda: False),
+        (m.paged_attention, "_num_sms", lambda device: sms),
+        (m.paged_attention, "native_fp8", native),
+        (m.gemm, "num_sms", lambda device: sms),
+        (m.int4, "interpreting", lambda: False),
+        (m.fp8, "interpreting", lambda: False),
+        (m.fp8, "native_fp8", native),
     ]
     for mod, kernels in _KERNELS.items():
         for k in kernels:
@@ -302,12 +302,12 @@ def _record_attention(m, log: List[Launch], model: ModelShape, dtype: torch.dtyp
     out = []
     log.clear()
     new = torch.empty(2, model.kv_heads, model.head_dim, dtype=dtype)
-    m.cache_write_triton.write_kv_cache_triton(new, new, cache, cache, torch.zeros(2, dtype=torch.long), **scales)
+    m.cache_write.write_kv_cache_triton(new, new, cache, cache, torch.zeros(2, dtype=torch.long), **scales)
     out += [(f"{model.name} cache write, {kv}", launch) for launch in log]
     for label, q_lens, seq_lens in _attention_scenarios():
         log.clear()
         query, tables, lens, starts = _attention_batch(model, dtype, q_lens, seq_lens)
-        m.paged_attention_triton.paged_attention_triton(
+        m.paged_attention.paged_attention_triton(
             query, cache, cache, tables, lens, starts, model.head_dim ** -0.5, **scales)
         out += [(f"{model.name} {label}, {kv}", launch) for launch in log]
     return out
@@ -319,13 +319,13 @@ _TIMED = " (timed candidate)"  # a GEMM candidate after the first: launched only
 def _record_gemms(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -> List[Tuple[str, Launch]]:
     from pagedserve.kernels.int4 import int4_group_size  # the engine's group-size policy
 
-    it, ft = m.int4_triton, m.fp8_triton
+    it, ft = m.int4, m.fp8
     mode = ft.default_mode(torch.device("cuda"))  # patched: the target's capability decides
     out = []
     log.clear()
     for layer, (n, k) in model.linears().items():
         groups = sorted({int4_group_size(k), GGUF_GROUP_SIZE}, reverse=True)
-        w8 = m.fp8_triton.Fp8Weight(torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n))
+        w8 = m.fp8.Fp8Weight(torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n))
         for mm in GEMM_MS:
             x = torch.empty(mm, k, dtype=dtype)
             out_t = torch.empty(mm, n, dtype=dtype)
@@ -364,7 +364,7 @@ class KernelConfig:
 
     @property
     def timed_only(self) -> bool:
-        """Launched only while `gemm_triton.timed_choice` times GEMM candidates (never as the
+        """Launched only while `triton/gemm.py`'s `timed_choice` times GEMM candidates (never as the
         first candidate, which runs untimed: PAGEDSERVE_AUTOTUNE=0, CUDA graph capture). A
         candidate that fails to launch there (e.g. too much shared memory) is skipped."""
         return all(u.endswith(_TIMED) for u in self.uses)

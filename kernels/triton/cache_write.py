@@ -6,7 +6,7 @@ slot means "skip". Slot arithmetic is int64 (slot = block * block_size + offset)
 
 FP8 (float8_e4m3fn cache): x / scale is computed with a correctly rounded
 division (tl.math.fdiv(..., ieee_rounding=True)), saturated to +-448 and encoded
-to e4m3 bits with integer arithmetic (`e4m3_triton.e4m3_bits`: round to
+to e4m3 bits with integer arithmetic (`triton/e4m3.py`'s `e4m3_bits`: round to
 nearest-even, subnormals included), then stored through a uint8 view of the
 cache. Doing the encoding by hand makes the result bit-identical to torch's
 `.to(torch.float8_e4m3fn)` both compiled and under TRITON_INTERPRET=1 (the

@@ -4,7 +4,7 @@
           small kernel, then `tl.dot` runs on fp8 x fp8 operands (FP8 tensor cores);
           the fp32 product is multiplied by x_scale[m] * w_scale[n] in the epilogue.
 * "w8a16" (older GPUs): the weight is read as raw bytes and decoded from e4m3 bits to
-          fp32 with integer ops (`e4m3_triton.decode_e4m3`: exact; no fp8 type, which
+          fp32 with integer ops (`triton/e4m3.py`'s `decode_e4m3`: exact; no fp8 type, which
           Triton rejects before sm89), or converted by the hardware where it has e4m3,
           cast to the activation dtype and multiplied on 16-bit tensor cores; w_scale[n]
           is applied in the epilogue. On e4m3 hardware it is also a candidate of "fp8"
@@ -12,7 +12,7 @@
           kernel before it.
 
 Launch scaffolding (split-K with a deterministic reduction for small M, timed config
-choice, tile order) is shared with the INT4 kernel in `gemm_triton`. In "fp8" mode on a
+choice, tile order) is shared with the INT4 kernel in `triton/gemm.py`. In "fp8" mode on a
 GPU, cuBLASLt's row-wise-scaled FP8 GEMM (`torch._scaled_mm`, the same product of the same
 quantized operands) is one more candidate of the timed choice (`SCALED_MM`): per shape and
 M bucket the faster of it and our tiles runs.
@@ -21,7 +21,7 @@ Under TRITON_INTERPRET=1 both paths run (the interpreter keeps fp8 as uint8 and 
 it for `tl.dot`); the default there is "fp8" (what an H100 runs), PAGEDSERVE_FP8_MODE
 overrides it, except on a CUDA device without e4m3 hardware (< sm89), where only "w8a16"
 compiles and is always the default (an explicit mode="fp8" raises there). The activation
-quantizer encodes e4m3 bits with integer ops (`e4m3_triton.e4m3_bits`, round to nearest
+quantizer encodes e4m3 bits with integer ops (`triton/e4m3.py`'s `e4m3_bits`, round to nearest
 even) and stores them through a uint8 view, so its result equals
 `fp8.quantize_per_token_fp8` bit for bit on every backend (the interpreter's own
 fp32->fp8 rounding is not round-to-nearest-even) and it compiles for every GPU.

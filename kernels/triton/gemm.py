@@ -1,5 +1,5 @@
-"""GEMM scaffolding shared by the quantized-weight Triton kernels (`int4_triton`,
-`fp8_triton`), so that neither kernel module is the other's library.
+"""GEMM scaffolding shared by the quantized-weight Triton kernels (`triton/int4.py`,
+`triton/fp8.py`), so that neither kernel module is the other's library.
 
 In-kernel (`@triton.jit` helpers, inlined by the compiler):
   * `grouped_tile`: the program's output tile in grouped order (GROUP_M row-tiles

@@ -15,7 +15,7 @@ the two terms for groups far from 0 (|b| >> 15 s; tested with such groups). Scal
 offsets share one row stride (both made contiguous at launch).
 
 Launch scaffolding (split-K for decode-sized M with a deterministic reduction, timed
-config choice, tile order) is shared with the FP8 kernel in `gemm_triton`. Under
+config choice, tile order) is shared with the FP8 kernel in `triton/gemm.py`. Under
 TRITON_INTERPRET=1 the dot runs in fp32, because the numpy interpreter stores bf16 as
 raw uint16 and would multiply the bit patterns.
 """

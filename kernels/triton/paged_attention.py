@@ -26,11 +26,11 @@ tile-aligned segments, the kernel writes unnormalised partials (acc, max, sum)
 and `_split_reduce_kernel` merges them. Same kernel, NUM_SPLITS is a constexpr.
 
 FP8 KV (float8_e4m3fn): caches are passed as uint8 views. Where the GPU has
-e4m3 in hardware (compute capability >= 8.9, `e4m3_triton.native_fp8`) the
+e4m3 in hardware (compute capability >= 8.9, `triton/e4m3.py`'s `native_fp8`) the
 bytes are bitcast to tl.float8e4nv and converted by the hardware (works the
 same under TRITON_INTERPRET=1, whose fp8 -> fp32 conversion is exact); before
 sm_89 (A100), where Triton refuses that type, they are decoded with integer
-ops (`e4m3_triton.decode_e4m3`, exact too). The launcher picks one from the
+ops (`triton/e4m3.py`'s `decode_e4m3`, exact too). The launcher picks one from the
 device's compute capability: constexpr KV_FP8 = 0 (cache in the query dtype),
 1 (e4m3, hardware conversion) or 2 (e4m3, decoded in software). k_scale is
 folded into the softmax scale and v_scale into the final normalisation, so

@@ -20,7 +20,7 @@ per CPU core (PAGEDSERVE_AOT_JOBS overrides). float16 (the same code as bfloat16
 the type) and the unthinned set: `python benchmarks/kernels.py --static`.
 
 Shared memory: a configuration must fit unless it is only ever a timed GEMM candidate
-(not the first of `_candidates`): `gemm_triton.timed_choice` skips candidates that fail
+(not the first of `_candidates`): `triton/gemm.py`'s `timed_choice` skips candidates that fail
 to launch, and the first candidate is what runs untimed. Those are reported as warnings.
 
 The children run without TRITON_INTERPRET (set by conftest.py without CUDA; see
