@@ -215,11 +215,11 @@ def _kernel_modules() -> SimpleNamespace:
         if _MODULES is None:
             from triton import knobs
 
-            kernels = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the Triton modules' parent
+            parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # kernels/, the Triton modules' parent
             with knobs.runtime.scope():
                 knobs.runtime.interpret = False
                 spec = importlib.util.spec_from_file_location(
-                    _PKG, os.path.join(kernels, "__init__.py"), submodule_search_locations=[kernels])
+                    _PKG, os.path.join(parent, "__init__.py"), submodule_search_locations=[parent])
                 assert spec is not None and spec.loader is not None  # a .py file's spec
                 pkg = importlib.util.module_from_spec(spec)
                 sys.modules[_PKG] = pkg
