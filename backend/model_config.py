@@ -25,6 +25,8 @@ class ModelConfig:
     qk_norm: bool = False
     """Each query and key head RMS-normed before rotary (Qwen3)."""
     rope_scaling: dict[str, Any] | None = None
+    """The checkpoint's rope scaling parameters (rope_type linear, dynamic, yarn, llama3; see
+    models/llama.py's rope_frequencies); None for plain rotary."""
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None

@@ -1,6 +1,6 @@
-"""Llama-family models (Llama 3 rope scaling, Mistral, Qwen2 with qkv bias, Qwen3 with its
-per-head query / key norms, tied and untied embeddings) load from sharded safetensors and
-match transformers, token for token."""
+"""Llama-family models (Llama 3 and YaRN rope scaling, Mistral, Qwen2 with qkv bias, Qwen3 with
+its per-head query / key norms, tied and untied embeddings) load from sharded safetensors and
+match transformers, token for token; the rope scalings' frequencies are transformers' own."""
 
 from __future__ import annotations
 
@@ -34,10 +34,14 @@ def build(kind: str):
         return Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False))
     if kind == "llama-tied":
         return LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=True, attention_bias=True))
+    if kind == "llama-yarn":  # a 90-token prompt runs past the original 64 positions; 256 = 64 x 4
+        config = LlamaConfig(**{**COMMON, "max_position_embeddings": 256}, tie_word_embeddings=False,
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+        return LlamaForCausalLM(config)
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "llama-tied"])
+@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "llama-tied", "llama-yarn"])
 def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     torch.manual_seed(0)
     reference = build(kind).eval()
@@ -60,6 +64,36 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     assert_greedy_matches_transformers(engine, reference, prompts[1:], max_tokens=12)
     again = engine.generate(prompts[1:], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     assert all(output.num_cached_tokens >= 32 for output in again)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16, "beta_slow": 2,
+     "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "attention_factor": 0.9},
+    {"rope_type": "dynamic", "factor": 2.0},
+])
+def test_rope_scalings_give_the_frequencies_transformers_computes(scaling):
+    """Each rope scaling of a config.json gives transformers' inverse frequencies and cos / sin
+    factor to the bit. Dynamic NTK: transformers' at factor x max_position_embeddings, the one base
+    the engine keeps (vLLM's); transformers itself uses the plain base up to max_position_embeddings
+    and a longer sequence's own length beyond, which no fixed table gives."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pagedserve.backend.checkpoints.hf import hf_model_config
+    from pagedserve.backend.models.llama import rope_frequencies
+
+    hf = LlamaConfig(**{**COMMON, "max_position_embeddings": 256}, rope_scaling=dict(scaling))
+    inv_freq, attention_factor = rope_frequencies(hf_model_config(hf.to_dict()))
+    kind = scaling["rope_type"]
+    seq_len = int(scaling["factor"] * hf.max_position_embeddings) if kind == "dynamic" else None
+    expected, expected_factor = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"), seq_len=seq_len)
+    assert torch.equal(inv_freq, expected)
+    assert attention_factor == expected_factor
 
 
 def test_row_buckets_are_few_and_never_smaller():

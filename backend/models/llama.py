@@ -67,12 +67,15 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
-        inv_freq = rope_inv_freq(config)
+        inv_freq, attention_factor = rope_frequencies(config)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        if attention_factor != 1.0:  # YaRN's: transformers scales cos and sin, in float32, as here
+            cos, sin = cos * attention_factor, sin * attention_factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -104,14 +107,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with linear or llama3 scaling when the config asks."""
+def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the factor cos and sin are multiplied by (YaRN's attention factor,
+    else 1), as transformers' modeling_rope_utils computes them for the config's rope scaling:
+    none, linear, llama3, yarn, or dynamic (NTK), the last with one fixed base (`_dynamic_ntk_base`)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
+    base = _dynamic_ntk_base(config, float(scaling["factor"])) if kind == "dynamic" else config.rope_theta
+    powers = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv_freq = 1.0 / powers
     if kind == "linear":
-        return inv_freq / float(scaling["factor"])
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "yarn":
+        return _yarn_frequencies(config, scaling, powers)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -123,10 +132,54 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smooth = (original / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    if kind not in (None, "default"):
-        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3 are)")
-    return inv_freq
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind not in (None, "default", "dynamic"):
+        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn, dynamic are)")
+    return inv_freq, 1.0
+
+
+def _dynamic_ntk_base(config: ModelConfig, factor: float) -> float:
+    """Dynamic NTK's rotary base, fixed for a context of factor * max_position_embeddings, as vLLM
+    computes it. transformers recomputes the base in each forward from that forward's longest
+    position (keeping the plain base up to max_position_embeddings), while the keys already cached
+    keep the base they were rotated with: a paged engine that shares and chunks prefixes cannot
+    reproduce that history, so it takes vLLM's one base (transformers' formula at that length)."""
+    dim, context = config.head_dim, config.max_position_embeddings
+    seq_len = factor * context
+    return config.rope_theta * ((factor * seq_len / context) - (factor - 1)) ** (dim / (dim - 2))
+
+
+def _yarn_frequencies(config: ModelConfig, scaling: dict, powers: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN (transformers' _compute_yarn_parameters): each frequency a blend of itself (fast ones,
+    many turns within the original context) and itself / factor (slow ones), over a linear ramp
+    between the dimensions that turn beta_fast and beta_slow times; and the attention factor,
+    0.1 ln(factor) + 1 unless the config gives it (or mscale / mscale_all_dim)."""
+    dim = config.head_dim
+    base = config.rope_theta
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        weight, weight_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, weight) / mscale(factor, weight_all) if weight and weight_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    inv_freq = 1.0 / (factor * powers) * (1 - extrapolated) + 1.0 / powers * extrapolated
+    return inv_freq, float(attention_factor)
 
 
 class LlamaAttention(nn.Module):
