@@ -24,6 +24,16 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     """Each query and key head RMS-normed before rotary (Qwen3)."""
+    embedding_multiplier: float = 1.0
+    """Granite: the token embeddings are multiplied by this before the first layer."""
+    residual_multiplier: float = 1.0
+    """Granite: each sublayer's output is multiplied by this before its residual add."""
+    attention_multiplier: float | None = None
+    """Granite: the attention softmax scale, which Granite trains with in place of 1/sqrt(head_dim)
+    (None: 1/sqrt(head_dim))."""
+    logits_scaling: float = 1.0
+    """Granite: the LM head's logits are divided by this (so temperatures and log-probabilities
+    see the distribution the model was trained to give)."""
     rope_scaling: dict[str, Any] | None = None
     """The checkpoint's rope scaling parameters (rope_type linear, dynamic, yarn, llama3; see
     models/llama.py's rope_frequencies); None for plain rotary."""

@@ -1,6 +1,7 @@
 """Llama-family models (Llama 3 and YaRN rope scaling, Mistral, Qwen2 with qkv bias, Qwen3 with
-its per-head query / key norms, tied and untied embeddings) load from sharded safetensors and
-match transformers, token for token; the rope scalings' frequencies are transformers' own."""
+its per-head query / key norms, Granite with its multipliers, tied and untied embeddings) load
+from sharded safetensors and match transformers, token for token (and Granite's scaled logits in
+their log-probabilities); the rope scalings' frequencies are transformers' own."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 
 def build(kind: str):
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     if kind == "llama3":
         config = LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500000.0,
@@ -38,10 +39,13 @@ def build(kind: str):
         config = LlamaConfig(**{**COMMON, "max_position_embeddings": 256}, tie_word_embeddings=False,
                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
         return LlamaForCausalLM(config)
+    if kind == "granite":  # Granite 3's own embedding and residual multipliers; a softmax scale 1/4 of 1/sqrt(16)
+        return GraniteForCausalLM(GraniteConfig(**COMMON, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                attention_multiplier=0.0625, logits_scaling=8.0))
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "llama-tied", "llama-yarn"])
+@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "llama-tied", "llama-yarn", "granite"])
 def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     torch.manual_seed(0)
     reference = build(kind).eval()
@@ -62,8 +66,11 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     prompts = [[1, 500, 42, 9000, 123], list(range(200, 290)), [7] * 40 + [1000, 2000]]
     assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=12)
     assert_greedy_matches_transformers(engine, reference, prompts[1:], max_tokens=12)
-    again = engine.generate(prompts[1:], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    again = engine.generate(prompts[1:], SamplingParams(max_tokens=1, temperature=0, logprobs=0), use_tqdm=False)
     assert all(output.num_cached_tokens >= 32 for output in again)
+    with torch.inference_mode():  # the logits' scale too (greedy tokens do not see Granite's logits_scaling)
+        expected = reference(torch.tensor([prompts[1]])).logits[0, -1].float().log_softmax(-1)
+    assert again[0].logprobs[0].logprob == pytest.approx(expected[again[0].token_ids[0]].item(), abs=1e-4)
 
 
 @pytest.mark.parametrize("scaling", [

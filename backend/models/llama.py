@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) in plain torch over a flat batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Granite) in plain torch over a
+flat batch.
 
 Every token of every sequence in the step is one row; attention is the only
 place sequences meet, through the paged KV cache. q/k/v and gate/up are fused
-into single matmuls; numerics otherwise follow Hugging Face's implementation.
+into single matmuls; numerics otherwise follow Hugging Face's implementation. The other
+families are variations of Llama's layer, each switched on by its ModelConfig fields: Qwen3's
+per-head query / key norms, Granite's multipliers.
 Split over ranks (tensor parallelism), each rank builds its share of every layer
 from models/parallel.py; with one rank those are the plain layers.
 """
@@ -197,7 +200,8 @@ class LlamaAttention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, (parallel.shard(0), kv_shard, kv_shard), bias=config.qkv_bias
         )
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, parallel)
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if config.attention_multiplier is None else config.attention_multiplier
+        """The softmax scale, which every attention kernel takes as an argument."""
         # Qwen3: queries and keys RMS-normed per head before rotary, one weight over head_dim
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -248,13 +252,19 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, parallel)
+        self.residual_multiplier = config.residual_multiplier
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after its attention: output projection and its residual, then the MLP.
         Returns the residual stream and the MLP's output, which the next norm adds to it
         (`RMSNorm.add_and_norm`: the add and the norm in one pass)."""
-        h, x = self.post_attention_layernorm.add_and_norm(h, self.self_attn.o_proj(attn.reshape(h.shape[0], -1)))
-        return h, self.mlp(x)
+        out = self.self_attn.o_proj(attn.reshape(h.shape[0], -1))
+        h, x = self.post_attention_layernorm.add_and_norm(h, self._scaled(out))
+        return h, self._scaled(self.mlp(x))
+
+    def _scaled(self, delta: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as added to the residual stream (Granite multiplies it)."""
+        return delta if self.residual_multiplier == 1.0 else delta * self.residual_multiplier
 
 
 class LlamaForCausalLM(nn.Module):
@@ -326,8 +336,18 @@ class LlamaForCausalLM(nn.Module):
         """`layers` as what it holds, for the type checker (an nn.ModuleList's items are typed Module)."""
         return cast("Sequence[LlamaDecoderLayer]", self.layers)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings as the first layer reads them (Granite multiplies them)."""
+        h = self.embed_tokens(input_ids)
+        multiplier = self.config.embedding_multiplier
+        return h if multiplier == 1.0 else h * multiplier
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 logits; Granite's divided by its logits_scaling in the model dtype, as transformers does."""
+        logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return logits.float()
 
 
 Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -336,7 +356,7 @@ Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 def first_piece(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> Residual:
     """Embedding, then the first layer up to its attention."""
-    h = model.embed_tokens(input_ids)
+    h = model.embed(input_ids)
     first: LlamaDecoderLayer = model.layers[0]  # type: ignore[assignment]  # a ModuleList's items are typed Module
     return (h, *first.self_attn.project(first.input_layernorm(h), model.rotary, positions))
 

@@ -18,6 +18,7 @@ from pagedserve.kernels.cache_write_cpu import write_kv_cache_cpu
 from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu, step_plan
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache
+from ..model_config import ModelConfig
 
 if TYPE_CHECKING:
     from .llama import LlamaForCausalLM
@@ -48,7 +49,7 @@ class LlamaCStack:
         chunks, rest = plan.native_prefills(model.config.head_dim) if plan.prefills else (None, [])
         if rest:  # prompts longer than the C prefill takes: SDPA, in Python
             return None
-        h = model.embed_tokens(input_ids)
+        h = model.embed(input_ids)
         cos, sin = model.rotary.tables(positions, h.dtype)
         few_block_rows = model.decoder_layers[0].self_attn.qkv_proj.few_block_rows
         kept = None
@@ -67,8 +68,8 @@ class LlamaCStack:
 
     def _build(self, kv_caches: list[LayerKVCache]) -> decoder_stack_cpu.DecoderStack | None:
         model = self.model
-        if model.config.qk_norm:
-            return None  # the C layers have no per-head query / key norms
+        if not computes_layers_of(model.config):
+            return None
         layers = []
         for layer, cache in zip(model.decoder_layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
@@ -86,6 +87,15 @@ class LlamaCStack:
             model.config.head_dim, first.mlp.intermediate_size, first.input_layernorm.eps, first.self_attn.scale)
         stack = decoder_stack_cpu.DecoderStack(layers, model.norm.weight, shape)
         return stack if stack.usable else None
+
+
+def computes_layers_of(config: ModelConfig) -> bool:
+    """Whether the C loop computes this model's layers: Llama's layer, whatever its rotary tables
+    (rope scaling: `forward` passes the model's) and softmax scale (passed too, Granite's included),
+    and with the embedding the model computes (Granite's multiplier). Not the variations of the
+    layer itself, which it has no code for: Qwen3's per-head query / key norms, Granite's residual
+    multiplier."""
+    return not (config.qk_norm or config.residual_multiplier != 1.0)
 
 
 def _linear_tensors(linear: Any) -> decoder_stack_cpu.LinearTensors | None:
