@@ -24,6 +24,17 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     """Each query and key head RMS-normed before rotary (Qwen3)."""
+    qk_norm_across_heads: bool = False
+    """With qk_norm: one RMSNorm over the whole q_proj (k_proj) output, every head together, with
+    a weight as wide (OLMo 2), where Qwen3 norms each head over head_dim with one shared weight."""
+    sublayer_output_norms: bool = False
+    """OLMo 2's layer: attention and MLP read the residual stream itself (no input norms) and their
+    outputs are RMS-normed (post_attention_layernorm, post_feedforward_layernorm) before each is
+    added to it; Llama norms each sublayer's input instead."""
+    norm_rounds_once: bool = False
+    """RMSNorm multiplies the float32 normed row by its weight, then rounds to the model dtype
+    (OLMo 2); Llama's rounds the normed row first and multiplies in the model dtype. The same in
+    float32, apart in bf16 / fp16, where following the checkpoint's own order keeps it exact."""
     embedding_multiplier: float = 1.0
     """Granite: the token embeddings are multiplied by this before the first layer."""
     residual_multiplier: float = 1.0

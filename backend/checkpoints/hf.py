@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GraniteForCausalLM": "granite",
+    "Olmo2ForCausalLM": "olmo2",
 }
 
 
@@ -76,7 +77,10 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "olmo2"),
+        qk_norm_across_heads=family == "olmo2",
+        sublayer_output_norms=family == "olmo2",
+        norm_rounds_once=family == "olmo2",
         **(_granite_multipliers(config) if family == "granite" else {}),
         rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
         sliding_window=sliding,

@@ -1,11 +1,11 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Granite) in plain torch over a
-flat batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Granite, OLMo 2) in plain torch
+over a flat batch.
 
 Every token of every sequence in the step is one row; attention is the only
 place sequences meet, through the paged KV cache. q/k/v and gate/up are fused
 into single matmuls; numerics otherwise follow Hugging Face's implementation. The other
 families are variations of Llama's layer, each switched on by its ModelConfig fields: Qwen3's
-per-head query / key norms, Granite's multipliers.
+per-head query / key norms, Granite's multipliers, OLMo 2's norms after each sublayer.
 Split over ranks (tensor parallelism), each rank builds its share of every layer
 from models/parallel.py; with one rank those are the plain layers.
 """
@@ -38,28 +38,50 @@ from .parallel import (
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, rounds_once: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.rounds_once = rounds_once
+        """ModelConfig.norm_rounds_once: the weight multiplies the float32 row (OLMo 2's order)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """transformers' RMSNorm; on CPU one C pass (kernels/rms_norm_cpu.py) where it is built."""
-        fused = rms_norm_cpu(x, self.weight, self.eps)
+        """transformers' RMSNorm; on CPU one C pass (kernels/rms_norm_cpu.py) where it is built
+        and rounds as this norm does (Llama's order, or any order in float32)."""
+        fused = rms_norm_cpu(x, self.weight, self.eps) if self._c_rounds_alike(x) else None
         if fused is not None:
             return fused
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.rounds_once:
+            return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream after adding delta, and its norm (on CPU one C pass)."""
-        fused = add_rms_norm_cpu(h, delta, self.weight, self.eps)
+        fused = add_rms_norm_cpu(h, delta, self.weight, self.eps) if self._c_rounds_alike(h) else None
         if fused is not None:
             return fused
         h = h + delta
         return h, self(h)
+
+    def _c_rounds_alike(self, x: torch.Tensor) -> bool:
+        """The C kernels round the normed row before the weight, as Llama does; in float32 that
+        rounding is none, so they give OLMo 2's order too."""
+        return not self.rounds_once or x.dtype == torch.float32
+
+
+class ReadsResidual(nn.Module):
+    """In place of a layer's input norm where its attention reads the residual stream itself
+    (OLMo 2, which norms the sublayers' outputs instead): RMSNorm's interface, no norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = h + delta
+        return h, h
 
 
 class RotaryEmbedding(nn.Module):
@@ -202,9 +224,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, parallel)
         self.scale = self.head_dim**-0.5 if config.attention_multiplier is None else config.attention_multiplier
         """The softmax scale, which every attention kernel takes as an argument."""
-        # Qwen3: queries and keys RMS-normed per head before rotary, one weight over head_dim
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # queries and keys RMS-normed before rotary: each head over head_dim with one weight (Qwen3),
+        # or the whole projection with a weight as wide (OLMo 2)
+        q_width, k_width = (self.q_size, self.kv_size) if config.qk_norm_across_heads else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, config.norm_rounds_once) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, config.norm_rounds_once) if config.qk_norm else None
 
     def project(
         self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor
@@ -212,19 +236,17 @@ class LlamaAttention(nn.Module):
         """q, k, v of every token, rotated: what the paged attention reads."""
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self._per_head(self.q_norm, q), self._per_head(self.k_norm, k)), dim=1)
-        qk = rotary(positions, qk)
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            qk = torch.cat((self._normed(self.q_norm, q), self._normed(self.k_norm, k)), dim=-1)
+        qk = rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
-
     @staticmethod
-    def _per_head(norm: RMSNorm, heads: torch.Tensor) -> torch.Tensor:
-        """[tokens, heads, head_dim] normed over head_dim, head by head."""
-        return norm(heads.reshape(-1, heads.shape[-1])).view(heads.shape)
+    def _normed(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, width] normed over the norm's own width: each head's head_dim, or all of it."""
+        return norm(x.reshape(-1, norm.weight.shape[0])).view(x.shape)
 
 
 class LlamaMLP(nn.Module):
@@ -248,9 +270,15 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, parallel: TensorParallel):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_rounds_once)
+
+        output_norms = config.sublayer_output_norms
+        self.input_layernorm: RMSNorm | ReadsResidual = ReadsResidual() if output_norms else norm()
         self.self_attn = LlamaAttention(config, parallel)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm()
+        """Llama: the MLP's input norm; OLMo 2: the attention output's norm (the checkpoints' name for both)."""
+        self.post_feedforward_layernorm = norm() if output_norms else None
         self.mlp = LlamaMLP(config, parallel)
         self.residual_multiplier = config.residual_multiplier
 
@@ -259,8 +287,11 @@ class LlamaDecoderLayer(nn.Module):
         Returns the residual stream and the MLP's output, which the next norm adds to it
         (`RMSNorm.add_and_norm`: the add and the norm in one pass)."""
         out = self.self_attn.o_proj(attn.reshape(h.shape[0], -1))
-        h, x = self.post_attention_layernorm.add_and_norm(h, self._scaled(out))
-        return h, self._scaled(self.mlp(x))
+        if self.post_feedforward_layernorm is None:
+            h, x = self.post_attention_layernorm.add_and_norm(h, self._scaled(out))
+            return h, self._scaled(self.mlp(x))
+        h = h + self._scaled(self.post_attention_layernorm(out))
+        return h, self._scaled(self.post_feedforward_layernorm(self.mlp(h)))
 
     def _scaled(self, delta: torch.Tensor) -> torch.Tensor:
         """A sublayer's output as added to the residual stream (Granite multiplies it)."""
@@ -285,7 +316,7 @@ class LlamaForCausalLM(nn.Module):
         """This rank's share of the architecture (`config` itself with one rank): its KV cache is sized from it."""
         self.embed_tokens = VocabParallelEmbedding(local.vocab_size, config.hidden_size, parallel)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, parallel) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_rounds_once)
         self.lm_head = ParallelLMHead(config.hidden_size, local.vocab_size, parallel)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
