@@ -24,7 +24,30 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     """Each query and key head RMS-normed before rotary (Qwen3)."""
+    qk_norm_across_heads: bool = False
+    """With qk_norm: one RMSNorm over the whole q_proj (k_proj) output, every head together, with
+    a weight as wide (OLMo 2), where Qwen3 norms each head over head_dim with one shared weight."""
+    sublayer_output_norms: bool = False
+    """OLMo 2's layer: attention and MLP read the residual stream itself (no input norms) and their
+    outputs are RMS-normed (post_attention_layernorm, post_feedforward_layernorm) before each is
+    added to it; Llama norms each sublayer's input instead."""
+    norm_rounds_once: bool = False
+    """RMSNorm multiplies the float32 normed row by its weight, then rounds to the model dtype
+    (OLMo 2); Llama's rounds the normed row first and multiplies in the model dtype. The same in
+    float32, apart in bf16 / fp16, where following the checkpoint's own order keeps it exact."""
+    embedding_multiplier: float = 1.0
+    """Granite: the token embeddings are multiplied by this before the first layer."""
+    residual_multiplier: float = 1.0
+    """Granite: each sublayer's output is multiplied by this before its residual add."""
+    attention_multiplier: float | None = None
+    """Granite: the attention softmax scale, which Granite trains with in place of 1/sqrt(head_dim)
+    (None: 1/sqrt(head_dim))."""
+    logits_scaling: float = 1.0
+    """Granite: the LM head's logits are divided by this (so temperatures and log-probabilities
+    see the distribution the model was trained to give)."""
     rope_scaling: dict[str, Any] | None = None
+    """The checkpoint's rope scaling parameters (rope_type linear, dynamic, yarn, llama3; see
+    models/llama.py's rope_frequencies); None for plain rotary."""
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None

@@ -1,6 +1,8 @@
-"""Llama-family models (Llama 3 rope scaling, Mistral, Qwen2 with qkv bias, Qwen3 with its
-per-head query / key norms, tied and untied embeddings) load from sharded safetensors and
-match transformers, token for token."""
+"""Llama-family models (Llama 3 and YaRN rope scaling, Mistral, Qwen2 with qkv bias, Qwen3 with
+its per-head query / key norms, Granite with its multipliers, OLMo 2 with its norms after each
+sublayer and over whole query / key projections, tied and untied embeddings) load from sharded
+safetensors and match transformers, token for token (and Granite's scaled logits in their
+log-probabilities); the rope scalings' frequencies are transformers' own."""
 
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 
 def build(kind: str):
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     if kind == "llama3":
         config = LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500000.0,
@@ -34,10 +37,20 @@ def build(kind: str):
         return Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False))
     if kind == "llama-tied":
         return LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=True, attention_bias=True))
+    if kind == "llama-yarn":  # a 90-token prompt runs past the original 64 positions; 256 = 64 x 4
+        config = LlamaConfig(**{**COMMON, "max_position_embeddings": 256}, tie_word_embeddings=False,
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+        return LlamaForCausalLM(config)
+    if kind == "granite":  # Granite 3's own embedding and residual multipliers; a softmax scale 1/4 of 1/sqrt(16)
+        return GraniteForCausalLM(GraniteConfig(**COMMON, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                attention_multiplier=0.0625, logits_scaling=8.0))
+    if kind == "olmo2":  # Llama's special tokens: OLMo 2's pad id 1 would mask the prompts' first token in generate
+        return Olmo2ForCausalLM(Olmo2Config(**COMMON, tie_word_embeddings=False, pad_token_id=None, bos_token_id=1,
+                                            eos_token_id=2))
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "llama-tied"])
+@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "llama-tied", "llama-yarn", "granite", "olmo2"])
 def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     torch.manual_seed(0)
     reference = build(kind).eval()
@@ -49,6 +62,10 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
         for layer in reference.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
+    if kind == "olmo2":  # every norm's: after attention and MLP, over the whole q / k projections, the final one
+        for name, weight in reference.named_parameters():
+            if name.endswith("norm.weight"):
+                torch.nn.init.normal_(weight, mean=1.0, std=0.5)
     reference.save_pretrained(tmp_path, max_shard_size="2MB")  # several shards + index
     tokenizer.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors.index.json").exists()
@@ -58,8 +75,78 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     prompts = [[1, 500, 42, 9000, 123], list(range(200, 290)), [7] * 40 + [1000, 2000]]
     assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=12)
     assert_greedy_matches_transformers(engine, reference, prompts[1:], max_tokens=12)
-    again = engine.generate(prompts[1:], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    again = engine.generate(prompts[1:], SamplingParams(max_tokens=1, temperature=0, logprobs=0), use_tqdm=False)
     assert all(output.num_cached_tokens >= 32 for output in again)
+    with torch.inference_mode():  # the logits' scale too (greedy tokens do not see Granite's logits_scaling)
+        expected = reference(torch.tensor([prompts[1]])).logits[0, -1].float().log_softmax(-1)
+    assert again[0].logprobs[0].logprob == pytest.approx(expected[again[0].token_ids[0]].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16, "beta_slow": 2,
+     "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "attention_factor": 0.9},
+    {"rope_type": "dynamic", "factor": 2.0},
+])
+def test_rope_scalings_give_the_frequencies_transformers_computes(scaling):
+    """Each rope scaling of a config.json gives transformers' inverse frequencies and cos / sin
+    factor to the bit. Dynamic NTK: transformers' at factor x max_position_embeddings, the one base
+    the engine keeps (vLLM's); transformers itself uses the plain base up to max_position_embeddings
+    and a longer sequence's own length beyond, which no fixed table gives."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pagedserve.backend.checkpoints.hf import hf_model_config
+    from pagedserve.backend.models.llama import rope_frequencies
+
+    hf = LlamaConfig(**{**COMMON, "max_position_embeddings": 256}, rope_scaling=dict(scaling))
+    inv_freq, attention_factor = rope_frequencies(hf_model_config(hf.to_dict()))
+    kind = scaling["rope_type"]
+    seq_len = int(scaling["factor"] * hf.max_position_embeddings) if kind == "dynamic" else None
+    expected, expected_factor = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"), seq_len=seq_len)
+    assert torch.equal(inv_freq, expected)
+    assert attention_factor == expected_factor
+
+
+def test_olmo2_norms_round_as_transformers_does_in_bf16():
+    """OLMo 2's RMSNorm multiplies by its weight before rounding to bf16, Llama's after (hundreds
+    of the values below differ): norm_rounds_once gives OLMo 2's to the bit, beside an add too."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from pagedserve.backend.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    weight = torch.randn(64) * 0.5 + 1
+    norms = [RMSNorm(64, 1e-5, rounds_once=True), Olmo2RMSNorm(64, 1e-5), LlamaRMSNorm(64, 1e-5)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(weight)
+    ours, olmo2, llama = (norm.to(torch.bfloat16) for norm in norms)
+    h, delta = (torch.randn(33, 64) * 3).bfloat16(), torch.randn(33, 64).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(ours(delta), olmo2(delta)) and not torch.equal(olmo2(delta), llama(delta))
+        total, normed = ours.add_and_norm(h, delta)
+        assert torch.equal(total, h + delta) and torch.equal(normed, olmo2(h + delta))
+
+
+def test_olmo2_is_not_split_over_ranks():
+    """Its query / key norms span every head's output: a rank with some heads cannot norm them."""
+    from pagedserve.backend.errors import ConfigError
+    from pagedserve.backend.model_config import ModelConfig
+    from pagedserve.backend.models.parallel import check_tensor_parallel
+
+    config = ModelConfig("olmo2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
+                         qk_norm=True, qk_norm_across_heads=True, sublayer_output_norms=True, norm_rounds_once=True)
+    check_tensor_parallel(config, 1)
+    with pytest.raises(ConfigError, match="span every head.*tensor_parallel_size=1") as info:
+        check_tensor_parallel(config, 2)
+    assert info.value.field == "tensor_parallel_size"
 
 
 def test_row_buckets_are_few_and_never_smaller():

@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GraniteForCausalLM": "granite",
+    "Olmo2ForCausalLM": "olmo2",
 }
 
 
@@ -59,6 +61,8 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
     sliding = config.get("sliding_window")
     if family in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
         sliding = None
+    if config.get("mlp_bias"):  # the MLP's linears have no bias here: they would be dropped silently
+        raise ConfigError("model", f"{arch} with MLP biases (mlp_bias) is not supported")
     return ModelConfig(
         architecture=family,
         vocab_size=config["vocab_size"],
@@ -73,7 +77,11 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "olmo2"),
+        qk_norm_across_heads=family == "olmo2",
+        sublayer_output_norms=family == "olmo2",
+        norm_rounds_once=family == "olmo2",
+        **(_granite_multipliers(config) if family == "granite" else {}),
         rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
         sliding_window=sliding,
         eos_token_ids=_eos_ids(config, generation_config),
@@ -81,6 +89,13 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         checkpoint_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
         **_packed_int4(config.get("quantization_config")),
     )
+
+
+def _granite_multipliers(config: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four scalars, with transformers' GraniteConfig defaults (1.0 each: its attention
+    multiplier too, not 1/sqrt(head_dim))."""
+    names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    return {name: float(config.get(name, 1.0)) for name in names}
 
 
 def _packed_int4(spec: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) in plain torch over a flat batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Granite, OLMo 2) in plain torch
+over a flat batch.
 
 Every token of every sequence in the step is one row; attention is the only
 place sequences meet, through the paged KV cache. q/k/v and gate/up are fused
-into single matmuls; numerics otherwise follow Hugging Face's implementation.
+into single matmuls; numerics otherwise follow Hugging Face's implementation. The other
+families are variations of Llama's layer, each switched on by its ModelConfig fields: Qwen3's
+per-head query / key norms, Granite's multipliers, OLMo 2's norms after each sublayer.
 Split over ranks (tensor parallelism), each rank builds its share of every layer
 from models/parallel.py; with one rank those are the plain layers.
 """
@@ -35,28 +38,50 @@ from .parallel import (
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, rounds_once: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.rounds_once = rounds_once
+        """ModelConfig.norm_rounds_once: the weight multiplies the float32 row (OLMo 2's order)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """transformers' RMSNorm; on CPU one C pass (kernels/cpu/rms_norm.py) where it is built."""
-        fused = rms_norm_cpu(x, self.weight, self.eps)
+        """transformers' RMSNorm; on CPU one C pass (kernels/cpu/rms_norm.py) where it is built
+        and rounds as this norm does (Llama's order, or any order in float32)."""
+        fused = rms_norm_cpu(x, self.weight, self.eps) if self._c_rounds_alike(x) else None
         if fused is not None:
             return fused
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.rounds_once:
+            return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream after adding delta, and its norm (on CPU one C pass)."""
-        fused = add_rms_norm_cpu(h, delta, self.weight, self.eps)
+        fused = add_rms_norm_cpu(h, delta, self.weight, self.eps) if self._c_rounds_alike(h) else None
         if fused is not None:
             return fused
         h = h + delta
         return h, self(h)
+
+    def _c_rounds_alike(self, x: torch.Tensor) -> bool:
+        """The C kernels round the normed row before the weight, as Llama does; in float32 that
+        rounding is none, so they give OLMo 2's order too."""
+        return not self.rounds_once or x.dtype == torch.float32
+
+
+class ReadsResidual(nn.Module):
+    """In place of a layer's input norm where its attention reads the residual stream itself
+    (OLMo 2, which norms the sublayers' outputs instead): RMSNorm's interface, no norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = h + delta
+        return h, h
 
 
 class RotaryEmbedding(nn.Module):
@@ -67,12 +92,15 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
-        inv_freq = rope_inv_freq(config)
+        inv_freq, attention_factor = rope_frequencies(config)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        if attention_factor != 1.0:  # YaRN's: transformers scales cos and sin, in float32, as here
+            cos, sin = cos * attention_factor, sin * attention_factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -104,14 +132,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with linear or llama3 scaling when the config asks."""
+def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the factor cos and sin are multiplied by (YaRN's attention factor,
+    else 1), as transformers' modeling_rope_utils computes them for the config's rope scaling:
+    none, linear, llama3, yarn, or dynamic (NTK), the last with one fixed base (`_dynamic_ntk_base`)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
+    base = _dynamic_ntk_base(config, float(scaling["factor"])) if kind == "dynamic" else config.rope_theta
+    powers = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv_freq = 1.0 / powers
     if kind == "linear":
-        return inv_freq / float(scaling["factor"])
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "yarn":
+        return _yarn_frequencies(config, scaling, powers)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -123,10 +157,54 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smooth = (original / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    if kind not in (None, "default"):
-        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3 are)")
-    return inv_freq
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind not in (None, "default", "dynamic"):
+        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn, dynamic are)")
+    return inv_freq, 1.0
+
+
+def _dynamic_ntk_base(config: ModelConfig, factor: float) -> float:
+    """Dynamic NTK's rotary base, fixed for a context of factor * max_position_embeddings, as vLLM
+    computes it. transformers recomputes the base in each forward from that forward's longest
+    position (keeping the plain base up to max_position_embeddings), while the keys already cached
+    keep the base they were rotated with: a paged engine that shares and chunks prefixes cannot
+    reproduce that history, so it takes vLLM's one base (transformers' formula at that length)."""
+    dim, context = config.head_dim, config.max_position_embeddings
+    seq_len = factor * context
+    return config.rope_theta * ((factor * seq_len / context) - (factor - 1)) ** (dim / (dim - 2))
+
+
+def _yarn_frequencies(config: ModelConfig, scaling: dict, powers: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN (transformers' _compute_yarn_parameters): each frequency a blend of itself (fast ones,
+    many turns within the original context) and itself / factor (slow ones), over a linear ramp
+    between the dimensions that turn beta_fast and beta_slow times; and the attention factor,
+    0.1 ln(factor) + 1 unless the config gives it (or mscale / mscale_all_dim)."""
+    dim = config.head_dim
+    base = config.rope_theta
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        weight, weight_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, weight) / mscale(factor, weight_all) if weight and weight_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    inv_freq = 1.0 / (factor * powers) * (1 - extrapolated) + 1.0 / powers * extrapolated
+    return inv_freq, float(attention_factor)
 
 
 class LlamaAttention(nn.Module):
@@ -144,10 +222,13 @@ class LlamaAttention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, (parallel.shard(0), kv_shard, kv_shard), bias=config.qkv_bias
         )
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, parallel)
-        self.scale = self.head_dim**-0.5
-        # Qwen3: queries and keys RMS-normed per head before rotary, one weight over head_dim
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = self.head_dim**-0.5 if config.attention_multiplier is None else config.attention_multiplier
+        """The softmax scale, which every attention kernel takes as an argument."""
+        # queries and keys RMS-normed before rotary: each head over head_dim with one weight (Qwen3),
+        # or the whole projection with a weight as wide (OLMo 2)
+        q_width, k_width = (self.q_size, self.kv_size) if config.qk_norm_across_heads else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, config.norm_rounds_once) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, config.norm_rounds_once) if config.qk_norm else None
 
     def project(
         self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor
@@ -155,19 +236,17 @@ class LlamaAttention(nn.Module):
         """q, k, v of every token, rotated: what the paged attention reads."""
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self._per_head(self.q_norm, q), self._per_head(self.k_norm, k)), dim=1)
-        qk = rotary(positions, qk)
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            qk = torch.cat((self._normed(self.q_norm, q), self._normed(self.k_norm, k)), dim=-1)
+        qk = rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
-
     @staticmethod
-    def _per_head(norm: RMSNorm, heads: torch.Tensor) -> torch.Tensor:
-        """[tokens, heads, head_dim] normed over head_dim, head by head."""
-        return norm(heads.reshape(-1, heads.shape[-1])).view(heads.shape)
+    def _normed(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, width] normed over the norm's own width: each head's head_dim, or all of it."""
+        return norm(x.reshape(-1, norm.weight.shape[0])).view(x.shape)
 
 
 class LlamaMLP(nn.Module):
@@ -191,17 +270,32 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, parallel: TensorParallel):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_rounds_once)
+
+        output_norms = config.sublayer_output_norms
+        self.input_layernorm: RMSNorm | ReadsResidual = ReadsResidual() if output_norms else norm()
         self.self_attn = LlamaAttention(config, parallel)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm()
+        """Llama: the MLP's input norm; OLMo 2: the attention output's norm (the checkpoints' name for both)."""
+        self.post_feedforward_layernorm = norm() if output_norms else None
         self.mlp = LlamaMLP(config, parallel)
+        self.residual_multiplier = config.residual_multiplier
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after its attention: output projection and its residual, then the MLP.
         Returns the residual stream and the MLP's output, which the next norm adds to it
         (`RMSNorm.add_and_norm`: the add and the norm in one pass)."""
-        h, x = self.post_attention_layernorm.add_and_norm(h, self.self_attn.o_proj(attn.reshape(h.shape[0], -1)))
-        return h, self.mlp(x)
+        out = self.self_attn.o_proj(attn.reshape(h.shape[0], -1))
+        if self.post_feedforward_layernorm is None:
+            h, x = self.post_attention_layernorm.add_and_norm(h, self._scaled(out))
+            return h, self._scaled(self.mlp(x))
+        h = h + self._scaled(self.post_attention_layernorm(out))
+        return h, self._scaled(self.post_feedforward_layernorm(self.mlp(h)))
+
+    def _scaled(self, delta: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as added to the residual stream (Granite multiplies it)."""
+        return delta if self.residual_multiplier == 1.0 else delta * self.residual_multiplier
 
 
 class LlamaForCausalLM(nn.Module):
@@ -222,7 +316,7 @@ class LlamaForCausalLM(nn.Module):
         """This rank's share of the architecture (`config` itself with one rank): its KV cache is sized from it."""
         self.embed_tokens = VocabParallelEmbedding(local.vocab_size, config.hidden_size, parallel)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, parallel) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_rounds_once)
         self.lm_head = ParallelLMHead(config.hidden_size, local.vocab_size, parallel)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -273,8 +367,18 @@ class LlamaForCausalLM(nn.Module):
         """`layers` as what it holds, for the type checker (an nn.ModuleList's items are typed Module)."""
         return cast("Sequence[LlamaDecoderLayer]", self.layers)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings as the first layer reads them (Granite multiplies them)."""
+        h = self.embed_tokens(input_ids)
+        multiplier = self.config.embedding_multiplier
+        return h if multiplier == 1.0 else h * multiplier
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 logits; Granite's divided by its logits_scaling in the model dtype, as transformers does."""
+        logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return logits.float()
 
 
 Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -283,7 +387,7 @@ Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 def first_piece(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> Residual:
     """Embedding, then the first layer up to its attention."""
-    h = model.embed_tokens(input_ids)
+    h = model.embed(input_ids)
     first: LlamaDecoderLayer = model.layers[0]  # type: ignore[assignment]  # a ModuleList's items are typed Module
     return (h, *first.self_attn.project(first.input_layernorm(h), model.rotary, positions))
 

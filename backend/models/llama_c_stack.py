@@ -9,7 +9,7 @@ and the model runs its layers itself.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -18,9 +18,10 @@ from pagedserve.kernels.cpu.cache_write import write_kv_cache_cpu
 from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu, step_plan
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache
+from ..model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from .llama import LlamaForCausalLM
+    from .llama import LlamaForCausalLM, RMSNorm
 
 
 class LlamaCStack:
@@ -48,7 +49,7 @@ class LlamaCStack:
         chunks, rest = plan.native_prefills(model.config.head_dim) if plan.prefills else (None, [])
         if rest:  # prompts longer than the C prefill takes: SDPA, in Python
             return None
-        h = model.embed_tokens(input_ids)
+        h = model.embed(input_ids)
         cos, sin = model.rotary.tables(positions, h.dtype)
         few_block_rows = model.decoder_layers[0].self_attn.qkv_proj.few_block_rows
         kept = None
@@ -67,25 +68,36 @@ class LlamaCStack:
 
     def _build(self, kv_caches: list[LayerKVCache]) -> decoder_stack_cpu.DecoderStack | None:
         model = self.model
-        if model.config.qk_norm:
-            return None  # the C layers have no per-head query / key norms
+        if not computes_layers_of(model.config):
+            return None
         layers = []
         for layer, cache in zip(model.decoder_layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
+            input_norm = cast("RMSNorm", layer.input_layernorm)  # one wherever computes_layers_of holds
             qkv, o, gate_up, down = (_linear_tensors(linear)
                                      for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
             if (qkv is None or o is None or gate_up is None or down is None
                     or attn.o_proj.collectives is not None or mlp.down_proj.collectives is not None):
                 return None  # quantized or otherwise laid out, or sharded
             layers.append(decoder_stack_cpu.LayerTensors(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv, o, gate_up, down,
+                input_norm.weight, layer.post_attention_layernorm.weight, qkv, o, gate_up, down,
                 cache.key, cache.value))  # a cache of another dtype (fp8) is declined by LayerTensors.weights
         first = model.decoder_layers[0]
         shape = decoder_stack_cpu.StackShape(
             model.local_config.hidden_size, first.self_attn.num_heads, first.self_attn.num_kv_heads,
-            model.config.head_dim, first.mlp.intermediate_size, first.input_layernorm.eps, first.self_attn.scale)
+            model.config.head_dim, first.mlp.intermediate_size, model.config.rms_norm_eps, first.self_attn.scale)
         stack = decoder_stack_cpu.DecoderStack(layers, model.norm.weight, shape)
         return stack if stack.usable else None
+
+
+def computes_layers_of(config: ModelConfig) -> bool:
+    """Whether the C loop computes this model's layers: Llama's layer, whatever its rotary tables
+    (rope scaling: `forward` passes the model's) and softmax scale (passed too, Granite's included),
+    and with the embedding the model computes (Granite's multiplier). Not the variations of the
+    layer itself, which it has no code for: query / key norms (Qwen3, OLMo 2), norms after the
+    sublayers or OLMo 2's rounding, Granite's residual multiplier."""
+    return not (config.qk_norm or config.sublayer_output_norms or config.norm_rounds_once
+                or config.residual_multiplier != 1.0)
 
 
 def _linear_tensors(linear: Any) -> decoder_stack_cpu.LinearTensors | None:

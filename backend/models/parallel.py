@@ -103,6 +103,12 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
             f"{config.packed_int4} 4-bit checkpoints are not sharded; serve them with tensor_parallel_size=1 "
             "or use the bf16/fp32 checkpoint",
         )
+    if config.qk_norm_across_heads:
+        raise ConfigError(
+            "tensor_parallel_size",
+            "this model's query / key norms span every head (OLMo 2), so a rank holding some heads "
+            "cannot norm them alone; serve it with tensor_parallel_size=1",
+        )
     problems = _split_problems(config, size)
     if problems:
         allowed = [n for n in range(1, 65) if not _split_problems(config, n)]

@@ -5,6 +5,8 @@ an AVX2-only CPU runs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -134,6 +136,26 @@ def test_float32_steps_on_the_checkpoint_blocks_give_the_python_layers_tokens(en
     assert calls.count > 0
     assert in_c == greedy(engine, prompts, c_stack=False, max_tokens=12)
     assert_engine_idle(engine)
+
+
+@pytest.mark.parametrize("variation", [dict(qk_norm=True), dict(qk_norm=True, qk_norm_across_heads=True),
+                                       dict(sublayer_output_norms=True), dict(norm_rounds_once=True),
+                                       dict(residual_multiplier=0.5)])
+def test_layers_the_c_loop_has_no_code_for_run_in_python(engine, variation):
+    """Qwen3's and OLMo 2's query / key norms, OLMo 2's norms after the sublayers and its rounding,
+    Granite's residual multiplier: the C loop declines each (the float32 engine's layers, which it
+    takes, told they are of such a model)."""
+    model = engine.runner.model
+    if model.c_stack.stack(engine.runner.kv_caches) is None:
+        pytest.skip("this float32 engine's linears are not all GGUF blocks (no C compiler, or another layout)")
+    config = model.config
+    try:
+        model.config = dataclasses.replace(config, **variation)
+        model.c_stack._built = None
+        assert model.c_stack.stack(engine.runner.kv_caches) is None
+    finally:
+        model.config, model.c_stack._built = config, None
+    assert model.c_stack.stack(engine.runner.kv_caches) is not None
 
 
 def test_avx2_code_gives_the_python_layers_tokens(prompts, monkeypatch):

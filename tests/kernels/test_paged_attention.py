@@ -116,6 +116,15 @@ def test_split_kv(num_splits, dtype):
     assert rel_err(out, b.reference()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_a_softmax_scale_of_the_model_s_own(num_splits):
+    """Granite's attention_multiplier in place of 1/sqrt(head_dim): the scale passed is the one
+    applied, unsplit and split."""
+    b = Batch([1, 20, 1], [300, 20, 40], 8, 2, 64, seed=5)
+    b.scale = 0.3
+    assert rel_err(b.triton(num_splits=num_splits), b.reference()) < TOL[torch.float32]
+
+
 def test_split_heuristic():
     """Small batch + long context splits; a full grid or a short context does not."""
     assert choose_num_splits(num_programs=8, max_seq_len=4096, num_sms=132, block_n=64) > 1

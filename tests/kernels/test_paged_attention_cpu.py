@@ -82,6 +82,15 @@ def test_matches_reference(kind, heads, head_dim, block_size, dtype, native):
     assert rel_err(b.run(paged_attention_cpu, native=native), b.reference()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("native", [True, False], ids=["c-loops", "torch-ops"])
+def test_a_softmax_scale_of_the_model_s_own(native, dtype):
+    """Granite's attention_multiplier in place of 1/sqrt(head_dim): the scale passed is the one applied."""
+    b = batch("mixed", "gqa4", 64, 16, dtype)
+    b.scale = 0.3
+    assert rel_err(b.run(paged_attention_cpu, native=native), b.reference()) < TOL[dtype]
+
+
 def test_float16_and_head_dim_80():
     b = batch("mixed", "gqa4", 80, 16, torch.float16)
     assert rel_err(b.run(paged_attention_cpu), b.reference()) < TOL[torch.float16]
