@@ -22,6 +22,9 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
+    """attention's output projection has a bias too (`attention_bias` in Llama, Qwen3, Granite and
+    OLMo 2 configs; Qwen2's bias is on q/k/v only)."""
     qk_norm: bool = False
     """Each query and key head RMS-normed before rotary (Qwen3)."""
     qk_norm_across_heads: bool = False

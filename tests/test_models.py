@@ -54,10 +54,11 @@ def build(kind: str):
 def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     torch.manual_seed(0)
     reference = build(kind).eval()
-    if kind == "qwen2":  # make the q/k/v biases matter
+    if kind in ("qwen2", "llama-tied"):  # make the biases matter: Qwen2's on q/k/v, attention_bias's on o too
         for layer in reference.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
+                if proj.bias is not None:
+                    torch.nn.init.normal_(proj.bias, std=0.5)
     if kind == "qwen3":  # and the per-head norms' weights
         for layer in reference.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):

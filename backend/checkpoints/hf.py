@@ -77,6 +77,7 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+        o_bias=bool(config.get("attention_bias", False)),
         qk_norm=family in ("qwen3", "olmo2"),
         qk_norm_across_heads=family == "olmo2",
         sublayer_output_norms=family == "olmo2",

@@ -221,7 +221,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size, self.q_size + 2 * self.kv_size, (parallel.shard(0), kv_shard, kv_shard), bias=config.qkv_bias
         )
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, parallel)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, parallel, bias=config.o_bias)
         self.scale = self.head_dim**-0.5 if config.attention_multiplier is None else config.attention_multiplier
         """The softmax scale, which every attention kernel takes as an argument."""
         # queries and keys RMS-normed before rotary: each head over head_dim with one weight (Qwen3),

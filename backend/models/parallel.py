@@ -103,6 +103,12 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
             f"{config.packed_int4} 4-bit checkpoints are not sharded; serve them with tensor_parallel_size=1 "
             "or use the bf16/fp32 checkpoint",
         )
+    if config.o_bias:
+        raise ConfigError(
+            "tensor_parallel_size",
+            "this model's attention output projection has a bias (attention_bias), which split ranks would each "
+            "add; serve it with tensor_parallel_size=1",
+        )
     if config.qk_norm_across_heads:
         raise ConfigError(
             "tensor_parallel_size",
@@ -144,8 +150,8 @@ class CombiningLinear(Linear):
 
     shard_dim: int
 
-    def __init__(self, in_features: int, out_features: int, parallel: TensorParallel):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, parallel: TensorParallel, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)  # one rank only (`check_tensor_parallel` refuses more)
         self.shards = (parallel.shard(self.shard_dim),)
         self.collectives = parallel.collectives
 
