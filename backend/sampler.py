@@ -67,7 +67,7 @@ class Sampler:
         if not rows:
             return logits
         logits = logits.clone()
-        constrained = [i for i in rows if seqs[i].params.structured_outputs is not None and not masks_late(seqs[i].params)]
+        constrained = [i for i in rows if _masks_before_draw(seqs[i].params)]
         for i in rows:
             seq, row = seqs[i], logits[i]
             p = seq.params
@@ -169,10 +169,15 @@ def masks_late(params: SamplingParams) -> bool:
     return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
 
 
+def _masks_before_draw(params: SamplingParams) -> bool:
+    """Whether a row's grammar masks its logits among the processors (not `masks_late`)."""
+    return params.structured_outputs is not None and not masks_late(params)
+
+
 def _has_processors(seq: Sequence) -> bool:
     p = seq.params
     return (p.needs_penalties or bool(p.bad_words_ids) or seq.num_output_tokens < p.min_tokens
-            or (p.structured_outputs is not None and not masks_late(p)))
+            or _masks_before_draw(p))
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
