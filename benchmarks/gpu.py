@@ -358,8 +358,10 @@ def run_served(run: ModelRun, directory: str, device: str, plan: Plan, root: str
     work = served_work(shape_vocab(directory), plan)
     logs = os.path.join(root, "served")
     repository = write_repository(os.path.join(logs, "model_repository"), model=directory, engine=settings)
+    # `llm` alone: the gRPC streams speak to it, and the relays' and ensemble's stubs would
+    # only lengthen the start (each model is a Python stub process).
     server = TritonServer(repository, log_file=os.path.join(logs, "tritonserver.log"), exit_timeout_s=5,
-                          workdir=os.path.join(logs, "triton"))
+                          workdir=os.path.join(logs, "triton"), models=["llm"])
     started = time.perf_counter()
     server.start(timeout=300)
     progress(f"{run.label}: tritonserver ready in {time.perf_counter() - started:.0f} s")

@@ -182,7 +182,8 @@ def run_kill_cycles(workdir: Path, cycles: int, streams: int, transports: tuple[
     their models loaded until they end or `exit_timeout_s` (--exit-timeout-secs) passes."""
     repository = write_repository(workdir / "model_repository", engine=ENGINE)
     log_file = workdir / "tritonserver.log"
-    server = TritonServer(repository, log_file=log_file, workdir=workdir / "triton", exit_timeout_s=exit_timeout_s)
+    server = TritonServer(repository, log_file=log_file, workdir=workdir / "triton", exit_timeout_s=exit_timeout_s,
+                          models=["llm"])
     report = KillReport()
     server.start(timeout=600)
     try:

@@ -46,7 +46,10 @@ class TritonServer:
     """One ``tritonserver`` subprocess in its own process group.
 
     Ports left at 0 are picked free at every :meth:`start`. By default every
-    model in the repository is loaded (``--model-control-mode=none``).
+    model in the repository is loaded (``--model-control-mode=none``); ``models``
+    names the ones to load instead (explicit mode), which starts sooner: every
+    python model is a stub process of its own (``["llm"]`` where only the engine's
+    model is spoken to).
     ``extra_args`` are appended verbatim (e.g. ``["--allow-metrics=false"]``);
     ``env`` entries override the computed environment (``None`` removes a
     variable). stdout and stderr of the server and of python-model stubs go to
@@ -67,6 +70,7 @@ class TritonServer:
     env: dict[str, str | None] = field(default_factory=dict)
     log_file: str | os.PathLike[str] | None = None
     model_control_mode: str = "none"
+    models: list[str] | None = None
     exit_timeout_s: int | None = None
     executable: str | None = None
     workdir: str | os.PathLike[str] | None = None
@@ -104,7 +108,7 @@ class TritonServer:
         cmd = [
             exe,
             f"--model-repository={Path(self.model_repository).resolve()}",
-            f"--model-control-mode={self.model_control_mode}",
+            f"--model-control-mode={'explicit' if self.models is not None else self.model_control_mode}",
             f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
@@ -114,6 +118,7 @@ class TritonServer:
             cmd.append(f"--exit-timeout-secs={int(self.exit_timeout_s)}")
         if backend_dir is not None:
             cmd.append(f"--backend-directory={backend_dir}")
+        cmd.extend(f"--load-model={name}" for name in self.models or ())
         cmd.extend(self.extra_args)
         return cmd
 

@@ -43,9 +43,9 @@ def server(tmp_path_factory):
         triton.stop()
 
 
-def failed_load_log(repository, log_file, timeout: float, lines: int = 300) -> str:
-    """Start a server on `repository` that must fail to load; the tail of its log."""
-    server = TritonServer(repository, log_file=log_file)
+def failed_load_log(repository, log_file, timeout: float, lines: int = 300, models: list[str] | None = None) -> str:
+    """Start a server on `repository` (`models` alone, where named) that must fail to load; the tail of its log."""
+    server = TritonServer(repository, log_file=log_file, models=models)
     with pytest.raises(TritonServerError):
         server.start(timeout=timeout)
     server.stop()

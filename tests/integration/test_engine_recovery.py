@@ -64,7 +64,7 @@ TritonPythonModel = triton_python_model(pb_utils, FaultyEngineModel)
 def test_a_failed_step_errors_its_requests_and_the_server_serves_the_next(tmp_path):
     repository = write_repository(tmp_path / "repo", engine={"dtype": "float32"})
     (repository / "llm" / "1" / "model.py").write_text(FAULTY_ENGINE_MODEL)
-    with TritonServer(repository, log_file=tmp_path / "server.log").start(timeout=300) as server:
+    with TritonServer(repository, log_file=tmp_path / "server.log", models=["llm"]).start(timeout=300) as server:
         wait_idle(server)
         bystander: dict = {}
 
@@ -101,7 +101,7 @@ def test_a_hung_step_fails_its_requests_the_engine_says_not_ready_then_serves_ag
     unavailable; when the step returns the engine is rebuilt and serves, with no block held."""
     repository = write_repository(tmp_path / "repo", engine={"dtype": "float32", "step_timeout_s": "1"})
     (repository / "llm" / "1" / "model.py").write_text(FAULTY_ENGINE_MODEL)
-    with TritonServer(repository, log_file=tmp_path / "server.log").start(timeout=300) as server:
+    with TritonServer(repository, log_file=tmp_path / "server.log", models=["llm"]).start(timeout=300) as server:
         wait_idle(server)
         assert metric(server, "pagedserve:engine_ready") == 1
         start = time.monotonic()
@@ -122,7 +122,7 @@ def test_a_dead_engine_is_seen_and_every_request_is_refused_naming_it(tmp_path):
     not serving, and later requests are refused as unavailable (never a hang)."""
     repository = write_repository(tmp_path / "repo", engine={"dtype": "float32"})
     (repository / "llm" / "1" / "model.py").write_text(FAULTY_ENGINE_MODEL)
-    with TritonServer(repository, log_file=tmp_path / "server.log").start(timeout=300) as server:
+    with TritonServer(repository, log_file=tmp_path / "server.log", models=["llm"]).start(timeout=300) as server:
         wait_idle(server)
         _, error = stream_request(server, llm_inputs("Hello", max_tokens=DEADLY_MAX_TOKENS))
         assert error is not None and "injected" in str(error)

@@ -126,7 +126,7 @@ def test_every_request_gets_exactly_one_final(server):
 def test_stop_after_cancelled_and_closed_streams_is_clean(tmp_path):
     """Each request got its final: otherwise `llm` stays loaded until the exit timeout."""
     repository = write_repository(tmp_path / "repo", engine=ENGINE)
-    server = TritonServer(repository, log_file=tmp_path / "server.log")
+    server = TritonServer(repository, log_file=tmp_path / "server.log", models=["llm"])
     server.start(timeout=300)
     try:
         results, error = stream_request(server, llm_inputs("Tell me a very long story:", **LONG), cancel_after=3)

@@ -53,4 +53,5 @@ def test_served_text_uses_the_served_models_tokenizer(tmp_path, own_model, sente
 def test_a_tokenizer_model_naming_another_model_fails_its_load(tmp_path, own_model):
     repository = write_repository(tmp_path / "repo", model=own_model)
     set_parameters(repository / "postprocessing" / "config.pbtxt", {"model": "/some/other/model"})
-    assert "set `model` only in llm/config.pbtxt" in failed_load_log(repository, tmp_path / "server.log", timeout=300)
+    assert "set `model` only in llm/config.pbtxt" in failed_load_log(repository, tmp_path / "server.log", timeout=300,
+                                                                      models=["postprocessing"])

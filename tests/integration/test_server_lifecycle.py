@@ -20,12 +20,14 @@ from .conftest import failed_load_log
 def test_unknown_engine_parameter_fails_the_load_naming_it(tmp_path):
     repository = write_repository(tmp_path / "repo")
     set_parameters(repository / "llm" / "config.pbtxt", {"max_batch_tokens": "99"})
-    assert "max_batch_tokens" in failed_load_log(repository, tmp_path / "server.log", timeout=120, lines=200)
+    assert "max_batch_tokens" in failed_load_log(repository, tmp_path / "server.log", timeout=120, lines=200,
+                                                   models=["llm"])
 
 
 def test_metrics_disabled_by_the_server_and_stop_with_requests_in_flight(tmp_path):
     repository = write_repository(tmp_path / "repo", engine={"dtype": "float32"})
-    server = TritonServer(repository, extra_args=["--allow-metrics=false"], exit_timeout_s=5, log_file=tmp_path / "server.log")
+    server = TritonServer(repository, extra_args=["--allow-metrics=false"], exit_timeout_s=5, log_file=tmp_path / "server.log",
+                          models=["llm"])
     server.start(timeout=300)
     try:
         client = LLMClient(server.grpc_url)

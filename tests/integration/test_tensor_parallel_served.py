@@ -35,7 +35,7 @@ def test_tensor_parallel_2_serves_the_single_rank_text_and_leaves_no_worker(tmp_
     repository = write_repository(tmp_path / "repo", model=small_llama,
                                   engine={"dtype": "float32", "tensor_parallel_size": "2"})
     log_file = tmp_path / "server.log"
-    with TritonServer(repository, log_file=log_file).start(timeout=300) as server:
+    with TritonServer(repository, log_file=log_file, models=["llm"]).start(timeout=300) as server:
         (worker,) = worker_processes(psutil.Process(server.pid))  # below the llm stub
         client = LLMClient(server.grpc_url)
         served = [client.generate(p, max_tokens=16, temperature=0, ignore_eos=True) for p in PROMPTS]
