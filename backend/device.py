@@ -12,7 +12,6 @@ import torch
 
 from .config import EngineConfig
 from .errors import ConfigError
-from .matmul_probe import matmul_times
 from .model_config import ModelConfig
 
 logger = logging.getLogger("pagedserve")
@@ -34,7 +33,7 @@ def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig) ->
 
     oneDNN reports bf16 as supported on any AVX-512 CPU, emulating it there at about
     half of float32's speed, so native support is read from the CPU flags first. The
-    flags alone do not settle it (backend/matmul_probe.py): with avx512_bf16 and no
+    flags alone do not settle it (backend/cpu/matmul_probe.py): with avx512_bf16 and no
     AMX, bf16 lost to float32 at batch sizes on a Xeon and won by far on an AMD EPYC
     (benchmarks/RESULTS.md, "Xeon (no AMX): bf16 and float32 matmuls" and "fp8 KV cache
     perplexity and the CPU float32 layouts")."""
@@ -48,6 +47,8 @@ def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig) ->
         logger.info("dtype auto: float32 (no native bf16 math on this CPU: no avx512_bf16, amx_bf16 or Arm bf16 "
                     "flag; bf16 would be emulated, slower than float32)")
         return torch.float32
+    from .cpu.matmul_probe import matmul_times  # the CPU backend's, on CPU only
+
     times = matmul_times(model_config)
     chosen = torch.bfloat16 if times.bfloat16 < times.float32 else torch.float32
     logger.info("dtype auto: %s (this CPU has %s; measured %s; set dtype to override)",

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Iterable, Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
@@ -23,17 +23,14 @@ from tqdm.auto import tqdm
 from .block_manager import BlockManager
 from .compiled_forward import compile_wanted
 from .config import EngineConfig
-from .cpu_tuning import keep_freed_memory_in_heap
 from .cuda_graphs import decode_graphs_wanted
 from .device import max_model_len, num_kv_blocks, resolve_device, resolve_dtype
 from .distributed import TensorParallelRunner, start_workers
 from .errors import ConfigError, InvalidRequestError
 from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
-from .matmul_probe import weight_layouts
 from .model_files import resolve_model_path
 from .model_loader import load_model, read_checkpoint
 from .model_runner import ModelRunner, StagedTokens
-from .models.linear import BATCH_INVARIANT_LAYOUTS, WeightLayouts, pack_weights
 from .models.parallel import SINGLE_RANK
 from .output_renderer import OutputRenderer
 from .outputs import Completion, EngineStats, RequestOutput
@@ -45,6 +42,9 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
 from .structured_output import GrammarCompiler
 from .tokenizer import apply_chat_template, encode_prompt
+
+if TYPE_CHECKING:
+    from .cpu.backend import CpuBackend
 
 logger = logging.getLogger("pagedserve")
 
@@ -82,11 +82,12 @@ class LLMEngine:
         if config.deterministic and self.device.type != "cpu":
             raise ConfigError("deterministic", "is implemented on CPU only (the Triton kernels pick their tiles by "
                                                "batch size); set deterministic=false on CUDA")
+        self.cpu: CpuBackend | None = None
+        """The CPU backend (backend/cpu/) where the device is the CPU: made once, here."""
         if self.device.type == "cpu":
-            keep_freed_memory_in_heap()
-            from pagedserve.kernels.cpu.native_build import build_all
+            from .cpu.backend import CpuBackend
 
-            build_all()  # every C kernel now (cached after install), so no request pays a compile
+            self.cpu = CpuBackend(config)
         self.model_path = resolve_model_path(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, read_checkpoint(self.model_path, config.load_format).config)
 
@@ -94,18 +95,15 @@ class LLMEngine:
         self.workers = start_workers(config, self.model_path, self.dtype, self.device)
         """Ranks 1..N-1 with tensor_parallel_size N > 1 (this engine is rank 0), else None."""
         compiled = compile_wanted(config, self.device)
-        few_row_blocks = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-                          and not compiled and config.quantization == "none" and not self.workers
-                          and not config.deterministic)
+        tensor_parallel = self.workers is not None
+        cpu = self.cpu
+        keep_blocks = cpu.keep_exact_blocks if cpu and cpu.keeps_exact_blocks(self.dtype, compiled, tensor_parallel) else None
         parallel = self.workers.parallel if self.workers else SINGLE_RANK
-        loaded = load_model(self.model_path, self.dtype, self.device, parallel, few_row_blocks, config.load_format)
+        loaded = load_model(self.model_path, self.dtype, self.device, parallel, config.load_format, keep_blocks)
         if config.quantization != "none":
             quantize_model(loaded.model, config.quantization)
-        elif not compiled:
-            # tensor-parallel ranks all keep the default layout (backend/distributed/worker.py)
-            pack_weights(loaded.model, BATCH_INVARIANT_LAYOUTS if config.deterministic else WeightLayouts()
-                         if self.workers else weight_layouts(loaded.config, self.dtype, self.device,
-                                                             config.kv_cache_dtype == "fp8"))
+        elif cpu is not None and not compiled:
+            cpu.prepare(loaded.model, loaded.config, self.dtype, tensor_parallel)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
 

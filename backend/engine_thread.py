@@ -29,10 +29,10 @@ import time
 from collections import deque
 from typing import Callable, Iterator, Sequence as Seq
 
-from .cpu_tuning import name_native_thread
 from .engine import LLMEngine
 from .errors import EngineDeadError, EngineHungError, EngineStepError
 from .outputs import RequestOutput
+from .process_tuning import name_native_thread
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve")

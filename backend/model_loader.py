@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -23,10 +23,14 @@ from .checkpoints.packed_int4 import PackedInt4Loader
 from .errors import ConfigError
 from .model_config import ModelConfig
 from .model_files import is_gguf, resolve_model_path
-from .models.linear import Linear, keep_exact_blocks
+from .models.linear import Linear
 from .models.llama import LlamaForCausalLM, RotaryEmbedding
 from .models.parallel import SINGLE_RANK, TensorParallel, take_shard
 from .tokenizer import load_tokenizer
+
+CheckpointWeightHook = Callable[[Linear, torch.Tensor], None]
+"""Called with a linear and its checkpoint weight as read, before the copy rounds it to the
+model's dtype (the CPU backend keeps a half-precision layer's exact GGUF blocks this way)."""
 
 
 @dataclass
@@ -46,19 +50,19 @@ def read_checkpoint(path: str, load_format: str = "auto") -> Checkpoint:
 
 def load_model(
     path: str, dtype: torch.dtype, device: torch.device, parallel: TensorParallel = SINGLE_RANK,
-    few_row_blocks: bool = False, load_format: str = "auto",
+    load_format: str = "auto", on_linear_weight: CheckpointWeightHook | None = None,
 ) -> LoadedModel:
     """The model (this rank's share of it with tensor parallelism) and its tokenizer;
-    few_row_blocks: keep each linear's exact GGUF blocks too (`Linear.few_row_blocks`)."""
+    `on_linear_weight` sees each linear's checkpoint weight before it is rounded."""
     path = resolve_model_path(path)
     checkpoint = read_checkpoint(path, load_format)
-    model = load_checkpoint(checkpoint, dtype, device, parallel, few_row_blocks)
+    model = load_checkpoint(checkpoint, dtype, device, parallel, on_linear_weight)
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer(path))
 
 
 def load_checkpoint(
     checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, parallel: TensorParallel = SINGLE_RANK,
-    few_row_blocks: bool = False,
+    on_linear_weight: CheckpointWeightHook | None = None,
 ) -> LlamaForCausalLM:
     """The checkpoint's weights in a model (this rank's slices of them), in eval mode."""
     config = checkpoint.config
@@ -70,7 +74,7 @@ def load_checkpoint(
     if config.packed_int4:
         assert config.source_group_size is not None  # set with packed_int4 (checkpoints/hf.py)
         packed = PackedInt4Loader(model.packed_modules, config.packed_int4, config.source_group_size)
-    load_weights(model, checkpoint.tensors, checkpoint.num_tensors, packed, few_row_blocks)
+    load_weights(model, checkpoint.tensors, checkpoint.num_tensors, packed, on_linear_weight)
     if packed is not None:
         packed.install(model.layers, device, dtype)
     return model.eval()
@@ -111,7 +115,7 @@ def load_weights(
     tensors: Iterator[tuple[str, torch.Tensor]],
     total: int,
     packed: PackedInt4Loader | None = None,
-    few_row_blocks: bool = False,
+    on_linear_weight: CheckpointWeightHook | None = None,
 ) -> None:
     """Copy Hugging Face-named tensors into the model. The projections of a packed
     module are stacked into its rows once all of them have arrived (they may come in
@@ -144,21 +148,22 @@ def load_weights(
             rows = [part for part in pending.pop(target) if part is not None]  # all of them, as checked
             _copy_rows(params[target], rows)
             loaded.add(target)
-            if few_row_blocks:
-                _keep_exact_blocks(model, target, rows)
+            if on_linear_weight is not None:
+                _show_checkpoint_weight(model, target, rows, on_linear_weight)
     missing = sorted(expected - loaded)
     if missing:
         raise ConfigError("model", f"checkpoint lacks tensors for {missing[:6]}{' ...' if len(missing) > 6 else ''}")
 
 
-def _keep_exact_blocks(model: LlamaForCausalLM, target: str, parts: list[tuple[str, torch.Tensor]]) -> None:
+def _show_checkpoint_weight(model: LlamaForCausalLM, target: str, parts: list[tuple[str, torch.Tensor]],
+                            hook: CheckpointWeightHook) -> None:
     """The checkpoint's own values of a linear weight (the embedding, for a tied LM head),
-    before the copy rounded them: `keep_exact_blocks` finds their GGUF blocks."""
+    before the copy rounded them, to `hook`."""
     owner, _, kind = target.rpartition(".")
     tied = owner == "embed_tokens" and model.config.tie_word_embeddings
     linear = model.lm_head if tied else model.get_submodule(owner)
     if kind == "weight" and isinstance(linear, Linear):
-        keep_exact_blocks(linear, torch.cat([tensor for _, tensor in parts]))
+        hook(linear, torch.cat([tensor for _, tensor in parts]))
 
 
 @torch.no_grad()

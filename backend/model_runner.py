@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from .attention import AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
 from .compiled_forward import CompiledForward
-from .cpu_tuning import advise_huge_pages
 from .cuda_graphs import DecodeGraphs
 from .models.llama import LlamaForCausalLM
+from .process_tuning import advise_huge_pages
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
 from .sequence import Sequence

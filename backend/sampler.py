@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.cpu.first_max import first_max_index as first_max_cpu
+from pagedserve.kernels import dispatch
 
 from .sampling_params import SamplingParams
 from .sequence import Sequence, TokenLogprob
@@ -219,5 +219,5 @@ def first_max_index(rows: torch.Tensor) -> torch.Tensor:
     max(dim) on a step's logits; benchmarks/RESULTS.md, "Zen 4: CPU kernels"); elsewhere
     `max(dim).indices`, because torch's CPU argmax is slower still. The tests pin equality
     with argmax, ties included."""
-    fast = first_max_cpu(rows)
+    fast = dispatch.first_max_index(rows)
     return fast if fast is not None else rows.max(dim=-1).indices

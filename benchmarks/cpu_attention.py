@@ -37,7 +37,7 @@ from offline_throughput import run_pagedserve  # noqa: E402
 from workload import machine, offline_workload  # noqa: E402
 
 from pagedserve.backend import LLMEngine  # noqa: E402
-from pagedserve.backend.cpu_tuning import keep_freed_memory_in_heap  # noqa: E402
+from pagedserve.backend.process_tuning import keep_freed_memory_in_heap  # noqa: E402
 from pagedserve.kernels import dispatch  # noqa: E402
 from pagedserve.kernels.numerics import cdiv  # noqa: E402
 from pagedserve.kernels.paged_attention import paged_attention_ref  # noqa: E402

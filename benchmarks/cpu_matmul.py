@@ -1,6 +1,6 @@
 """float32 matmuls on CPU: the bundled model's linear layers multiplied by 1-128 rows (a
 single stream's decode to a batch's step and a prefill chunk), each way the engine can
-(backend/models/linear.py), on its real weights.
+(backend/cpu/linear_methods.py), on its real weights.
 
 Ways: the C matmul over the weights' exact GGUF blocks (kernels/cpu/block_matmul.py: Q4_1
 decoder layers, the Q8_0 embedding as LM head; a streaming loop up to 8 rows, a tiled GEMM
@@ -30,7 +30,8 @@ from workload import machine  # noqa: E402
 
 from pagedserve.backend.model_files import default_model_path  # noqa: E402
 from pagedserve.backend.model_loader import load_model  # noqa: E402
-from pagedserve.backend.models.linear import PACK_ROWS_HINT, Linear  # noqa: E402
+from pagedserve.backend.cpu.linear_methods import PACK_ROWS_HINT  # noqa: E402
+from pagedserve.backend.models.linear import Linear  # noqa: E402
 from pagedserve.kernels.cpu import block_matmul as block_matmul_cpu
 from pagedserve.kernels import gemv_cpu  # noqa: E402
 

@@ -158,10 +158,10 @@ def run_openai(args: argparse.Namespace) -> int:
 
 def run_build_kernels(args: argparse.Namespace) -> int:
     from pagedserve.kernels.cache_dir import cache_root
-    from pagedserve.kernels.cpu.native_build import build_all
+    from pagedserve.kernels.dispatch import build_cpu_kernels
 
     started = time.perf_counter()
-    built = build_all(report=lambda line: print(f"  {line}", flush=True))
+    built = build_cpu_kernels(report=lambda line: print(f"  {line}", flush=True))
     ready = sum(built.values())
     print(f"{ready} of {len(built)} CPU kernels ready in {cache_root() / 'kernels'} ({time.perf_counter() - started:.0f} s)")
     if ready < len(built):

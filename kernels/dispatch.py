@@ -1,11 +1,15 @@
-"""The one place that chooses between the Triton kernels and their torch references.
+"""The one place the model code's kernels are picked: Triton, C (CPU) or the torch references.
 
 Callers get plain functions: the engine's attention layer asks `attention_kernels`
-once, the quantized linears call `int4_linear` / `fp8_linear` per step. Attention has
-a third implementation beside the Triton kernel and the reference: the CPU attention
-(kernels/cpu/paged_attention.py), what `auto` runs on CPU. Each family is imported only
-inside its branch: the GPU path loads nothing of kernels/cpu/, and the torch path never
-needs triton installed (a missing triton surfaces as ImportError from the Triton branch).
+once, the quantized linears call `int4_linear` / `fp8_linear` per step, the model's norms,
+rotary embedding and activation ask the `fused_*` functions, the sampler `first_max_index`.
+Attention has a third implementation beside the Triton kernel and the reference: the CPU
+attention (kernels/cpu/paged_attention.py), what `auto` runs on CPU. The fused CPU ops return
+None off CPU, while compiling, or where their C kernel declines: the caller then runs its
+torch ops. Each family is imported only inside its branch: the GPU path loads nothing of
+kernels/cpu/, and the torch path never needs triton installed (a missing triton surfaces as
+ImportError from the Triton branch). The other user of kernels/cpu/ is the CPU backend
+(backend/cpu/), whose weight layouts are the C kernels' own.
 PAGEDSERVE_FORCE_TRITON=1 sends CPU tensors of the linears to the Triton kernels
 too, which only works together with TRITON_INTERPRET=1 (set before triton is first
 imported); that is how the kernels are exercised on machines without a GPU.
@@ -13,8 +17,10 @@ imported); that is how the kernels are exercised on machines without a GPU.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -79,4 +85,48 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
     return fp8_matmul_ref(x, w, bias)
 
 
-__all__ = ["FORCE_ENV", "attention_kernels", "fp8_linear", "int4_linear", "use_triton"]
+@functools.cache
+def _cpu_kernel(module: str, name: str) -> Callable[..., Any]:
+    """kernels/cpu/<module>.py's `name`, imported on first use (a GPU process never does)."""
+    return getattr(importlib.import_module(f"{__package__}.cpu.{module}"), name)
+
+
+def _on_cpu_eagerly(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm (transformers' rounding order) in one C pass a row on CPU; None: use torch."""
+    return _cpu_kernel("rms_norm", "rms_norm")(x, weight, eps) if _on_cpu_eagerly(x) else None
+
+
+def fused_add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(h + delta, its RMSNorm) in one C pass on CPU; None: use torch."""
+    return _cpu_kernel("rms_norm", "add_rms_norm")(h, delta, weight, eps) if _on_cpu_eagerly(h) else None
+
+
+def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x * cos + rotate_half(x) * sin in one C pass on CPU; None: use torch."""
+    return _cpu_kernel("rotary", "rotary")(x, cos, sin) if _on_cpu_eagerly(x) else None
+
+
+def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of [rows, 2 * n] in one C pass on CPU; None: use torch."""
+    return _cpu_kernel("silu_mul", "silu_mul")(gate_up) if _on_cpu_eagerly(gate_up) else None
+
+
+def first_max_index(rows: torch.Tensor) -> torch.Tensor | None:
+    """Each row's first maximum (argmax's answer, NaN as largest) in one C pass on CPU; None: use torch."""
+    return _cpu_kernel("first_max", "first_max_index")(rows) if _on_cpu_eagerly(rows) else None
+
+
+def build_cpu_kernels(report: Callable[[str], None] | None = None) -> dict[str, bool]:
+    """Compile every C kernel for this CPU now, or find it built ({kernel: built}; `report` gets a
+    line each): `pagedserve build-kernels` at install and a CPU engine at load, so that no
+    request pays a compile."""
+    return _cpu_kernel("native_build", "build_all")(report)
+
+
+__all__ = ["FORCE_ENV", "attention_kernels", "build_cpu_kernels", "first_max_index", "fp8_linear",
+           "fused_add_rms_norm", "fused_rms_norm", "fused_rotary", "fused_silu_mul", "int4_linear", "use_triton"]

@@ -156,9 +156,10 @@ def assert_greedy_matches_transformers(engine: LLMEngine, reference, prompts: li
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs `dtype` weights on this CPU (half precision needs avx512_bf16 /
     avx512bw or avx_ne_convert); where it cannot, such weights stay plain."""
+    from pagedserve.backend.cpu.linear_methods import pack
     from pagedserve.backend.models.linear import Linear
 
-    return Linear(16, 16).to(dtype).pack()
+    return pack(Linear(16, 16).to(dtype))
 
 
 def assert_engine_idle(engine: LLMEngine) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedserve.backend import ConfigError, EngineConfig, LLMEngine, SamplingParams
+from pagedserve.backend.cpu.linear_methods import OneDnnPacked, Pairs
 from pagedserve.backend.models.linear import Linear
 
 from .conftest import GPU_SHARE, assert_engine_idle, onednn_packs
@@ -101,7 +102,7 @@ def test_auto_runs_eagerly_on_cpu_with_packed_half_precision_weights(small_llama
     assert eager.runner.compiled is None
     if onednn_packs(torch.bfloat16):  # else the weights stay plain (no avx512_bf16 / avx512bw)
         # packed for oneDNN, or in pairs for the C kernel where the CPU has AVX512-BF16 and no AMX
-        assert all(m.packed is not None or m.pairs is not None
+        assert all(isinstance(m.method, (OneDnnPacked, Pairs))
                    for m in eager.runner.model.modules() if isinstance(m, Linear))
 
 

@@ -16,7 +16,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # afte
 
 from core_accounting import CoreWindow, _process_tree, busy_cores  # noqa: E402
 
-from pagedserve.backend.cpu_tuning import name_native_thread  # noqa: E402
+from pagedserve.backend.process_tuning import name_native_thread  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not CoreWindow.supported(), reason="reads Linux /proc schedstat")
 
@@ -45,10 +45,10 @@ def test_this_process_counts_as_one_part_with_threads_that_ended_in_the_window()
 # stubs are) whose engine and response threads carry our names, and one more thread that does not.
 SERVER = textwrap.dedent("""
     import subprocess, sys, time
-    from pagedserve.backend.cpu_tuning import name_native_thread
+    from pagedserve.backend.process_tuning import name_native_thread
     STUB = '''
     import threading, time
-    from pagedserve.backend.cpu_tuning import name_native_thread
+    from pagedserve.backend.process_tuning import name_native_thread
     def spin(seconds, name):  # then stay: a thread that ends takes its name with it
         name_native_thread(name)
         end = time.thread_time() + seconds

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pagedserve.backend import device
-from pagedserve.backend.matmul_probe import MatmulTimes
+from pagedserve.backend.cpu import matmul_probe
+from pagedserve.backend.cpu.matmul_probe import MatmulTimes
 from pagedserve.backend.model_config import ModelConfig
 
 AVX512_ONLY = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512_vnni\n"
@@ -31,7 +32,7 @@ def test_native_bf16_is_read_from_the_cpu_flags():
 
 def test_auto_picks_float32_on_an_emulating_cpu_without_measuring(monkeypatch, caplog):
     monkeypatch.setattr(device, "cpuinfo", lambda: AVX512_ONLY)
-    monkeypatch.setattr(device, "matmul_times", lambda config: pytest.fail("no probe without native bf16"))
+    monkeypatch.setattr(matmul_probe, "matmul_times", lambda config: pytest.fail("no probe without native bf16"))
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         assert device.resolve_dtype("auto", torch.device("cpu"), CONFIG) == torch.float32
     assert "no native bf16" in caplog.text
@@ -42,7 +43,7 @@ def test_auto_picks_float32_on_an_emulating_cpu_without_measuring(monkeypatch, c
 def test_auto_takes_the_dtype_the_probe_measured_faster_and_says_so(monkeypatch, caplog, cpu, bf16_ms, expected):
     monkeypatch.setattr(device, "cpuinfo", lambda: cpu)
     times = MatmulTimes(64, 256, bfloat16=bf16_ms / 1e3, float32_transposed=0.8e-3, float32_onednn=0.5e-3)
-    monkeypatch.setattr(device, "matmul_times", lambda config: times)
+    monkeypatch.setattr(matmul_probe, "matmul_times", lambda config: times)
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         assert device.resolve_dtype("auto", torch.device("cpu"), CONFIG) == expected
     assert f"dtype auto: {str(expected).removeprefix('torch.')}" in caplog.text
@@ -55,14 +56,14 @@ def test_auto_weighs_bf16_against_the_checkpoints_own_blocks_where_float32_runs_
     monkeypatch.setattr(device, "cpuinfo", lambda: AVX512_BF16_NO_AMX)
     times = MatmulTimes(64, 256, bfloat16=0.3e-3, float32_transposed=0.8e-3, float32_onednn=0.5e-3,
                         float32_blocks=0.2e-3)
-    monkeypatch.setattr(device, "matmul_times", lambda config: times)
+    monkeypatch.setattr(matmul_probe, "matmul_times", lambda config: times)
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         assert device.resolve_dtype("auto", torch.device("cpu"), CONFIG) == torch.float32
     assert "0.20 ms GGUF blocks" in caplog.text
 
 
 def test_an_explicit_dtype_is_taken_as_given(monkeypatch):
-    monkeypatch.setattr(device, "matmul_times", lambda config: pytest.fail("no probe for an explicit dtype"))
+    monkeypatch.setattr(matmul_probe, "matmul_times", lambda config: pytest.fail("no probe for an explicit dtype"))
     assert device.resolve_dtype("bfloat16", torch.device("cpu"), CONFIG) == torch.bfloat16
     assert device.resolve_dtype("float32", torch.device("cpu"), CONFIG) == torch.float32
 

@@ -21,7 +21,6 @@ import torch
 from ..device import DTYPES
 from ..model_loader import load_checkpoint, read_checkpoint
 from ..model_runner import ModelRunner
-from ..models.linear import pack_weights
 from ..models.parallel import TensorParallel
 from .group import LOAD_TIMEOUT, CollectiveError, GroupCollectives, connect, join_store
 from .step_channel import Command, StepChannel
@@ -44,7 +43,10 @@ def main(argv: list[str]) -> int:
     channel = StepChannel(collectives, device)
     model = load_checkpoint(read_checkpoint(spec.model_path, spec.load_format), DTYPES[spec.dtype], device,
                             TensorParallel(rank, spec.size, collectives))
-    pack_weights(model)  # tensor parallelism runs unquantized and eager, as rank 0 (backend/engine.py)
+    if device.type == "cpu":  # tensor parallelism runs unquantized and eager, as rank 0 (backend/engine.py)
+        from ..cpu.backend import prepare_rank
+
+        prepare_rank(model)
 
     message = channel.receive()
     if message.command != Command.INIT:

@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence, cast
+from typing import Callable, ClassVar, Protocol, Sequence, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.cpu.rms_norm import add_rms_norm as add_rms_norm_cpu, rms_norm as rms_norm_cpu
-from pagedserve.kernels.cpu.rotary import rotary as rotary_cpu
-from pagedserve.kernels.cpu.silu_mul import silu_mul as silu_mul_cpu
+from pagedserve.kernels.dispatch import fused_add_rms_norm, fused_rms_norm, fused_rotary, fused_silu_mul
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache, attention
 from ..model_config import ModelConfig
-from .llama_c_stack import LlamaCStack
 from .parallel import (
     SINGLE_RANK,
     ColumnParallelLinear,
@@ -48,7 +45,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """transformers' RMSNorm; on CPU one C pass (kernels/cpu/rms_norm.py) where it is built
         and rounds as this norm does (Llama's order, or any order in float32)."""
-        fused = rms_norm_cpu(x, self.weight, self.eps) if self._c_rounds_alike(x) else None
+        fused = fused_rms_norm(x, self.weight, self.eps) if self._c_rounds_alike(x) else None
         if fused is not None:
             return fused
         dtype = x.dtype
@@ -60,7 +57,7 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream after adding delta, and its norm (on CPU one C pass)."""
-        fused = add_rms_norm_cpu(h, delta, self.weight, self.eps) if self._c_rounds_alike(h) else None
+        fused = fused_add_rms_norm(h, delta, self.weight, self.eps) if self._c_rounds_alike(h) else None
         if fused is not None:
             return fused
         h = h + delta
@@ -107,7 +104,7 @@ class RotaryEmbedding(nn.Module):
         """x [tokens, heads, head_dim] rotated by each token's position (q and k of a layer
         go through together: they sit side by side in the fused projection's output)."""
         cos, sin = self.tables(positions, x.dtype)
-        fused = rotary_cpu(x, cos, sin)
+        fused = fused_rotary(x, cos, sin)
         if fused is not None:
             return fused
         return x * cos + _rotate_half(x) * sin
@@ -260,7 +257,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        activated = silu_mul_cpu(gate_up)  # one C pass on CPU (float32, bfloat16) where it is built
+        activated = fused_silu_mul(gate_up)  # one C pass on CPU (float32, bfloat16) where it is built
         if activated is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             activated = F.silu(gate).mul_(up)  # in place: one [rows, intermediate] pass and buffer fewer
@@ -298,6 +295,15 @@ class LlamaDecoderLayer(nn.Module):
         return delta if self.residual_multiplier == 1.0 else delta * self.residual_multiplier
 
 
+class FusedLayers(Protocol):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
+                meta: AttentionMetadata, kernels: AttentionKernels,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The final norm's output for the step (for `output_rows` alone, where given), or None
+        where it does not apply (the model runs its layers itself)."""
+        ...
+
+
 class LlamaForCausalLM(nn.Module):
     packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -321,8 +327,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.c_stack = LlamaCStack(self)
-        """Eager CPU steps run every layer in one C call where it applies (models/llama_c_stack.py)."""
+        self.fused_layers: FusedLayers | None = None
+        """Runs every layer of an eager step at once where it applies (the CPU backend's C loop,
+        backend/cpu/decoder_stack.py, attached at load); None: the layers below, one by one."""
 
     def forward(
         self,
@@ -342,8 +349,8 @@ class LlamaForCausalLM(nn.Module):
         paged attention, whose layout changes every step, stays eager. Eagerly, the last
         layer's work past its attention runs for `output_rows` alone: a prompt chunk's other
         rows feed no later layer (~3% of a 30-layer prefill's arithmetic)."""
-        if pieces is None:
-            hidden = self.c_stack.forward(input_ids, positions, kv_caches, meta, kernels, output_rows)
+        if pieces is None and self.fused_layers is not None:
+            hidden = self.fused_layers.forward(input_ids, positions, kv_caches, meta, kernels, output_rows)
             if hidden is not None:
                 return hidden
         eager, pieces = pieces is None, pieces or EAGER_PIECES

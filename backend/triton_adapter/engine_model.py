@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..config import EngineConfig
-from ..cpu_tuning import name_native_thread
 from ..engine import LLMEngine
 from ..engine_thread import EngineThread
 from ..errors import InvalidRequestError
 from ..outputs import EngineStats, RequestOutput
+from ..process_tuning import name_native_thread
 from ..values import to_bool
 from .arguments import model_parameters
 from .cancellation import WATCH_INTERVAL_S, AskRotation, RecentIds, Watcher, asked_cancelled

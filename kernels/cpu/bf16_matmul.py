@@ -6,7 +6,7 @@ arithmetic unused at the row counts of decode steps (8-128 rows) and splits each
 between threads up front; this one comes near the VDPBF16PS peak from 32 rows and hands work
 out a panel at a time (the .c file says how; benchmarks/RESULTS.md, "Zen 4: CPU kernels" and
 "Figures behind design choices in the code", has the times).
-backend/models/linear.py packs every bf16 layer this way where `native()` says the CPU has
+backend/cpu/linear_methods.py packs every bf16 layer this way where `native()` says the CPU has
 the instruction, and keeps no oneDNN copy then. Sums are float32, rounded to bf16 once, as
 oneDNN's; only their order differs. Built at first use (kernels/cpu/native_build.py);
 `pair_matmul` returns None where it does not apply and the caller runs torch.

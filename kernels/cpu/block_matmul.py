@@ -13,7 +13,7 @@ code"). The weights are the float32 ones, so only the order of the sums differs 
 torch's. The blocks of 16 consecutive outputs are kept interleaved (`BlockWeight`), so that
 both loops multiply a vector of 16 outputs' weights by one input value at a time and never
 sum across vector lanes.
-backend/models/linear.py sends every float32 step of such a layer here. Built at first use
+backend/cpu/linear_methods.py sends every float32 step of such a layer here. Built at first use
 (kernels/cpu/native_build.py); returns None where it does not apply, and the caller runs torch.
 """
 
@@ -99,7 +99,7 @@ class BlockWeight:
 def grid_weight(kind: str, out_features: int, in_features: int, seed: int) -> torch.Tensor:
     """A random float32 weight exactly as a GGUF checkpoint of `kind` dequantizes (per block of 32,
     d * q + m with fp16 d and m), which `as_blocks` takes: for timing the block matmul
-    (backend/matmul_probe.py) and testing it. Q4_1: q in 0..15 with a 0 and a 15 in each block,
+    (backend/cpu/matmul_probe.py) and testing it. Q4_1: q in 0..15 with a 0 and a 15 in each block,
     as the quantizer leaves them; Q8_0: m = 0, q in -127..127 with a -127 in each block."""
     g = torch.Generator().manual_seed(seed)
     blocks = in_features // BLOCK

@@ -56,7 +56,7 @@ typedef struct {
 
 /* A linear layer. bf16: its weight in pairs (kernels/cpu/bf16_matmul.c) and, where it has them,
  * the checkpoint's GGUF blocks that steps of a few rows multiply in float32; float32: the blocks
- * only, pairs NULL (kernels/cpu/block_matmul.c; models/linear.py's Linear.forward). */
+ * only, pairs NULL (kernels/cpu/block_matmul.c; backend/cpu/linear_methods.py's Blocks). */
 typedef struct {
     const void* pairs;
     const float* bias; /* float32 [groups * 16] or NULL */

@@ -2,8 +2,8 @@
 matmuls, bound by how fast the weights stream from memory.
 
 `gemv` multiplies a few rows (up to GEMV_MAX_ROWS) by a float32 weight as the checkpoint stores
-it, [out, in]: backend/models/linear.py sends the small steps of weights laid out "both" here
-(backend/matmul_probe.py). A weight that is exactly a GGUF Q4_1 / Q8_0 one goes to
+it, [out, in]: backend/cpu/linear_methods.py sends the small steps of weights laid out "both" here
+(backend/cpu/matmul_probe.py). A weight that is exactly a GGUF Q4_1 / Q8_0 one goes to
 kernels/cpu/block_matmul.py instead. Built at first use (kernels/cpu/native_build.py); returns None
 where it does not apply, and the caller runs torch.
 """

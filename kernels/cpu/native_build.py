@@ -69,7 +69,7 @@ def compiler() -> str | None:
 
 def cpu_signature() -> str:
     """The CPU model and flags: -march=native code runs only where it was built, so they key
-    the build (and the matmul probe's verdict, backend/matmul_probe.py)."""
+    the build (and the matmul probe's verdict, backend/cpu/matmul_probe.py)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
         lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))][:2]

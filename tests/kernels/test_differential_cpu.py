@@ -127,13 +127,13 @@ def run_workload(directory: str, waves: list[list[Request]], name: str, dtype: t
                  prefix_caching: bool) -> Run:
     """The workload on a fresh engine; every step the C decoder stack runs is run again by the
     Python layers (same kernels one at a time, same cache) and must give the same bits."""
-    from pagedserve.backend.models import llama_c_stack
+    from pagedserve.backend.cpu import decoder_stack
 
     engine = LLMEngine(model=directory, dtype="float32" if dtype == torch.float32 else "bfloat16",
                        enable_prefix_caching=prefix_caching, max_num_batched_tokens=BUDGET, max_num_seqs=6,
                        num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, compile="off")
     c_steps, mismatches = [0], []
-    in_c = llama_c_stack.LlamaCStack.forward
+    in_c = decoder_stack.LlamaCStack.forward
 
     def both(stack, input_ids, positions, kv_caches, meta, kernels, output_rows=None):
         if not stack.enabled:
@@ -154,7 +154,7 @@ def run_workload(directory: str, waves: list[list[Request]], name: str, dtype: t
         return hidden
 
     tokens, cached = [], 0
-    llama_c_stack.LlamaCStack.forward = both
+    decoder_stack.LlamaCStack.forward = both
     try:
         for wave in waves:
             params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True, n=r.n) for r in wave]
@@ -162,7 +162,7 @@ def run_workload(directory: str, waves: list[list[Request]], name: str, dtype: t
                 tokens.append([s.token_ids for s in done.samples] if done.samples else [done.token_ids])
                 cached += done.num_cached_tokens
     finally:
-        llama_c_stack.LlamaCStack.forward = in_c
+        decoder_stack.LlamaCStack.forward = in_c
     assert not mismatches, f"{name}: the C decoder stack's hidden states are not the Python layers': {mismatches[:3]}"
     assert_engine_idle(engine)
     return Run(name, dtype, tokens, cached, engine.stats().num_preemptions, c_steps[0])

@@ -1,6 +1,6 @@
 """The decoder layers of a Llama-family model as one C call per step (kernels/cpu/decoder_stack.py).
 
-Why a module of its own: llama.py says what the model computes; this says when a step may skip
+Why a module of its own: models/llama.py says what the model computes; this says when a step may skip
 the Python around its kernels (the usual CPU steps: bf16 weights in pairs or float32 GGUF
 blocks, a KV cache of that dtype, the C attention) and hands the C loop the model's tensors.
 The result is the Python layers' to the bit; `forward` returns None wherever it does not apply
@@ -19,13 +19,15 @@ from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu, step_pla
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache
 from ..model_config import ModelConfig
+from .linear_methods import Blocks, FewRowBlocks, Pairs, few_rows_of
 
 if TYPE_CHECKING:
-    from .llama import LlamaForCausalLM, RMSNorm
+    from ..models.llama import LlamaForCausalLM, RMSNorm
 
 
 class LlamaCStack:
-    """One model's C layers, built on first use for the KV caches a step passes."""
+    """One model's C layers, built on first use for the KV caches a step passes: the model's
+    `fused_layers` on CPU (`attach`)."""
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
@@ -51,7 +53,7 @@ class LlamaCStack:
             return None
         h = model.embed(input_ids)
         cos, sin = model.rotary.tables(positions, h.dtype)
-        few_block_rows = model.decoder_layers[0].self_attn.qkv_proj.few_block_rows
+        few_block_rows = few_rows_of(model.decoder_layers[0].self_attn.qkv_proj.method)
         kept = None
         if output_rows is not None and output_rows.numel() < input_ids.shape[0]:
             if output_rows.numel() > 1 and not bool((output_rows[1:] > output_rows[:-1]).all()):
@@ -101,11 +103,19 @@ def computes_layers_of(config: ModelConfig) -> bool:
 
 
 def _linear_tensors(linear: Any) -> decoder_stack_cpu.LinearTensors | None:
-    """bf16 layers' pairs (with the few-row GGUF blocks), float32 layers' GGUF blocks (Linear.forward's
-    paths for those); None for any other layout or a quantized layer."""
-    pairs, blocks = getattr(linear, "pairs", None), getattr(linear, "blocks", None)
-    if pairs is not None:
-        return decoder_stack_cpu.LinearTensors(pairs, linear.few_row_blocks)
-    if blocks is not None:
-        return decoder_stack_cpu.LinearTensors(None, blocks, linear.bias)
+    """bf16 layers' pairs (with the few-row GGUF blocks), float32 layers' GGUF blocks (their
+    methods' forms); None for any other method or a quantized layer."""
+    method = getattr(linear, "method", None)
+    few = method if isinstance(method, FewRowBlocks) else None
+    if few is not None:
+        method = few.then
+    if isinstance(method, Pairs):
+        return decoder_stack_cpu.LinearTensors(method.pairs, None if few is None else few.blocks)
+    if isinstance(method, Blocks) and few is None:
+        return decoder_stack_cpu.LinearTensors(None, method.blocks, linear.bias)
     return None
+
+
+def attach(model: LlamaForCausalLM) -> None:
+    """Let the model's eager CPU steps run every layer in one C call where it applies."""
+    model.fused_layers = LlamaCStack(model)

@@ -1,4 +1,4 @@
-"""The decoder layers in one C call (kernels/cpu/decoder_stack.py) against the same layers
+"""The decoder layers in one C call (backend/cpu/decoder_stack.py over kernels/cpu/decoder_stack.py) against the same layers
 run one kernel at a time from Python: the same logits to the bit and the same greedy tokens,
 over plain batches, chunked prefill mixed with decodes, and preemption; also in the AVX2 code
 an AVX2-only CPU runs."""
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from pagedserve.backend import LLMEngine, SamplingParams
+from pagedserve.backend.cpu.linear_methods import few_rows_of
 from pagedserve.kernels.cpu import bf16_matmul as bf16_matmul_cpu, decoder_stack as decoder_stack_cpu
 
 from ..conftest import assert_engine_idle
-from .instruction_sets import build_every_kernel_for, runs_avx2
+from ..kernels.instruction_sets import build_every_kernel_for, runs_avx2
 
 pytestmark = pytest.mark.skipif(decoder_stack_cpu.kernels() is None,
                                 reason="the C decoder stack needs a C compiler and a CPU with AVX2 or AVX-512")
@@ -46,12 +47,12 @@ class StackCalls:
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], c_stack: bool, max_tokens: int = 20) -> list[list[int]]:
-    engine.runner.model.c_stack.enabled = c_stack
+    engine.runner.model.fused_layers.enabled = c_stack
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         return [r.token_ids for r in engine.generate(prompts, params, use_tqdm=False)]
     finally:
-        engine.runner.model.c_stack.enabled = True
+        engine.runner.model.fused_layers.enabled = True
 
 
 @bf16_pairs
@@ -70,9 +71,9 @@ def test_whole_prompt_logits_equal_the_python_layers_to_the_bit(bf16_engine, pro
     runner = bf16_engine.runner
     prompt = prompts[-1]  # ~400 tokens over several blocks
     blocks = list(range(10, 10 + -(-len(prompt) // runner.block_size)))
-    runner.model.c_stack.enabled = False
+    runner.model.fused_layers.enabled = False
     expected = runner.run_prefill(prompt, blocks)
-    runner.model.c_stack.enabled = True
+    runner.model.fused_layers.enabled = True
     assert torch.equal(runner.run_prefill(prompt, blocks), expected)
 
 
@@ -92,7 +93,7 @@ def test_preemption_under_a_tiny_kv_cache_gives_the_python_layers_tokens(prompts
 def test_one_sequence_whose_linears_read_the_checkpoint_blocks_gives_the_python_layers_tokens(bf16_engine, prompts,
                                                                                                monkeypatch):
     first = bf16_engine.runner.model.layers[0].self_attn.qkv_proj
-    if first.few_row_blocks is None:
+    if few_rows_of(first.method) == 0:
         pytest.skip("this model's linears have no checkpoint blocks for a few rows")
     calls = StackCalls(monkeypatch)
     for prompt in prompts[:3]:  # its decodes are one row: the GGUF blocks in float32, as Linear.forward multiplies them
@@ -107,7 +108,7 @@ def test_an_fp8_kv_cache_runs_the_layers_in_python(prompts, monkeypatch):
     calls = StackCalls(monkeypatch)
     greedy(engine, prompts[:2], c_stack=True, max_tokens=4)
     assert calls.count == 0
-    assert engine.runner.model.c_stack.stack(engine.runner.kv_caches) is None
+    assert engine.runner.model.fused_layers.stack(engine.runner.kv_caches) is None
 
 
 @bf16_pairs
@@ -118,7 +119,7 @@ def test_a_kernel_declining_mid_step_falls_back_to_the_python_layers(bf16_engine
 
     expected = greedy(bf16_engine, prompts[:4], c_stack=False, max_tokens=8)
     model = bf16_engine.runner.model
-    stack = model.c_stack.stack(bf16_engine.runner.kv_caches)
+    stack = model.fused_layers.stack(bf16_engine.runner.kv_caches)
     declining = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: -1)  # the C side passes arguments it ignores
     monkeypatch.setattr(stack.kernels, "decode", ctypes.cast(declining, ctypes.c_void_p).value)
     calls = StackCalls(monkeypatch)
@@ -129,7 +130,7 @@ def test_a_kernel_declining_mid_step_falls_back_to_the_python_layers(bf16_engine
 
 def test_float32_steps_on_the_checkpoint_blocks_give_the_python_layers_tokens(engine, prompts, monkeypatch):
     """The float32 engine (the suite's shared one): every linear multiplies the GGUF blocks."""
-    if engine.runner.model.c_stack.stack(engine.runner.kv_caches) is None:
+    if engine.runner.model.fused_layers.stack(engine.runner.kv_caches) is None:
         pytest.skip("this float32 engine's linears are not all GGUF blocks (no C compiler, or another layout)")
     calls = StackCalls(monkeypatch)
     in_c = greedy(engine, prompts, c_stack=True, max_tokens=12)
@@ -146,16 +147,16 @@ def test_layers_the_c_loop_has_no_code_for_run_in_python(engine, variation):
     Granite's residual multiplier: the C loop declines each (the float32 engine's layers, which it
     takes, told they are of such a model)."""
     model = engine.runner.model
-    if model.c_stack.stack(engine.runner.kv_caches) is None:
+    if model.fused_layers.stack(engine.runner.kv_caches) is None:
         pytest.skip("this float32 engine's linears are not all GGUF blocks (no C compiler, or another layout)")
     config = model.config
     try:
         model.config = dataclasses.replace(config, **variation)
-        model.c_stack._built = None
-        assert model.c_stack.stack(engine.runner.kv_caches) is None
+        model.fused_layers._built = None
+        assert model.fused_layers.stack(engine.runner.kv_caches) is None
     finally:
-        model.config, model.c_stack._built = config, None
-    assert model.c_stack.stack(engine.runner.kv_caches) is not None
+        model.config, model.fused_layers._built = config, None
+    assert model.fused_layers.stack(engine.runner.kv_caches) is not None
 
 
 def test_avx2_code_gives_the_python_layers_tokens(prompts, monkeypatch):
@@ -165,7 +166,7 @@ def test_avx2_code_gives_the_python_layers_tokens(prompts, monkeypatch):
         pytest.skip("this CPU does not run AVX2 code")
     build_every_kernel_for(monkeypatch, "haswell")
     engine = LLMEngine(dtype="float32", max_num_seqs=4, num_kv_blocks=256, enable_prefix_caching=False)
-    if engine.runner.model.c_stack.stack(engine.runner.kv_caches) is None:
+    if engine.runner.model.fused_layers.stack(engine.runner.kv_caches) is None:
         pytest.skip("this float32 engine's linears are not all GGUF blocks (another layout)")
     calls = StackCalls(monkeypatch)
     in_c = greedy(engine, prompts[:4], c_stack=True, max_tokens=12)
@@ -186,7 +187,7 @@ def test_the_last_layer_runs_for_the_sampled_rows_alone_with_the_same_logits(pro
     # an engine of its own: the step below writes KV blocks no block manager handed out
     engine = LLMEngine(dtype="float32", max_num_seqs=4, num_kv_blocks=256, enable_prefix_caching=False)
     runner, model = engine.runner, engine.runner.model
-    if model.c_stack.stack(runner.kv_caches) is None:
+    if model.fused_layers.stack(runner.kv_caches) is None:
         pytest.skip("this float32 engine's linears are not all GGUF blocks (no C compiler, or another layout)")
     batch, first_block = ScheduledBatch(), 10
     for i, prompt in enumerate(prompts[3:6]):
@@ -197,12 +198,12 @@ def test_the_last_layer_runs_for_the_sampled_rows_alone_with_the_same_logits(pro
     inputs = runner.prepare(batch)
     sampled = inputs.logits_indices
     assert 1 < len(sampled) < len(inputs.input_ids)
-    model.c_stack.enabled = False
+    model.fused_layers.enabled = False
     inputs.logits_indices = torch.arange(len(inputs.input_ids))
     every_row = runner.run(inputs)[sampled]
     inputs.logits_indices = sampled
     in_python = runner.run(inputs)
-    model.c_stack.enabled = True
+    model.fused_layers.enabled = True
     calls = StackCalls(monkeypatch)
     assert torch.equal(runner.run(inputs), in_python)
     assert calls.count == 1
@@ -210,5 +211,5 @@ def test_the_last_layer_runs_for_the_sampled_rows_alone_with_the_same_logits(pro
     assert torch.equal(in_python.argmax(-1), every_row.argmax(-1))
     inputs.logits_indices = sampled[:0]
     for c_stack in (True, False):
-        model.c_stack.enabled = c_stack
+        model.fused_layers.enabled = c_stack
         assert runner.run(inputs).shape == (0, every_row.shape[1])

@@ -1,4 +1,4 @@
-"""Process tuning for CPU inference.
+"""Process tuning: the glibc heap and huge pages for CPU tensors, and the names of our threads.
 
 glibc returns large freed blocks to the OS (mmap threshold, heap trimming), so
 every step's multi-megabyte activations come back as fresh pages and are

@@ -1,4 +1,4 @@
-"""cpu_tuning: what the OS shows of our threads."""
+"""process_tuning: what the OS shows of our threads."""
 
 import sys
 import threading
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.backend.cpu_tuning import name_native_thread
+from pagedserve.backend.process_tuning import name_native_thread
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux thread names")

@@ -15,7 +15,7 @@ layout. The LM head always can (its plain weight is the tied embedding's, or tak
 place of the transposed copy MKL would need); the decoder layers do where their second
 copy takes at most PLAIN_COPY_MAX_MEMORY of the machine's memory, else they keep only the
 packed one. (Whatever the layout, a float32 weight that is exactly a GGUF Q4_1 or Q8_0 one
-is multiplied through those blocks at every row count instead: backend/models/linear.py.
+is multiplied through those blocks at every row count instead: backend/cpu/linear_methods.py.
 So for a checkpoint of such blocks, as the bundled one is, float32 is timed through them: on an
 AMD EPYC with avx512_bf16 oneDNN's bf16 beat its float32 by far, while the blocks run a
 single stream's float32 steps from a sixth of the bytes.)
@@ -25,7 +25,7 @@ oneDNN's the bundled model's rose 2.04% on one EPYC (1.32% with MKL's; 1.80% vs 
 another). The LM head writes no cache, so it takes oneDNN's layout there too.
 
 The probe times the model's gate/up projection (its largest matmul per layer) as the
-engine runs it (backend/models/linear.py: bf16 through the C AVX512-BF16 kernel where the
+engine runs it (backend/cpu/linear_methods.py: bf16 through the C AVX512-BF16 kernel where the
 CPU has that instruction, else oneDNN's), at one row (a single stream's decode) and 32
 rows (a batch's), in each candidate; quick for a small model. The verdict
 is kept in the cache directory, keyed by CPU, torch version, threads and shape, so a
@@ -48,8 +48,9 @@ from pagedserve.kernels.cpu import bf16_matmul as bf16_matmul_cpu, gemv as gemv_
 from pagedserve.kernels.cpu.block_matmul import grid_weight
 from pagedserve.kernels.cpu.native_build import cpu_signature
 
-from .model_config import ModelConfig
-from .models.linear import Linear, WeightLayouts
+from ..model_config import ModelConfig
+from ..models.linear import Linear
+from .linear_methods import WeightLayouts, pack
 
 logger = logging.getLogger("pagedserve")
 
@@ -192,7 +193,7 @@ def _packed_linear(weight: torch.Tensor, dtype: torch.dtype, float32_layout: str
     linear = Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
     with torch.no_grad():
         linear.weight.copy_(weight)
-    linear.pack(float32_layout)
+    pack(linear, float32_layout)
     return linear
 
 

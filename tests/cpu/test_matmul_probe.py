@@ -3,7 +3,7 @@ reads its verdict from the cache instead of measuring again."""
 
 from __future__ import annotations
 
-from pagedserve.backend import matmul_probe
+from pagedserve.backend.cpu import matmul_probe
 from pagedserve.backend.model_config import ModelConfig
 
 CONFIG = ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -51,7 +51,7 @@ def test_a_huge_weight_is_probed_at_a_bounded_size():
 def test_float32_layouts_follow_the_faster_measurement_and_the_fp8_cache(monkeypatch):
     import torch
 
-    from pagedserve.backend.models.linear import WeightLayouts
+    from pagedserve.backend.cpu.linear_methods import WeightLayouts
 
     def probed(transposed: float, onednn: float) -> None:
         times = matmul_probe.MatmulTimes(64, 192, bfloat16=1.0, float32_transposed=transposed, float32_onednn=onednn)
@@ -70,7 +70,7 @@ def test_float32_layouts_follow_the_faster_measurement_and_the_fp8_cache(monkeyp
 def test_decoder_layers_keep_a_plain_copy_only_where_it_fits_and_the_gemv_is_built(monkeypatch):
     import torch
 
-    from pagedserve.backend.models.linear import WeightLayouts
+    from pagedserve.backend.cpu.linear_methods import WeightLayouts
 
     times = matmul_probe.MatmulTimes(64, 192, bfloat16=1.0, float32_transposed=2.0, float32_onednn=1.0)
     monkeypatch.setattr(matmul_probe, "matmul_times", lambda config: times)

@@ -1,0 +1,67 @@
+"""CpuBackend: the CPU backend's interface to an engine, chosen once at load (LLMEngine).
+
+An engine on CPU asks it three things: to ready the process (glibc's heap, the C kernels
+built before any request), which checkpoint values to keep while loading (a half-precision
+layer's exact GGUF blocks, for its few-row matmuls), and to lay the loaded model out for its
+kernels (each linear's method, the decoder layers as one C call). The engine holds one when
+its device is the CPU and none otherwise, so no GPU engine reaches this package.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.kernels.cpu.native_build import build_all
+
+from ..config import EngineConfig
+from ..model_config import ModelConfig
+from ..models.linear import Linear
+from ..models.llama import LlamaForCausalLM
+from ..process_tuning import keep_freed_memory_in_heap
+from .decoder_stack import attach
+from .linear_methods import BATCH_INVARIANT_LAYOUTS, DEFAULT_LAYOUTS, WeightLayouts, keep_exact_blocks, pack_weights
+from .matmul_probe import weight_layouts
+
+
+class CpuBackend:
+    """An engine's CPU-only steps at load, for its settings."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        keep_freed_memory_in_heap()
+        build_all()  # every C kernel now (cached after install), so no request pays a compile
+
+    def keeps_exact_blocks(self, dtype: torch.dtype, compiled: bool, tensor_parallel: bool) -> bool:
+        """Whether loading keeps each half-precision linear's GGUF blocks (`keep_exact_blocks`): for
+        eager, unquantized, single-rank engines that may sum a few rows differently from many."""
+        config = self.config
+        return (dtype in (torch.bfloat16, torch.float16) and not compiled and config.quantization == "none"
+                and not tensor_parallel and not config.deterministic)
+
+    @staticmethod
+    def keep_exact_blocks(layer: Linear, weight: torch.Tensor) -> None:
+        """The loader's hook (model_loader.CheckpointWeightHook) for `keeps_exact_blocks`."""
+        keep_exact_blocks(layer, weight)
+
+    def prepare(self, model: LlamaForCausalLM, model_config: ModelConfig, dtype: torch.dtype,
+                tensor_parallel: bool) -> None:
+        """Lay an eager, unquantized model out for the CPU kernels: each linear's method, float32
+        layouts measured (the batch-invariant ones with `deterministic`, the default ones with
+        several ranks, whose shards all keep the same), and its layers as one C call."""
+        config = self.config
+        if config.deterministic:
+            layouts = BATCH_INVARIANT_LAYOUTS
+        elif tensor_parallel:
+            layouts = DEFAULT_LAYOUTS
+        else:
+            layouts = weight_layouts(model_config, dtype, torch.device("cpu"), config.kv_cache_dtype == "fp8")
+        prepare_rank(model, layouts)
+
+
+def prepare_rank(model: nn.Module, layouts: WeightLayouts = DEFAULT_LAYOUTS) -> None:
+    """Each linear's method as `layouts` says, and a Llama model's layers as one C call where they
+    apply (a tensor-parallel rank's sharded layers never do; its linears are packed the same)."""
+    pack_weights(model, layouts)
+    if isinstance(model, LlamaForCausalLM):
+        attach(model)
