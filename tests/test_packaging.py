@@ -45,8 +45,15 @@ print(len(names))
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT),
+    """Built from a copy of what the image's build stage copies (docker/Dockerfile): built in the
+    checkout, setuptools would reuse its build/ folder, where a module moved or deleted since
+    the last build still lies, and ship it."""
+    out, source = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for part in PARTS:
+        shutil.copytree(ROOT / part, source / part, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
                     "-w", str(out)], check=True, capture_output=True, cwd=out)
     return next(out.glob("pagedserve-*.whl"))
 
@@ -56,6 +63,8 @@ def test_every_module_of_the_tree_is_in_the_wheel(wheel):
     tree = {f"pagedserve/{path.relative_to(ROOT).as_posix()}" for part in PARTS for path in (ROOT / part).rglob("*")
             if path.suffix in (".py", ".c", ".h") and "__pycache__" not in path.parts}
     assert tree - shipped == set()
+    modules = {name for name in shipped if name.startswith("pagedserve/") and name.endswith((".py", ".c", ".h"))}
+    assert modules - tree == set()  # nothing the tree no longer has
 
 
 def test_the_installed_package_alone_imports_every_module(wheel, tmp_path):
