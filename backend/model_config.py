@@ -49,8 +49,10 @@ class ModelConfig:
     """Granite: the LM head's logits are divided by this (so temperatures and log-probabilities
     see the distribution the model was trained to give)."""
     rope_scaling: dict[str, Any] | None = None
-    """The checkpoint's rope scaling parameters (rope_type linear, dynamic, yarn, llama3; see
-    models/llama.py's rope_frequencies); None for plain rotary."""
+    """The checkpoint's rope scaling parameters (rope_type linear, dynamic, yarn, llama3, longrope;
+    see models/llama.py's rope_frequencies); None for plain rotary."""
+    partial_rotary_factor: float = 1.0
+    """The share of each head's dimensions that rotary turns (the first ones; Phi-4-mini: 0.75)."""
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
@@ -62,6 +64,11 @@ class ModelConfig:
     float32 engines multiply through (kernels/cpu/block_matmul.py): dtype auto times those."""
     packed_int4: str | None = None
     """"awq" or "gptq"/"gptq_v2" when the checkpoint stores packed 4-bit linear weights."""
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions rotary turns (transformers' int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:

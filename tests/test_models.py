@@ -21,8 +21,8 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 def build(kind: str):
     from transformers import (GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen3Config, Qwen3ForCausalLM)
+                              MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     if kind == "llama3":
         config = LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500000.0,
@@ -47,10 +47,20 @@ def build(kind: str):
     if kind == "olmo2":  # Llama's special tokens: OLMo 2's pad id 1 would mask the prompts' first token in generate
         return Olmo2ForCausalLM(Olmo2Config(**COMMON, tie_word_embeddings=False, pad_token_id=None, bos_token_id=1,
                                             eos_token_id=2))
+    if kind == "phi3":  # q/k/v and gate/up stacked in the checkpoint; Llama's special tokens (Phi-3's pad id masks)
+        return Phi3ForCausalLM(Phi3Config(**COMMON, pad_token_id=None, bos_token_id=1, eos_token_id=2))
+    if kind == "phi4-mini":  # 3/4 of each head turned by rotary, LongRoPE (original context 128 of 512), tied embeddings
+        config = Phi3Config(**COMMON, pad_token_id=None, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+                            original_max_position_embeddings=128,
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                             "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})
+        return Phi3ForCausalLM(config)
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "llama-tied", "llama-yarn", "granite", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "llama-tied", "llama-yarn", "granite", "olmo2",
+                                  "phi3", "phi4-mini"])
 def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     torch.manual_seed(0)
     reference = build(kind).eval()
@@ -81,6 +91,8 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     with torch.inference_mode():  # the logits' scale too (greedy tokens do not see Granite's logits_scaling)
         expected = reference(torch.tensor([prompts[1]])).logits[0, -1].float().log_softmax(-1)
     assert again[0].logprobs[0].logprob == pytest.approx(expected[again[0].token_ids[0]].item(), abs=1e-4)
+    if kind == "phi4-mini":  # LongRoPE's context: the original one, where its short factors are exact
+        assert engine.max_model_len == 128 and engine.model_config.rotary_dim == 12
 
 
 @pytest.mark.parametrize("scaling", [

@@ -20,13 +20,46 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
+    "Phi3ForCausalLM": "phi3",
 }
+
+FUSED_IN_CHECKPOINT = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}}
+"""Projections a family's checkpoints store already stacked (Phi-3: q/k/v and gate/up), read as
+their parts (`_split_fused`), so that loading, tensor-parallel sharding and quantization see
+every family's checkpoint alike."""
 
 
 def read_hf_checkpoint(path: str) -> Checkpoint:
     config = hf_dir_config(path)
     files = _safetensors_files(path)
-    return Checkpoint(config, _safetensors_tensors(files), _count_safetensors(files))
+    tensors, count = _safetensors_tensors(files), _count_safetensors(files)
+    fused = FUSED_IN_CHECKPOINT.get(config.architecture)
+    if fused:
+        tensors = _split_fused(tensors, fused, config)
+        count += config.num_layers * sum(len(parts) - 1 for parts in fused.values())
+    return Checkpoint(config, tensors, count)
+
+
+def _split_fused(tensors: Iterator[tuple[str, torch.Tensor]], fused: dict[str, tuple[str, ...]],
+                 config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each stacked projection's weight (and bias) as its parts, named as Llama's checkpoints name
+    them: q, k, v rows of q_size, kv_size, kv_size; gate and up halves."""
+    for name, tensor in tensors:
+        module, _, kind = name.rpartition(".")
+        prefix, _, projection = module.partition(".layers.")
+        layer, _, local = projection.partition(".")
+        parts = fused.get(local)
+        if parts is None:
+            yield name, tensor
+            continue
+        sizes = ([config.q_size, config.kv_size, config.kv_size] if len(parts) == 3
+                 else [tensor.shape[0] // len(parts)] * len(parts))
+        if sum(sizes) != tensor.shape[0]:
+            raise ConfigError("model", f"tensor {name} has {tensor.shape[0]} rows, expected {sum(sizes)} "
+                                       f"({' + '.join(map(str, sizes))})")
+        for part, rows in zip(parts, tensor.split(sizes)):
+            yield f"{prefix}.layers.{layer}.{part}.{kind}", rows
 
 
 def hf_dir_config(path: str) -> ModelConfig:
@@ -63,6 +96,16 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         sliding = None
     if config.get("mlp_bias"):  # the MLP's linears have no bias here: they would be dropped silently
         raise ConfigError("model", f"{arch} with MLP biases (mlp_bias) is not supported")
+    if family in FUSED_IN_CHECKPOINT and config.get("quantization_config"):
+        raise ConfigError("model", f"{arch} checkpoints with packed 4-bit weights are not supported (their "
+                                   "q/k/v and gate/up are stacked); load the bf16 checkpoint with quantization "
+                                   "int4 or fp8 instead")
+    context = config.get("max_position_embeddings", 4096)
+    partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    if family == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's early names for LongRoPE (as transformers reads them)
+        rope_type, rope = "longrope", {key: value for key, value in rope.items() if key != "type"} | {"rope_type": "longrope"}
+    if rope_type == "longrope":
+        rope, context = _longrope(config, rope, context)
     return ModelConfig(
         architecture=family,
         vocab_size=config["vocab_size"],
@@ -74,7 +117,7 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope_theta),
-        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        max_position_embeddings=context,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
         o_bias=bool(config.get("attention_bias", False)),
@@ -84,12 +127,24 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         norm_rounds_once=family == "olmo2",
         **(_granite_multipliers(config) if family == "granite" else {}),
         rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
+        partial_rotary_factor=partial,
         sliding_window=sliding,
         eos_token_ids=_eos_ids(config, generation_config),
         bos_token_id=config.get("bos_token_id"),
         checkpoint_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
         **_packed_int4(config.get("quantization_config")),
     )
+
+
+def _longrope(config: dict[str, Any], rope: dict[str, Any], context: int) -> tuple[dict[str, Any], int]:
+    """LongRoPE's parameters with its factor and original context settled (transformers': the
+    config's factor, else max_position_embeddings over the original), and the context the engine
+    serves: the original one, within which the short factors are exact (models/llama.py,
+    _longrope_frequencies)."""
+    original = int(rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+                   or context)
+    factor = float(rope.get("factor") or context / original)
+    return {**rope, "original_max_position_embeddings": original, "factor": factor}, min(context, original)
 
 
 def _granite_multipliers(config: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Granite, OLMo 2) in plain torch
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Granite, OLMo 2, Phi-3) in plain torch
 over a flat batch.
 
 Every token of every sequence in the step is one row; attention is the only
@@ -104,13 +104,17 @@ class RotaryEmbedding(nn.Module):
         """x [tokens, heads, head_dim] rotated by each token's position (q and k of a layer
         go through together: they sit side by side in the fused projection's output)."""
         cos, sin = self.tables(positions, x.dtype)
+        turned = cos.shape[-1]
+        if turned < x.shape[-1]:  # partial rotary: the first dimensions turn, the rest pass as they are
+            part = x[..., :turned]
+            return torch.cat((part * cos + _rotate_half(part) * sin, x[..., turned:]), dim=-1)
         fused = fused_rotary(x, cos, sin)
         if fused is not None:
             return fused
         return x * cos + _rotate_half(x) * sin
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows [tokens, 1, head_dim] in `dtype`. Every layer of a step asks for
+        """cos and sin rows [tokens, 1, rotary_dim] in `dtype`. Every layer of a step asks for
         the same positions tensor, so the last pair is kept (eager only: the compiled step
         takes no Python state into its graph)."""
         if torch.compiler.is_compiling():
@@ -132,8 +136,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the factor cos and sin are multiplied by (YaRN's attention factor,
     else 1), as transformers' modeling_rope_utils computes them for the config's rope scaling:
-    none, linear, llama3, yarn, or dynamic (NTK), the last with one fixed base (`_dynamic_ntk_base`)."""
-    dim = config.head_dim
+    none, linear, llama3, yarn, longrope, or dynamic (NTK), the last with one fixed base
+    (`_dynamic_ntk_base`); over the rotary share of each head (`rotary_dim`)."""
+    dim = config.rotary_dim
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     base = _dynamic_ntk_base(config, float(scaling["factor"])) if kind == "dynamic" else config.rope_theta
@@ -143,6 +148,8 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return inv_freq / float(scaling["factor"]), 1.0
     if kind == "yarn":
         return _yarn_frequencies(config, scaling, powers)
+    if kind == "longrope":
+        return _longrope_frequencies(scaling, powers)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -156,8 +163,24 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
     if kind not in (None, "default", "dynamic"):
-        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn, dynamic are)")
+        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope, dynamic are)")
     return inv_freq, 1.0
+
+
+def _longrope_frequencies(scaling: dict, powers: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 / Phi-4, transformers' _compute_longrope_parameters) within the original
+    context: each frequency divided by its short factor, and cos / sin multiplied by
+    sqrt(1 + ln(factor) / ln(original)) unless the config gives the attention factor. Past the
+    original context transformers switches every position to the long factors, keys already cached
+    keeping the short ones, which no paged cache can replay: the checkpoint reader caps the context
+    at the original (checkpoints/hf.py), where the short factors are transformers' own."""
+    short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling["factor"])
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return 1.0 / (short * powers), float(attention_factor)
 
 
 def _dynamic_ntk_base(config: ModelConfig, factor: float) -> float:
