@@ -38,8 +38,26 @@ class ModelConfig:
     """RMSNorm multiplies the float32 normed row by its weight, then rounds to the model dtype
     (OLMo 2); Llama's rounds the normed row first and multiplies in the model dtype. The same in
     float32, apart in bf16 / fp16, where following the checkpoint's own order keeps it exact."""
+    sandwich_norms: bool = False
+    """Gemma 3's layer: each sublayer's input and output RMS-normed (input_layernorm and
+    post_attention_layernorm around attention, pre_ and post_feedforward_layernorm around the MLP)."""
+    norm_weight_offset: float = 0.0
+    """Gemma: every RMSNorm multiplies by (offset + weight) in float32 (its weights are stored
+    centred on zero); with norm_rounds_once."""
+    activation: str = "silu"
+    """The MLP's gate activation: "silu" (Llama), "gelu_tanh" (Gemma's gelu_pytorch_tanh)."""
+    local_rope_theta: float | None = None
+    """Gemma 3: the rotary base of the sliding-window layers (`local_layers`), which take no rope
+    scaling; the others turn by rope_theta with rope_scaling."""
+    local_layers: tuple[int, ...] = ()
+    """Gemma 3: the layers that attend within the sliding window (their rotary: local_rope_theta)."""
+    final_logit_softcapping: float | None = None
+    """Gemma: logits = cap * tanh(logits / cap), in the model dtype, before anything reads them."""
     embedding_multiplier: float = 1.0
     """Granite: the token embeddings are multiplied by this before the first layer."""
+    embedding_multiplier_rounds: bool = False
+    """The multiplier is rounded to the model dtype before it multiplies (Gemma's sqrt(hidden_size));
+    Granite's multiplies as the exact float."""
     residual_multiplier: float = 1.0
     """Granite: each sublayer's output is multiplied by this before its residual add."""
     attention_multiplier: float | None = None

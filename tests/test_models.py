@@ -20,7 +20,7 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 
 def build(kind: str):
-    from transformers import (GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                               MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM,
                               Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -56,11 +56,19 @@ def build(kind: str):
                                              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                              "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})
         return Phi3ForCausalLM(config)
+    if kind == "gemma3":  # 4 norms a layer (offset weights), GELU, per-layer rope bases, softcapped logits, tied
+        config = Gemma3TextConfig(**COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=128,
+                                  layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                   "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 10000.0}},
+                                  pad_token_id=None, bos_token_id=1, eos_token_id=2)
+        return Gemma3ForCausalLM(config)
     raise ValueError(kind)
 
 
 @pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "llama-tied", "llama-yarn", "granite", "olmo2",
-                                  "phi3", "phi4-mini"])
+                                  "phi3", "phi4-mini", "gemma3"])
 def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     torch.manual_seed(0)
     reference = build(kind).eval()
@@ -73,7 +81,7 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
         for layer in reference.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
-    if kind == "olmo2":  # every norm's: after attention and MLP, over the whole q / k projections, the final one
+    if kind in ("olmo2", "gemma3"):  # every norm's: around attention and MLP, over q / k, the final one (Gemma: offsets)
         for name, weight in reference.named_parameters():
             if name.endswith("norm.weight"):
                 torch.nn.init.normal_(weight, mean=1.0, std=0.5)

@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 FUSED_IN_CHECKPOINT = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -89,6 +90,9 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
     family = SUPPORTED_ARCHITECTURES[arch]
     num_heads = config["num_attention_heads"]
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    gemma = _gemma3(config, rope) if family == "gemma3" else {}
+    if gemma:
+        rope = gemma.pop("global_rope")
     rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     sliding = config.get("sliding_window")
@@ -118,14 +122,15 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope_theta),
         max_position_embeddings=context,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", family == "gemma3")),  # Gemma's default: tied
         qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
         o_bias=bool(config.get("attention_bias", False)),
-        qk_norm=family in ("qwen3", "olmo2"),
+        qk_norm=family in ("qwen3", "olmo2", "gemma3"),
         qk_norm_across_heads=family == "olmo2",
         sublayer_output_norms=family == "olmo2",
-        norm_rounds_once=family == "olmo2",
+        norm_rounds_once=family in ("olmo2", "gemma3"),
         **(_granite_multipliers(config) if family == "granite" else {}),
+        **gemma,
         rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
         partial_rotary_factor=partial,
         sliding_window=sliding,
@@ -145,6 +150,36 @@ def _longrope(config: dict[str, Any], rope: dict[str, Any], context: int) -> tup
                    or context)
     factor = float(rope.get("factor") or context / original)
     return {**rope, "original_max_position_embeddings": original, "factor": factor}, min(context, original)
+
+
+def _gemma3(config: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's variations of the Llama layer (ModelConfig's fields), and its full-attention layers'
+    rope parameters ("global_rope"), from config.json as transformers 4 or 5 writes it."""
+    if config.get("attn_logit_softcapping"):
+        raise ConfigError("model", "attention logit soft-capping (attn_logit_softcapping) is not supported yet")
+    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ConfigError("model", f"hidden_activation {config['hidden_activation']!r} is not supported (gelu_pytorch_tanh is)")
+    if config.get("use_bidirectional_attention"):
+        raise ConfigError("model", "bidirectional attention (use_bidirectional_attention) is not supported")
+    layers = config["num_hidden_layers"]
+    pattern = config.get("sliding_window_pattern", 6)
+    types = config.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                          for i in range(layers)]
+    nested = "full_attention" in rope or "sliding_attention" in rope  # transformers 5: per layer type
+    global_rope = dict(rope.get("full_attention") or {}) if nested else dict(rope)
+    local_rope = dict(rope.get("sliding_attention") or {}) if nested else {}
+    global_rope.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    if local_rope.get("rope_type", "default") != "default":
+        raise ConfigError("model", f"rope scaling on Gemma 3's sliding-window layers ({local_rope}) is not supported")
+    return dict(
+        global_rope=global_rope,
+        sandwich_norms=True, norm_weight_offset=1.0, activation="gelu_tanh",
+        local_rope_theta=float(local_rope.get("rope_theta", config.get("rope_local_base_freq", 10_000.0))),
+        local_layers=tuple(i for i, kind in enumerate(types) if kind == "sliding_attention"),
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+        embedding_multiplier=float(config["hidden_size"]) ** 0.5, embedding_multiplier_rounds=True,
+        attention_multiplier=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
+    )
 
 
 def _granite_multipliers(config: dict[str, Any]) -> dict[str, Any]:

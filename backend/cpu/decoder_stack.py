@@ -97,9 +97,12 @@ def computes_layers_of(config: ModelConfig) -> bool:
     (rope scaling: `forward` passes the model's) and softmax scale (passed too, Granite's included),
     and with the embedding the model computes (Granite's multiplier). Not the variations of the
     layer itself, which it has no code for: query / key norms (Qwen3, OLMo 2), norms after the
-    sublayers or OLMo 2's rounding, Granite's residual multiplier, partial rotary (Phi-4-mini)."""
+    sublayers or OLMo 2's rounding, Granite's residual multiplier, partial rotary (Phi-4-mini),
+    Gemma 3's norms around each sublayer, weight offsets, GELU and per-layer rotary tables."""
     return not (config.qk_norm or config.sublayer_output_norms or config.norm_rounds_once
-                or config.residual_multiplier != 1.0 or config.rotary_dim != config.head_dim)
+                or config.residual_multiplier != 1.0 or config.rotary_dim != config.head_dim
+                or config.sandwich_norms or config.norm_weight_offset or config.activation != "silu"
+                or config.local_layers)
 
 
 def _linear_tensors(linear: Any) -> decoder_stack_cpu.LinearTensors | None:

@@ -1,17 +1,19 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Granite, OLMo 2, Phi-3) in plain torch
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Granite, OLMo 2, Phi-3, Gemma 3) in plain torch
 over a flat batch.
 
 Every token of every sequence in the step is one row; attention is the only
 place sequences meet, through the paged KV cache. q/k/v and gate/up are fused
 into single matmuls; numerics otherwise follow Hugging Face's implementation. The other
 families are variations of Llama's layer, each switched on by its ModelConfig fields: Qwen3's
-per-head query / key norms, Granite's multipliers, OLMo 2's norms after each sublayer.
+per-head query / key norms, Granite's multipliers, OLMo 2's norms after each sublayer, Phi-3's
+partial rotary, Gemma 3's norms around each sublayer, GELU and per-layer rotary bases.
 Split over ranks (tensor parallelism), each rank builds its share of every layer
 from models/parallel.py; with one rank those are the plain layers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Protocol, Sequence, cast
@@ -35,12 +37,19 @@ from .parallel import (
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, rounds_once: bool = False):
+    def __init__(self, size: int, eps: float, rounds_once: bool = False, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.rounds_once = rounds_once
         """ModelConfig.norm_rounds_once: the weight multiplies the float32 row (OLMo 2's order)."""
+        self.offset = offset
+        """ModelConfig.norm_weight_offset: (offset + weight) multiplies, in float32 (Gemma)."""
+
+    @classmethod
+    def of(cls, config: ModelConfig, size: int) -> RMSNorm:
+        """A norm of `size` as the model's family computes it."""
+        return cls(size, config.rms_norm_eps, config.norm_rounds_once, config.norm_weight_offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """transformers' RMSNorm; on CPU one C pass (kernels/cpu/rms_norm.py) where it is built
@@ -51,6 +60,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (self.offset + self.weight.float())).to(dtype)
         if self.rounds_once:
             return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)
@@ -65,8 +76,8 @@ class RMSNorm(nn.Module):
 
     def _c_rounds_alike(self, x: torch.Tensor) -> bool:
         """The C kernels round the normed row before the weight, as Llama does; in float32 that
-        rounding is none, so they give OLMo 2's order too."""
-        return not self.rounds_once or x.dtype == torch.float32
+        rounding is none, so they give OLMo 2's order too. They take no weight offset."""
+        return not self.offset and (not self.rounds_once or x.dtype == torch.float32)
 
 
 class ReadsResidual(nn.Module):
@@ -89,6 +100,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
+        self.local = (RotaryEmbedding(dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None,
+                                                          local_layers=()), max_positions)
+                      if config.local_layers and config.local_rope_theta is not None else None)
+        """Gemma 3's sliding-window layers' tables (their own base, no scaling); None elsewhere."""
         inv_freq, attention_factor = rope_frequencies(config)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
@@ -230,9 +245,11 @@ def _yarn_frequencies(config: ModelConfig, scaling: dict, powers: torch.Tensor) 
 class LlamaAttention(nn.Module):
     """This rank's query heads and the KV heads they read (all of them with one rank)."""
 
-    def __init__(self, config: ModelConfig, parallel: TensorParallel):
+    def __init__(self, config: ModelConfig, parallel: TensorParallel, index: int = 0):
         super().__init__()
         local = parallel.local_config(config)
+        self.local_rope = index in config.local_layers
+        """This layer turns by the model's local rotary tables (Gemma 3's sliding-window layers)."""
         self.num_heads = local.num_heads
         self.num_kv_heads = local.num_kv_heads
         self.head_dim = config.head_dim
@@ -247,8 +264,8 @@ class LlamaAttention(nn.Module):
         # queries and keys RMS-normed before rotary: each head over head_dim with one weight (Qwen3),
         # or the whole projection with a weight as wide (OLMo 2)
         q_width, k_width = (self.q_size, self.kv_size) if config.qk_norm_across_heads else (self.head_dim, self.head_dim)
-        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, config.norm_rounds_once) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, config.norm_rounds_once) if config.qk_norm else None
+        self.q_norm = RMSNorm.of(config, q_width) if config.qk_norm else None
+        self.k_norm = RMSNorm.of(config, k_width) if config.qk_norm else None
 
     def project(
         self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor
@@ -259,6 +276,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             qk = torch.cat((self._normed(self.q_norm, q), self._normed(self.k_norm, k)), dim=-1)
+        if self.local_rope and rotary.local is not None:
+            rotary = rotary.local
         qk = rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
@@ -277,9 +296,15 @@ class LlamaMLP(nn.Module):
             config.hidden_size, 2 * self.intermediate_size, (parallel.shard(0), parallel.shard(0))
         )
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, parallel)
+        if config.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation {config.activation!r} is not supported (silu, gelu_tanh are)")
+        self.gelu = config.activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gelu:  # Gemma's gelu_pytorch_tanh
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         activated = fused_silu_mul(gate_up)  # one C pass on CPU (float32, bfloat16) where it is built
         if activated is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -288,16 +313,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: TensorParallel):
+    def __init__(self, config: ModelConfig, parallel: TensorParallel, index: int = 0):
         super().__init__()
         def norm() -> RMSNorm:
-            return RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_rounds_once)
+            return RMSNorm.of(config, config.hidden_size)
 
-        output_norms = config.sublayer_output_norms
-        self.input_layernorm: RMSNorm | ReadsResidual = ReadsResidual() if output_norms else norm()
-        self.self_attn = LlamaAttention(config, parallel)
+        sandwich = config.sandwich_norms
+        output_norms = config.sublayer_output_norms or sandwich
+        self.input_layernorm: RMSNorm | ReadsResidual = ReadsResidual() if config.sublayer_output_norms else norm()
+        self.self_attn = LlamaAttention(config, parallel, index)
         self.post_attention_layernorm = norm()
-        """Llama: the MLP's input norm; OLMo 2: the attention output's norm (the checkpoints' name for both)."""
+        """Llama: the MLP's input norm; OLMo 2, Gemma 3: the attention output's norm (the checkpoints' name for each)."""
+        self.pre_feedforward_layernorm = norm() if sandwich else None
+        """Gemma 3: the MLP's input norm."""
         self.post_feedforward_layernorm = norm() if output_norms else None
         self.mlp = LlamaMLP(config, parallel)
         self.residual_multiplier = config.residual_multiplier
@@ -311,7 +339,8 @@ class LlamaDecoderLayer(nn.Module):
             h, x = self.post_attention_layernorm.add_and_norm(h, self._scaled(out))
             return h, self._scaled(self.mlp(x))
         h = h + self._scaled(self.post_attention_layernorm(out))
-        return h, self._scaled(self.post_feedforward_layernorm(self.mlp(h)))
+        x = h if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(h)
+        return h, self._scaled(self.post_feedforward_layernorm(self.mlp(x)))
 
     def _scaled(self, delta: torch.Tensor) -> torch.Tensor:
         """A sublayer's output as added to the residual stream (Granite multiplies it)."""
@@ -344,8 +373,8 @@ class LlamaForCausalLM(nn.Module):
         self.local_config = local = parallel.local_config(config)
         """This rank's share of the architecture (`config` itself with one rank): its KV cache is sized from it."""
         self.embed_tokens = VocabParallelEmbedding(local.vocab_size, config.hidden_size, parallel)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, parallel) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_rounds_once)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, parallel, i) for i in range(config.num_layers))
+        self.norm = RMSNorm.of(config, config.hidden_size)
         self.lm_head = ParallelLMHead(config.hidden_size, local.vocab_size, parallel)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -398,16 +427,22 @@ class LlamaForCausalLM(nn.Module):
         return cast("Sequence[LlamaDecoderLayer]", self.layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The tokens' embeddings as the first layer reads them (Granite multiplies them)."""
+        """The tokens' embeddings as the first layer reads them (Granite and Gemma multiply them)."""
         h = self.embed_tokens(input_ids)
         multiplier = self.config.embedding_multiplier
-        return h if multiplier == 1.0 else h * multiplier
+        if multiplier == 1.0:
+            return h
+        return h * torch.tensor(multiplier, dtype=h.dtype) if self.config.embedding_multiplier_rounds else h * multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits; Granite's divided by its logits_scaling in the model dtype, as transformers does."""
+        """float32 logits; Granite's divided by its logits_scaling and Gemma's soft-capped, in the model
+        dtype, as transformers does."""
         logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
 
