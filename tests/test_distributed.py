@@ -18,6 +18,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from pagedserve.backend import ConfigError, EngineConfig, EngineDeadError, LLMEngine, SamplingParams
 from pagedserve.backend.distributed import group
@@ -98,6 +99,33 @@ def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path, sentencepiece_tokeni
     results = []
     for tp in (1, 2):
         engine = LLMEngine(model=path, dtype="float32", tensor_parallel_size=tp)
+        results.append([c.token_ids for c in engine.generate(small_prompts, params, use_tqdm=False)])
+        engine.close()
+    assert results[0] == results[1]
+    assert not new_workers()
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3"])
+def test_families_that_stack_or_sandwich_their_projections_split_across_ranks(family, tmp_path, sentencepiece_tokenizer,
+                                                                                small_prompts, new_workers):
+    """Phi-3's stacked q/k/v and gate/up (read as their parts, then sharded as Llama's) and Gemma 3's
+    per-head q/k norms and norms around each sublayer: 2 ranks give 1 rank's tokens."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM
+
+    from .tensor_parallel_checks import SMALL_LLAMA
+
+    torch.manual_seed(0)
+    shape = dict(SMALL_LLAMA, num_key_value_heads=2, vocab_size=-(-len(sentencepiece_tokenizer) // 64) * 64,
+                 pad_token_id=None)
+    model = (Phi3ForCausalLM(Phi3Config(**shape)) if family == "phi3" else
+             Gemma3ForCausalLM(Gemma3TextConfig(**shape, head_dim=16, sliding_window=256,
+                                                layer_types=["sliding_attention", "full_attention"])))
+    model.save_pretrained(tmp_path)
+    sentencepiece_tokenizer.save_pretrained(tmp_path)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    results = []
+    for tp in (1, 2):
+        engine = LLMEngine(model=str(tmp_path), dtype="float32", tensor_parallel_size=tp)
         results.append([c.token_ids for c in engine.generate(small_prompts, params, use_tqdm=False)])
         engine.close()
     assert results[0] == results[1]
