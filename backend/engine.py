@@ -97,7 +97,7 @@ class LLMEngine:
         compiled = compile_wanted(config, self.device)
         tensor_parallel = self.workers is not None
         cpu = self.cpu
-        keep_blocks = cpu.keep_exact_blocks if cpu and cpu.keeps_exact_blocks(self.dtype, compiled, tensor_parallel) else None
+        keep_blocks = cpu.checkpoint_hook(self.dtype, compiled, tensor_parallel) if cpu is not None else None
         parallel = self.workers.parallel if self.workers else SINGLE_RANK
         loaded = load_model(self.model_path, self.dtype, self.device, parallel, config.load_format, keep_blocks)
         if config.quantization != "none":

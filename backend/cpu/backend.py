@@ -16,7 +16,7 @@ from pagedserve.kernels.cpu.native_build import build_all
 
 from ..config import EngineConfig
 from ..model_config import ModelConfig
-from ..models.linear import Linear
+from ..model_loader import CheckpointWeightHook
 from ..models.llama import LlamaForCausalLM
 from ..process_tuning import keep_freed_memory_in_heap
 from .decoder_stack import attach
@@ -32,17 +32,14 @@ class CpuBackend:
         keep_freed_memory_in_heap()
         build_all()  # every C kernel now (cached after install), so no request pays a compile
 
-    def keeps_exact_blocks(self, dtype: torch.dtype, compiled: bool, tensor_parallel: bool) -> bool:
-        """Whether loading keeps each half-precision linear's GGUF blocks (`keep_exact_blocks`): for
-        eager, unquantized, single-rank engines that may sum a few rows differently from many."""
+    def checkpoint_hook(self, dtype: torch.dtype, compiled: bool, tensor_parallel: bool) -> CheckpointWeightHook | None:
+        """What the loader shows each linear's checkpoint weight to: `keep_exact_blocks`, which keeps a
+        half-precision layer's GGUF blocks, for eager, unquantized, single-rank engines that may sum
+        a few rows differently from many; None for the rest."""
         config = self.config
-        return (dtype in (torch.bfloat16, torch.float16) and not compiled and config.quantization == "none"
-                and not tensor_parallel and not config.deterministic)
-
-    @staticmethod
-    def keep_exact_blocks(layer: Linear, weight: torch.Tensor) -> None:
-        """The loader's hook (model_loader.CheckpointWeightHook) for `keeps_exact_blocks`."""
-        keep_exact_blocks(layer, weight)
+        keeps = (dtype in (torch.bfloat16, torch.float16) and not compiled and config.quantization == "none"
+                 and not tensor_parallel and not config.deterministic)
+        return keep_exact_blocks if keeps else None
 
     def prepare(self, model: LlamaForCausalLM, model_config: ModelConfig, dtype: torch.dtype,
                 tensor_parallel: bool) -> None:
