@@ -68,7 +68,7 @@ class ModelConfig:
     see the distribution the model was trained to give)."""
     rope_scaling: dict[str, Any] | None = None
     """The checkpoint's rope scaling parameters (rope_type linear, dynamic, yarn, llama3, longrope;
-    see models/llama.py's rope_frequencies); None for plain rotary."""
+    see models/rope.py's rope_frequencies); None for plain rotary."""
     partial_rotary_factor: float = 1.0
     """The share of each head's dimensions that rotary turns (the first ones; Phi-4-mini: 0.75)."""
     sliding_window: int | None = None

@@ -122,7 +122,7 @@ def test_rope_scalings_give_the_frequencies_transformers_computes(scaling):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from pagedserve.backend.checkpoints.hf import hf_model_config
-    from pagedserve.backend.models.llama import rope_frequencies
+    from pagedserve.backend.models.rope import rope_frequencies
 
     hf = LlamaConfig(**{**COMMON, "max_position_embeddings": 256}, rope_scaling=dict(scaling))
     inv_freq, attention_factor = rope_frequencies(hf_model_config(hf.to_dict()))

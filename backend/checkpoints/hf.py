@@ -144,7 +144,7 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
 def _longrope(config: dict[str, Any], rope: dict[str, Any], context: int) -> tuple[dict[str, Any], int]:
     """LongRoPE's parameters with its factor and original context settled (transformers': the
     config's factor, else max_position_embeddings over the original), and the context the engine
-    serves: the original one, within which the short factors are exact (models/llama.py,
+    serves: the original one, within which the short factors are exact (models/rope.py,
     _longrope_frequencies)."""
     original = int(rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
                    or context)
