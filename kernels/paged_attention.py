@@ -10,6 +10,10 @@ A sequence's new tokens sit at the end of its context: query token i of a
 sequence with q new tokens and context s attends to keys 0 .. s - q + i.
 GQA: query head h reads kv head h // (num_heads // num_kv_heads).
 
+Sliding window (keyword-only `window`, None: full causal): the query at position p attends
+to keys p - window < k <= p, the last `window` positions (transformers' sliding_window
+mask), so Mistral and Gemma's local layers run past the window exactly.
+
 FP8 KV cache: key_cache/value_cache may be torch.float8_e4m3fn with per-tensor
 scales (keyword-only k_scale, v_scale; dequantized = stored * scale; scales are
 ignored for other cache dtypes, and default to 1.0).
@@ -39,6 +43,7 @@ def paged_attention_ref(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decodes are batched (one gather, one padded SDPA with GQA folded into the
     query axis); prefill chunks run one sequence at a time.
@@ -66,7 +71,10 @@ def paged_attention_ref(
             keys, values = _dequant(keys, ks, query.dtype), _dequant(values, vs, query.dtype)
         q = query[tokens].view(len(decodes), num_kv_heads, -1, head_dim)
         positions = torch.arange(keys.shape[2], device=query.device)
-        mask = (positions[None, :] < context[:, None])[:, None, None, :]
+        mask = positions[None, :] < context[:, None]
+        if window is not None:
+            mask &= positions[None, :] >= context[:, None] - window
+        mask = mask[:, None, None, :]
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         out[tokens] = attn.reshape(len(decodes), -1, head_dim)
     for i in range(len(lens)):
@@ -81,16 +89,24 @@ def paged_attention_ref(
         if fp8:
             keys, values = _dequant(keys, ks, query.dtype), _dequant(values, vs, query.dtype)
         q = query[starts[i] : starts[i + 1]].transpose(0, 1)  # [h, q, d]
-        if seq_len == q_len:
+        if seq_len == q_len and (window is None or window >= seq_len):
             attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            first = seq_len - q_len
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= (
-                first + torch.arange(q_len, device=query.device)[:, None]
-            )
+            mask = visible_keys(q_len, seq_len, window, query.device)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[starts[i] : starts[i + 1]] = attn.transpose(0, 1)
     return out
+
+
+def visible_keys(q_len: int, seq_len: int, window: int | None, device: torch.device | None = None) -> torch.Tensor:
+    """[q_len, seq_len] bool: the last q_len of seq_len positions see keys up to their own
+    position (lower-right causal), and with a window only the last `window` of those."""
+    keys = torch.arange(seq_len, device=device)[None, :]
+    rows = torch.arange(q_len, device=device)[:, None] + (seq_len - q_len)
+    visible = keys <= rows
+    if window is not None:
+        visible &= keys > rows - window
+    return visible
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

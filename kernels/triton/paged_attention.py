@@ -20,6 +20,10 @@ block_tables[seq, n // block_size]), so BLOCK_N may be any power of two,
 independent of the cache block size. Pointer offsets into the caches are int64.
 Softmax is online (running max / sum) in float32 in the log2 domain.
 
+Sliding window (constexpr SLIDING; the window a runtime int, so one compiled variant serves
+every window size): a q-block's key range starts at its first token's window, and each row
+masks the keys before its own (query at p sees p - window < n <= p).
+
 Split-KV (flash-decoding): when the batch is too small to fill the device and
 the context is long, the key range of every q-block is cut into NUM_SPLITS
 tile-aligned segments, the kernel writes unnormalised partials (acc, max, sum)
@@ -98,6 +102,7 @@ def _paged_attention_kernel(
     num_seqs, num_heads,
     qk_scale,  # softmax scale * k_scale * log2(e)
     v_scale,
+    window,  # keys a query sees, its own included (SLIDING)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -108,6 +113,7 @@ def _paged_attention_kernel(
     KV_BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SLIDING: tl.constexpr,
     KV_FP8: tl.constexpr,  # 0: cache in the query dtype; 1: e4m3, hardware conversion; 2: e4m3 in software
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -138,14 +144,18 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
     last_key = context + tok  # inclusive causal limit of each row
 
-    # Keys this q-block can see: [0, context + its last token + 1).
+    # Keys this q-block can see: [0, context + its last token + 1), with a sliding window
+    # from its first token's window on (the later tokens' masks cut the rest).
     kv_end = context + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    kv_first = kv_end * 0
+    if SLIDING:
+        kv_first = tl.maximum(context + q_block * BLOCK_Q - window + 1, 0)
     if NUM_SPLITS == 1:
-        kv_lo = 0
+        kv_lo = kv_first
         kv_hi = kv_end
     else:
-        tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
-        kv_lo = split * tiles_per_split * BLOCK_N
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_first, BLOCK_N), NUM_SPLITS)
+        kv_lo = kv_first + split * tiles_per_split * BLOCK_N
         kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
 
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -168,6 +178,8 @@ def _paged_attention_kernel(
         k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
         visible = n_ok[None, :] & (n[None, :] <= last_key[:, None])
+        if SLIDING:
+            visible = visible & (n[None, :] > last_key[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -283,8 +295,9 @@ def paged_attention_triton(
     max_seq_len: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `paged_attention_ref`.
+    """Triton twin of `paged_attention_ref` (window: its sliding window, None for full causal).
 
     Tuning overrides (keyword-only, for tests/benchmarks): num_splits forces the
     split-KV path (1 = off, a power of two); max_seq_len spares the one host
@@ -336,7 +349,8 @@ def paged_attention_triton(
         else:
             if max_seq_len is None:
                 max_seq_len = int(seq_lens.max())
-            num_splits = choose_num_splits(programs, max_seq_len, sms, block_n)
+            keys_read = max_seq_len if window is None else min(max_seq_len, window + block_q)
+            num_splits = choose_num_splits(programs, keys_read, sms, block_n)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError("num_splits must be a power of two")
 
@@ -354,6 +368,7 @@ def paged_attention_triton(
         block_tables, seq_lens, query_start_loc,
         num_seqs, num_heads,
         scale * ks * LOG2E, vs,
+        window or 0,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -364,6 +379,7 @@ def paged_attention_triton(
         KV_BLOCK_SIZE=kv_block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         NUM_SPLITS=num_splits,
+        SLIDING=window is not None,
         KV_FP8=(1 if native_fp8(query.device) else 2) if fp8 else 0, DOT_FP32=dot_fp32,
         PRECISION="ieee" if query.dtype == torch.float32 else None,
         num_warps=4 if block_m * head_dim_pad <= 64 * 128 else 8,

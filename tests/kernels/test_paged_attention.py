@@ -125,6 +125,26 @@ def test_a_softmax_scale_of_the_model_s_own(num_splits):
     assert rel_err(b.triton(num_splits=num_splits), b.reference()) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("window", [1, 16, 37, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sliding_window(window, dtype):
+    """Mistral / Gemma's local layers: each query sees the last `window` positions only,
+    in decodes, fresh prefills and chunks after a cached prefix, windows inside a tile, at
+    a tile boundary and longer than some contexts."""
+    b = Batch(MIXED_Q, MIXED_S, 8, 2, 64, dtype=dtype, seed=window)
+    ref = paged_attention_ref(*b.ref_args(), window=window)
+    assert rel_err(b.triton(num_splits=1, window=window), ref) < TOL[dtype]
+    assert rel_err(ref, b.reference()) > 0.05  # the window changed the answer
+
+
+@pytest.mark.parametrize("window", [37, 700])
+def test_sliding_window_split(window):
+    """Split-KV over the window only: splits share out the keys from the window's start."""
+    b = Batch([1, 1, 20], [3000, 40, 1200], 8, 2, 64, seed=window)
+    ref = paged_attention_ref(*b.ref_args(), window=window)
+    assert rel_err(b.triton(num_splits=4, window=window), ref) < TOL[torch.float32]
+
+
 def test_split_heuristic():
     """Small batch + long context splits; a full grid or a short context does not."""
     assert choose_num_splits(num_programs=8, max_seq_len=4096, num_sms=132, block_n=64) > 1
