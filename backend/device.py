@@ -114,8 +114,6 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, device: torch
 def max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
     """The configured max_model_len, or the most the model and the KV cache allow."""
     context = model_config.max_position_embeddings
-    if model_config.sliding_window:
-        context = min(context, model_config.sliding_window)  # exact without a sliding-window kernel
     asked = config.max_model_len
     if asked > context:
         raise ConfigError("max_model_len", f"must be <= the model's context length {context}, got {asked}")

@@ -47,10 +47,8 @@ class ModelConfig:
     activation: str = "silu"
     """The MLP's gate activation: "silu" (Llama), "gelu_tanh" (Gemma's gelu_pytorch_tanh)."""
     local_rope_theta: float | None = None
-    """Gemma 3: the rotary base of the sliding-window layers (`local_layers`), which take no rope
+    """Gemma 3: the rotary base of the sliding-window layers (`sliding_layers`), which take no rope
     scaling; the others turn by rope_theta with rope_scaling."""
-    local_layers: tuple[int, ...] = ()
-    """Gemma 3: the layers that attend within the sliding window (their rotary: local_rope_theta)."""
     final_logit_softcapping: float | None = None
     """Gemma: logits = cap * tanh(logits / cap), in the model dtype, before anything reads them."""
     embedding_multiplier: float = 1.0
@@ -72,6 +70,24 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     """The share of each head's dimensions that rotary turns (the first ones; Phi-4-mini: 0.75)."""
     sliding_window: int | None = None
+    """The keys a sliding-window layer's query sees, its own included (the last this many positions)."""
+    sliding_layers: tuple[int, ...] = ()
+    """The layers that attend within sliding_window: every one (Mistral), those from max_window_layers
+    on (Qwen2 with use_sliding_window), five of every six (Gemma 3); the others attend to the whole context."""
+    num_experts: int = 0
+    """Mixture of experts: the experts of each MoE layer (Mixtral, Qwen3-MoE); 0 for dense MLPs."""
+    experts_per_token: int = 0
+    """The experts each token is routed to (top-k of the router's softmax)."""
+    expert_intermediate_size: int = 0
+    """Each expert's MLP width (Qwen3-MoE's moe_intermediate_size; Mixtral's intermediate_size)."""
+    moe_layers: tuple[int, ...] = ()
+    """The layers whose MLP is the experts (Mixtral: all; Qwen3-MoE: by decoder_sparse_step, less
+    mlp_only_layers); the others keep a dense MLP of intermediate_size."""
+    renormalize_expert_weights: bool = True
+    """The top-k routing weights are divided by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob)."""
+    expert_weights_rounded: bool = False
+    """The routing weights are rounded to the model dtype before they scale the experts' outputs
+    (Qwen3-MoE); Mixtral's scale them in float32."""
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     checkpoint_dtype: str = "float32"
@@ -87,6 +103,10 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """How many of each head's dimensions rotary turns (transformers' int(head_dim * factor))."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, index: int) -> int | None:
+        """Layer `index`'s sliding window, None where it attends to the whole context."""
+        return self.sliding_window if index in self.sliding_layers else None
 
     @property
     def q_size(self) -> int:

@@ -2,8 +2,9 @@
 
 Every format yields (name, tensor) pairs in Hugging Face naming; `load_weights`
 copies them into the model with a progress bar, stacking the projections of each
-packed module (q/k/v, gate/up) as the model's `packed_modules` table says, and
-handing packed 4-bit projections to PackedInt4Loader.
+packed module (q/k/v, gate/up) as the model's `packed_modules` table says, handing
+each expert's tensors to its layer's SparseMoeBlock and packed 4-bit projections to
+PackedInt4Loader.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .model_config import ModelConfig
 from .model_files import is_gguf, resolve_model_path
 from .models.linear import Linear
 from .models.llama import LlamaForCausalLM, RotaryEmbedding
+from .models.moe import SparseMoeBlock
 from .models.parallel import SINGLE_RANK, TensorParallel, take_shard
 from .tokenizer import load_tokenizer
 
@@ -103,6 +105,7 @@ def build_empty_model(
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(\w+)\.weight")
 _TOP_LEVEL = {
     "model.embed_tokens.weight": "embed_tokens.weight",
     "model.norm.weight": "norm.weight",
@@ -126,7 +129,10 @@ def load_weights(
         part: (fused, index, len(parts)) for fused, parts in model.packed_modules.items() for index, part in enumerate(parts)
     }
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = {name for name in params if not (model.config.tie_word_embeddings and name == "lm_head.weight")}
+    experts = {f"layers.{i}.mlp": layer.mlp for i, layer in enumerate(model.decoder_layers)
+               if isinstance(layer.mlp, SparseMoeBlock)}
+    expected = {name for name in params if not (model.config.tie_word_embeddings and name == "lm_head.weight")
+                and name.rpartition(".")[0] not in experts}  # the stacked experts count their own tensors
     pending: dict[str, list[tuple[str, torch.Tensor] | None]] = {}
     loaded: set[str] = set()
     for name, tensor in tqdm(tensors, total=total, desc="Loading weights", unit="tensor", leave=False):
@@ -135,6 +141,10 @@ def load_weights(
             target, index, count = _TOP_LEVEL.get(name), 0, 1
         else:
             layer, (module, _, kind) = match.group(1), match.group(2).rpartition(".")
+            expert = _EXPERT.fullmatch(match.group(2))
+            if expert is not None and f"layers.{layer}.mlp" in experts:
+                experts[f"layers.{layer}.mlp"].load_expert(int(expert.group(1)), expert.group(2), tensor)
+                continue
             if packed is not None and packed.accepts(module, kind):
                 packed.add(int(layer), module, kind, tensor)
                 continue
@@ -150,7 +160,7 @@ def load_weights(
             loaded.add(target)
             if on_linear_weight is not None:
                 _show_checkpoint_weight(model, target, rows, on_linear_weight)
-    missing = sorted(expected - loaded)
+    missing = sorted(expected - loaded) + [f"{name}.{tensor}" for name, block in experts.items() for tensor in block.missing()]
     if missing:
         raise ConfigError("model", f"checkpoint lacks tensors for {missing[:6]}{' ...' if len(missing) > 6 else ''}")
 

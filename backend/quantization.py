@@ -21,6 +21,7 @@ from pagedserve.kernels.dispatch import fp8_linear, int4_linear
 from pagedserve.kernels.fp8 import quantize_fp8
 from pagedserve.kernels.int4 import int4_group_size, quantize_int4
 
+from .errors import ConfigError
 from .models.llama import LlamaForCausalLM
 
 
@@ -49,6 +50,9 @@ def quantize_linear(linear: nn.Linear, method: str, source_group_size: int | Non
 @torch.inference_mode()
 def quantize_model(model: LlamaForCausalLM, method: str, keep_last_layers: int = 1) -> None:
     """Replace the decoder layers' linear layers in place (frees the dense weights)."""
+    if model.config.moe_layers:
+        raise ConfigError("quantization", f"{method} for a mixture-of-experts model's experts is not built yet; "
+                                          "serve it with quantization none (the experts in the model dtype)")
     layers = list(model.layers)[: len(model.layers) - keep_last_layers]
     for layer in tqdm(layers, desc=f"Quantizing to {method}", unit="layer", leave=False):
         for name in model.packed_modules:

@@ -10,7 +10,9 @@ nothing is downloaded) and outputs are forced with `ignore_eos`, so speed does n
 on the values. Per model: single-stream decode (128-token prompt, 256 generated) and its
 share of the bandwidth roofline (bytes a step must read, weights plus KV, over the step
 time, over the copy bandwidth measured in this run); TTFT of a 2,048-token prompt; offline
-output tok/s with 256 requests in flight (ShareGPT-like lengths, fixed seed). The peer is
+output tok/s with 256 requests in flight (ShareGPT-like lengths, fixed seed). First, one layer
+of Mixtral's and Qwen3-MoE's experts through the fused MoE kernel and the torch reference
+(benchmarks/moe_kernel.py). The peer is
 transformers on the same shape and requests: continuous batching (`generate_batch`'s
 manager, paged attention) for throughput, static-cache compiled `generate` for one stream.
 
@@ -46,6 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_shapes import write_model_dir  # noqa: E402
+from moe_kernel import markdown as moe_markdown, moe_rows  # noqa: E402
 
 
 def importable_checkout() -> None:
@@ -517,6 +520,8 @@ def markdown(result: dict) -> str:
                           f"{row['served_tok_s']:,} output tok/s over {row['served_requests']} requests (offline, same "
                           f"requests and concurrency: {show(offline, '{:,}')}); TTFT p50 {row['ttft_p50_ms']} ms, "
                           f"ITL p50 {row['itl_p50_ms']} ms."]
+    if result.get("moe"):
+        lines += ["", moe_markdown(result["moe"])]
     lines += [""] + [f"- {verdict}: {text}" for verdict, text in result["targets"]]
     if result["skipped"]:
         lines += [""] + [f"- skipped: {text}" for text in result["skipped"]]
@@ -577,6 +582,11 @@ def main(argv: list[str] | None = None) -> dict:
             f.write(table + "\n")
         return table
 
+    moe_tokens = (1, 256) if args.quick else (1, 32, 256, 2048)
+    attempt(result, "fused MoE kernel", left, 60,
+            lambda: result.__setitem__("moe", moe_rows(args.device, result["device"]["copy_gb_s"], moe_tokens)))
+    release(args.device)
+    save()
     with tempfile.TemporaryDirectory() as root:
         for run in plan.runs:
             directory = os.path.join(root, run.shape)

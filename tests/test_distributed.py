@@ -105,21 +105,28 @@ def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path, sentencepiece_tokeni
     assert not new_workers()
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma3"])
+@pytest.mark.parametrize("family", ["phi3", "gemma3", "qwen3-moe"])
 def test_families_that_stack_or_sandwich_their_projections_split_across_ranks(family, tmp_path, sentencepiece_tokenizer,
                                                                                 small_prompts, new_workers):
-    """Phi-3's stacked q/k/v and gate/up (read as their parts, then sharded as Llama's) and Gemma 3's
-    per-head q/k norms and norms around each sublayer: 2 ranks give 1 rank's tokens."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM
+    """Phi-3's stacked q/k/v and gate/up (read as their parts, then sharded as Llama's), Gemma 3's
+    per-head q/k norms, norms around each sublayer and sliding-window layers (a window of 16), and
+    Qwen3-MoE's experts (each expert's width split, the router on every rank): 2 ranks give 1 rank's tokens."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     from .tensor_parallel_checks import SMALL_LLAMA
 
     torch.manual_seed(0)
     shape = dict(SMALL_LLAMA, num_key_value_heads=2, vocab_size=-(-len(sentencepiece_tokenizer) // 64) * 64,
                  pad_token_id=None)
-    model = (Phi3ForCausalLM(Phi3Config(**shape)) if family == "phi3" else
-             Gemma3ForCausalLM(Gemma3TextConfig(**shape, head_dim=16, sliding_window=256,
-                                                layer_types=["sliding_attention", "full_attention"])))
+    if family == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**shape))
+    elif family == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, head_dim=16, sliding_window=16,
+                                                   layer_types=["sliding_attention", "full_attention"]))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                   norm_topk_prob=True))
     model.save_pretrained(tmp_path)
     sentencepiece_tokenizer.save_pretrained(tmp_path)
     params = SamplingParams(max_tokens=12, **GREEDY)

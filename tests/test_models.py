@@ -19,22 +19,37 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, initializer_range=0.3)
 
 
+WINDOWED = {"mistral": (0, 1), "mixtral": (0, 1), "qwen2-window": (1,), "phi3": (0, 1), "gemma3": (0,)}
+"""The kinds with sliding-window layers, and which."""
+
+
 def build(kind: str):
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                              Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     if kind == "llama3":
         config = LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500000.0,
                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         return LlamaForCausalLM(config)
-    if kind == "mistral":
-        return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None, tie_word_embeddings=False))
+    if kind == "mistral":  # a window of 24: the 90- and 42-token prompts and their chunks run past it
+        return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=24, tie_word_embeddings=False))
     if kind == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=True))
+    if kind == "qwen2-window":  # the second layer alone attends within a window of 20 (max_window_layers)
+        return Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=True, use_sliding_window=True,
+                                            sliding_window=20, max_window_layers=1))
     if kind == "qwen3":  # head_dim apart from hidden / heads, as Qwen3's configs have it
         return Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False))
+    if kind == "mixtral":  # 8 experts, 2 a token, renormalized; a window of 24 as Mistral's
+        return MixtralForCausalLM(MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2, sliding_window=24,
+                                                tie_word_embeddings=False))
+    if kind == "qwen3-moe":  # 8 experts of width 48, 3 a token, weights not renormalized; the second layer dense
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, head_dim=32, num_experts=8, num_experts_per_tok=3,
+                                                  moe_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+                                                  tie_word_embeddings=False))
     if kind == "llama-tied":
         return LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=True, attention_bias=True))
     if kind == "llama-yarn":  # a 90-token prompt runs past the original 64 positions; 256 = 64 x 4
@@ -48,7 +63,7 @@ def build(kind: str):
         return Olmo2ForCausalLM(Olmo2Config(**COMMON, tie_word_embeddings=False, pad_token_id=None, bos_token_id=1,
                                             eos_token_id=2))
     if kind == "phi3":  # q/k/v and gate/up stacked in the checkpoint; Llama's special tokens (Phi-3's pad id masks)
-        return Phi3ForCausalLM(Phi3Config(**COMMON, pad_token_id=None, bos_token_id=1, eos_token_id=2))
+        return Phi3ForCausalLM(Phi3Config(**COMMON, pad_token_id=None, bos_token_id=1, eos_token_id=2, sliding_window=30))
     if kind == "phi4-mini":  # 3/4 of each head turned by rotary, LongRoPE (original context 128 of 512), tied embeddings
         config = Phi3Config(**COMMON, pad_token_id=None, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
                             original_max_position_embeddings=128,
@@ -57,7 +72,7 @@ def build(kind: str):
                                              "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})
         return Phi3ForCausalLM(config)
     if kind == "gemma3":  # 4 norms a layer (offset weights), GELU, per-layer rope bases, softcapped logits, tied
-        config = Gemma3TextConfig(**COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=128,
+        config = Gemma3TextConfig(**COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
                                   layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
@@ -67,17 +82,17 @@ def build(kind: str):
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "llama-tied", "llama-yarn", "granite", "olmo2",
-                                  "phi3", "phi4-mini", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama3", "mistral", "mixtral", "qwen2", "qwen2-window", "qwen3", "qwen3-moe",
+                                  "llama-tied", "llama-yarn", "granite", "olmo2", "phi3", "phi4-mini", "gemma3"])
 def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     torch.manual_seed(0)
     reference = build(kind).eval()
-    if kind in ("qwen2", "llama-tied"):  # make the biases matter: Qwen2's on q/k/v, attention_bias's on o too
+    if kind in ("qwen2", "qwen2-window", "llama-tied"):  # make the biases matter: Qwen2's on q/k/v, attention_bias's on o too
         for layer in reference.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
                 if proj.bias is not None:
                     torch.nn.init.normal_(proj.bias, std=0.5)
-    if kind == "qwen3":  # and the per-head norms' weights
+    if kind in ("qwen3", "qwen3-moe"):  # and the per-head norms' weights
         for layer in reference.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
@@ -99,6 +114,10 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     with torch.inference_mode():  # the logits' scale too (greedy tokens do not see Granite's logits_scaling)
         expected = reference(torch.tensor([prompts[1]])).logits[0, -1].float().log_softmax(-1)
     assert again[0].logprobs[0].logprob == pytest.approx(expected[again[0].token_ids[0]].item(), abs=1e-4)
+    if kind in WINDOWED:  # the whole context is served, each window where the checkpoint puts it
+        assert engine.max_model_len == 512 and engine.model_config.sliding_layers == WINDOWED[kind]
+    if kind in ("mixtral", "qwen3-moe"):
+        assert engine.model_config.moe_layers == ((0, 1) if kind == "mixtral" else (0,))
     if kind == "phi4-mini":  # LongRoPE's context: the original one, where its short factors are exact
         assert engine.max_model_len == 128 and engine.model_config.rotary_dim == 12
 
@@ -182,3 +201,21 @@ def test_row_buckets_are_few_and_never_smaller():
         assert len(buckets) <= exact + (256 - exact) // 16 + 12 + 4  # under a hundred shapes per layer, not one per token count
 
 
+
+
+def test_a_mixture_of_experts_checkpoint_that_lacks_an_expert_or_asks_for_quantization_is_refused(tmp_path, tokenizer):
+    """A missing expert tensor is named; fp8 / int4 of the experts is not built and says so."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedserve.backend.errors import ConfigError
+
+    torch.manual_seed(0)
+    build("qwen3-moe").save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="quantization"):
+        LLMEngine(model=str(tmp_path), dtype="float32", quantization="fp8", **GPU_SHARE)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.0.mlp.experts.5.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"layers\.0\.mlp\.experts\.5\.up_proj"):
+        LLMEngine(model=str(tmp_path), dtype="float32", **GPU_SHARE)

@@ -16,8 +16,10 @@ from . import Checkpoint
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
@@ -35,11 +37,25 @@ def read_hf_checkpoint(path: str) -> Checkpoint:
     config = hf_dir_config(path)
     files = _safetensors_files(path)
     tensors, count = _safetensors_tensors(files), _count_safetensors(files)
+    if config.architecture == "mixtral":
+        tensors = _mixtral_names(tensors)
     fused = FUSED_IN_CHECKPOINT.get(config.architecture)
     if fused:
         tensors = _split_fused(tensors, fused, config)
         count += config.num_layers * sum(len(parts) - 1 for parts in fused.values())
     return Checkpoint(config, tensors, count)
+
+
+MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+"""Mixtral's checkpoint names for its router and experts -> Qwen3-MoE's, the one naming the loader reads."""
+
+
+def _mixtral_names(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        if ".block_sparse_moe." in name:
+            for old, new in MIXTRAL_NAMES.items():
+                name = name.replace(old, new)
+        yield name, tensor
 
 
 def _split_fused(tensors: Iterator[tuple[str, torch.Tensor]], fused: dict[str, tuple[str, ...]],
@@ -95,9 +111,6 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         rope = gemma.pop("global_rope")
     rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    sliding = config.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
-        sliding = None
     if config.get("mlp_bias"):  # the MLP's linears have no bias here: they would be dropped silently
         raise ConfigError("model", f"{arch} with MLP biases (mlp_bias) is not supported")
     if family in FUSED_IN_CHECKPOINT and config.get("quantization_config"):
@@ -125,7 +138,7 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         tie_word_embeddings=bool(config.get("tie_word_embeddings", family == "gemma3")),  # Gemma's default: tied
         qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
         o_bias=bool(config.get("attention_bias", False)),
-        qk_norm=family in ("qwen3", "olmo2", "gemma3"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "olmo2", "gemma3"),
         qk_norm_across_heads=family == "olmo2",
         sublayer_output_norms=family == "olmo2",
         norm_rounds_once=family in ("olmo2", "gemma3"),
@@ -133,7 +146,8 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         **gemma,
         rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
         partial_rotary_factor=partial,
-        sliding_window=sliding,
+        **_sliding_window(config, family),
+        **_experts(config, family),
         eos_token_ids=_eos_ids(config, generation_config),
         bos_token_id=config.get("bos_token_id"),
         checkpoint_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
@@ -161,10 +175,6 @@ def _gemma3(config: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("model", f"hidden_activation {config['hidden_activation']!r} is not supported (gelu_pytorch_tanh is)")
     if config.get("use_bidirectional_attention"):
         raise ConfigError("model", "bidirectional attention (use_bidirectional_attention) is not supported")
-    layers = config["num_hidden_layers"]
-    pattern = config.get("sliding_window_pattern", 6)
-    types = config.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                          for i in range(layers)]
     nested = "full_attention" in rope or "sliding_attention" in rope  # transformers 5: per layer type
     global_rope = dict(rope.get("full_attention") or {}) if nested else dict(rope)
     local_rope = dict(rope.get("sliding_attention") or {}) if nested else {}
@@ -175,11 +185,57 @@ def _gemma3(config: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
         global_rope=global_rope,
         sandwich_norms=True, norm_weight_offset=1.0, activation="gelu_tanh",
         local_rope_theta=float(local_rope.get("rope_theta", config.get("rope_local_base_freq", 10_000.0))),
-        local_layers=tuple(i for i, kind in enumerate(types) if kind == "sliding_attention"),
         final_logit_softcapping=config.get("final_logit_softcapping"),
         embedding_multiplier=float(config["hidden_size"]) ** 0.5, embedding_multiplier_rounds=True,
         attention_multiplier=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
     )
+
+
+def _sliding_window(config: dict[str, Any], family: str) -> dict[str, Any]:
+    """sliding_window and the layers that attend within it, as transformers runs them: every
+    layer of Mistral (which ignores a layer_types list); Qwen2 / Qwen3 only with use_sliding_window,
+    from max_window_layers on; Gemma 3 and others by layer_types, or Gemma 3's pattern (every
+    sliding_window_pattern-th layer global)."""
+    window = config.get("sliding_window")
+    qwen = family in ("qwen2", "qwen3", "qwen3_moe")
+    if qwen and not config.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return {}
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types")
+    if family in ("mistral", "mixtral") or (types is None and not qwen and family != "gemma3"):
+        types = ["sliding_attention"] * layers
+    elif types is None and family == "gemma3":
+        pattern = config.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    elif types is None:
+        first = config.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return dict(sliding_window=int(window), sliding_layers=tuple(i for i, kind in enumerate(types)
+                                                                 if kind == "sliding_attention"))
+
+
+def _experts(config: dict[str, Any], family: str) -> dict[str, Any]:
+    """A mixture of experts' numbers (ModelConfig's fields), as transformers reads them."""
+    if family not in ("mixtral", "qwen3_moe"):
+        return {}
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method")
+        raise ConfigError("model", f"quantized mixture-of-experts checkpoints ({method}) are not supported yet; "
+                                   "load the bf16 checkpoint")
+    if family == "mixtral":
+        return dict(num_experts=config.get("num_local_experts", 8), experts_per_token=config.get("num_experts_per_tok", 2),
+                    expert_intermediate_size=config["intermediate_size"],
+                    moe_layers=tuple(range(config["num_hidden_layers"])))
+    experts = config.get("num_experts", config.get("num_local_experts", 128))  # transformers 5 writes the latter
+    step = config.get("decoder_sparse_step", 1)
+    skipped = set(config.get("mlp_only_layers") or ())
+    return dict(num_experts=experts, experts_per_token=config.get("num_experts_per_tok", 8),
+                expert_intermediate_size=config.get("moe_intermediate_size", 768),
+                moe_layers=tuple(i for i in range(config["num_hidden_layers"])
+                                 if experts > 0 and i not in skipped and (i + 1) % step == 0),
+                renormalize_expert_weights=bool(config.get("norm_topk_prob", False)), expert_weights_rounded=True)
 
 
 def _granite_multipliers(config: dict[str, Any]) -> dict[str, Any]:

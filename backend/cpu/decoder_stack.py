@@ -22,7 +22,7 @@ from ..model_config import ModelConfig
 from .linear_methods import Blocks, FewRowBlocks, Pairs, few_rows_of
 
 if TYPE_CHECKING:
-    from ..models.llama import LlamaForCausalLM, RMSNorm
+    from ..models.llama import LlamaForCausalLM, LlamaMLP, RMSNorm
 
 
 class LlamaCStack:
@@ -47,9 +47,10 @@ class LlamaCStack:
         if stack is None:
             return None
         model = self.model
-        plan = step_plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, stack.block_size)
+        window = model.config.layer_window(0)  # every layer's (computes_layers_of)
+        plan = step_plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, stack.block_size).windowed(window)
         chunks, rest = plan.native_prefills(model.config.head_dim) if plan.prefills else (None, [])
-        if rest:  # prompts longer than the C prefill takes: SDPA, in Python
+        if rest:  # prompts longer than the C prefill takes, or cut by the window: SDPA, in Python
             return None
         h = model.embed(input_ids)
         cos, sin = model.rotary.tables(positions, h.dtype)
@@ -74,7 +75,7 @@ class LlamaCStack:
             return None
         layers = []
         for layer, cache in zip(model.decoder_layers, kv_caches):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, cast("LlamaMLP", layer.mlp)  # dense wherever computes_layers_of holds
             input_norm = cast("RMSNorm", layer.input_layernorm)  # one wherever computes_layers_of holds
             qkv, o, gate_up, down = (_linear_tensors(linear)
                                      for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
@@ -87,7 +88,8 @@ class LlamaCStack:
         first = model.decoder_layers[0]
         shape = decoder_stack_cpu.StackShape(
             model.local_config.hidden_size, first.self_attn.num_heads, first.self_attn.num_kv_heads,
-            model.config.head_dim, first.mlp.intermediate_size, model.config.rms_norm_eps, first.self_attn.scale)
+            model.config.head_dim, cast("LlamaMLP", first.mlp).intermediate_size, model.config.rms_norm_eps,
+            first.self_attn.scale)
         stack = decoder_stack_cpu.DecoderStack(layers, model.norm.weight, shape)
         return stack if stack.usable else None
 
@@ -98,11 +100,13 @@ def computes_layers_of(config: ModelConfig) -> bool:
     and with the embedding the model computes (Granite's multiplier). Not the variations of the
     layer itself, which it has no code for: query / key norms (Qwen3, OLMo 2), norms after the
     sublayers or OLMo 2's rounding, Granite's residual multiplier, partial rotary (Phi-4-mini),
-    Gemma 3's norms around each sublayer, weight offsets, GELU and per-layer rotary tables."""
+    Gemma 3's norms around each sublayer, weight offsets, GELU and per-layer rotary tables; a
+    sliding window only where every layer has it (Mistral: the step's plan is windowed once); no
+    mixture of experts."""
     return not (config.qk_norm or config.sublayer_output_norms or config.norm_rounds_once
                 or config.residual_multiplier != 1.0 or config.rotary_dim != config.head_dim
                 or config.sandwich_norms or config.norm_weight_offset or config.activation != "silu"
-                or config.local_layers)
+                or 0 < len(config.sliding_layers) < config.num_layers or config.moe_layers)
 
 
 def _linear_tensors(linear: Any) -> decoder_stack_cpu.LinearTensors | None:

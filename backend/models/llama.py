@@ -1,12 +1,13 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Granite, OLMo 2, Phi-3, Gemma 3) in plain torch
-over a flat batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, SmolLM, Granite, OLMo 2, Phi-3,
+Gemma 3) in plain torch over a flat batch.
 
 Every token of every sequence in the step is one row; attention is the only
 place sequences meet, through the paged KV cache. q/k/v and gate/up are fused
 into single matmuls; numerics otherwise follow Hugging Face's implementation. The other
 families are variations of Llama's layer, each switched on by its ModelConfig fields: Qwen3's
 per-head query / key norms, Granite's multipliers, OLMo 2's norms after each sublayer, Phi-3's
-partial rotary, Gemma 3's norms around each sublayer, GELU and per-layer rotary bases.
+partial rotary, Gemma 3's norms around each sublayer, GELU and per-layer rotary bases, sliding-window
+layers, and the mixture-of-experts MLP (models/moe.py) in place of the dense one.
 Split over ranks (tensor parallelism), each rank builds its share of every layer
 from models/parallel.py; with one rank those are the plain layers.
 """
@@ -25,6 +26,7 @@ from pagedserve.kernels.dispatch import fused_add_rms_norm, fused_rms_norm, fuse
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache, attention
 from ..model_config import ModelConfig
+from .moe import SparseMoeBlock
 from .parallel import (
     SINGLE_RANK,
     ColumnParallelLinear,
@@ -101,8 +103,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.local = (RotaryEmbedding(dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None,
-                                                          local_layers=()), max_positions)
-                      if config.local_layers and config.local_rope_theta is not None else None)
+                                                          sliding_layers=()), max_positions)
+                      if config.sliding_layers and config.local_rope_theta is not None else None)
         """Gemma 3's sliding-window layers' tables (their own base, no scaling); None elsewhere."""
         inv_freq, attention_factor = rope_frequencies(config)
         positions = torch.arange(max_positions, dtype=torch.float32)
@@ -154,8 +156,9 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, parallel: TensorParallel, index: int = 0):
         super().__init__()
         local = parallel.local_config(config)
-        self.local_rope = index in config.local_layers
-        """This layer turns by the model's local rotary tables (Gemma 3's sliding-window layers)."""
+        self.window = config.layer_window(index)
+        """The keys each query sees (a sliding-window layer's), None for the whole context. A
+        sliding-window layer turns by the model's local rotary tables where it has them (Gemma 3)."""
         self.num_heads = local.num_heads
         self.num_kv_heads = local.num_kv_heads
         self.head_dim = config.head_dim
@@ -182,7 +185,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             qk = torch.cat((self._normed(self.q_norm, q), self._normed(self.k_norm, k)), dim=-1)
-        if self.local_rope and rotary.local is not None:
+        if self.window is not None and rotary.local is not None:
             rotary = rotary.local
         qk = rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -233,7 +236,8 @@ class LlamaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = norm() if sandwich else None
         """Gemma 3: the MLP's input norm."""
         self.post_feedforward_layernorm = norm() if output_norms else None
-        self.mlp = LlamaMLP(config, parallel)
+        self.mlp: LlamaMLP | SparseMoeBlock = (SparseMoeBlock(config, parallel) if index in config.moe_layers
+                                               else LlamaMLP(config, parallel))
         self.residual_multiplier = config.residual_multiplier
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
         h, q, k, v = pieces.first(self, input_ids, positions)
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches)):
-            attn = attention(kernels, q, k, v, kv_cache, meta, layer.self_attn.scale)
+            attn = attention(kernels, q, k, v, kv_cache, meta, layer.self_attn.scale, layer.self_attn.window)
             if i == last:
                 if output_rows is None or output_rows.numel() == h.shape[0]:
                     return pieces.last(self, layer, h, attn)

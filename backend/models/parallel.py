@@ -127,7 +127,7 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
 def _split_problems(config: ModelConfig, size: int) -> list[str]:
     kv, problems = config.num_kv_heads, []
     for what, count in (("attention heads", config.num_heads), ("intermediate size", config.intermediate_size),
-                        ("vocabulary size", config.vocab_size)):
+                        ("vocabulary size", config.vocab_size), ("experts' intermediate size", config.expert_intermediate_size)):
         if count % size:
             problems.append(f"{count} {what} is not a multiple of {size}")
     if kv % size and size % kv:

@@ -238,7 +238,8 @@ class DecoderStack:
                        act=new((tokens, s.intermediate)), out=new((tokens, s.hidden)))
         args = StepArgs(
             tokens=tokens, hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
-            intermediate=s.intermediate, block_size=self.block_size, dtype=C_DTYPES[self.dtype],
+            intermediate=s.intermediate, block_size=self.block_size if decode is None else decode.block_size,
+            dtype=C_DTYPES[self.dtype],
             num_threads=torch.get_num_threads(), num_slots=self.num_slots, eps=s.eps, scale=s.scale,
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slot_mapping.data_ptr(), final_norm=self.final_norm.data_ptr(),
             h=h.data_ptr(), **{name: tensor.data_ptr() for name, tensor in buffers.items()},

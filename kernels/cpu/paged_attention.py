@@ -42,6 +42,13 @@ The decode path calls `torch.ops.aten._scaled_dot_product_flash_attention_for_cp
 op behind CPU flash SDPA, for its log-sum-exp (the public SDPA does not return it).
 FP8 KV cache: the gathered rows are dequantized (stored * scale, in float32, then the
 query dtype), as the reference does.
+
+Sliding window (`window`): the step's plan gets a windowed twin (`StepPlan.windowed`, built
+once a step for each window size the layers ask for). A decode past the window reads its
+last `window` keys through a table of their slots (block size 1 to the C loop and the
+split layout alike), so it reads no key outside the window; a prefill chunk past the window
+keeps only the keys its first token's window starts at and takes a banded mask (SDPA: the C
+prefill has no window and takes only chunks the window does not cut).
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from ..numerics import cdiv
-from ..paged_attention import is_fp8, kv_scales
+from ..paged_attention import is_fp8, kv_scales, visible_keys
 from .paged_decode import native_decode, paged_decode, supports
 from .paged_prefill import PrefillChunks, native_prefill, paged_prefill, supports as prefill_supports
 
@@ -111,6 +118,7 @@ class DecodePlan:
     tables: torch.Tensor  # int32 [num_decodes, max_blocks]: the decodes' block-table rows
     lens: torch.Tensor  # int32 [num_decodes]
     block_size: int
+    """The cache's, or 1 in a windowed plan whose tables list the window's slots."""
     requested_chunk_keys: int | None = None
     """The split size asked for (tests); None: choose_chunk_keys decides."""
 
@@ -120,6 +128,21 @@ class DecodePlan:
         chunk_keys = choose_chunk_keys(lens, self.requested_chunk_keys)
         return _split_kv(self.tables.long(), lens, self.tokens, self.block_size, chunk_keys)
 
+    def windowed(self, window: int) -> DecodePlan:
+        """The decodes' last `window` keys: this plan where none reads more, else tables of the
+        window's slots (block size 1) and lengths capped at the window."""
+        lens = self.lens.numpy().astype(np.int64)
+        if lens.max() <= window:
+            return self
+        width = min(window, int(lens.max()))
+        positions = np.maximum(lens - window, 0)[:, None] + np.arange(width)
+        positions = np.minimum(positions, lens[:, None] - 1)  # past a short decode's end: its last key, never read
+        tables = self.tables.numpy()
+        slots = np.take_along_axis(tables, positions // self.block_size, 1).astype(np.int64) * self.block_size
+        slots += positions % self.block_size
+        return DecodePlan(self.tokens, torch.from_numpy(slots.astype(np.int32)),
+                          torch.from_numpy(np.minimum(lens, window).astype(np.int32)), 1, self.requested_chunk_keys)
+
 
 @dataclass
 class PrefillPlan:
@@ -127,21 +150,31 @@ class PrefillPlan:
 
     start: int
     end: int
-    slots: torch.Tensor  # [seq_len]
+    slots: torch.Tensor  # [seq_len], or the keys from the first token's window on
+    window: int | None = None
+    """Set where the sliding window hides some of `slots` from some query (a windowed plan)."""
     masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     @property
     def causal(self) -> bool:
-        """No cached prefix: plain causal attention over the chunk itself."""
-        return self.end - self.start == self.slots.numel()
+        """No cached prefix and no window: plain causal attention over the chunk itself."""
+        return self.end - self.start == self.slots.numel() and self.window is None
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """Lower-right causal mask [q_len, seq_len]: query i sees keys 0 .. seq_len - q_len + i."""
+        """Lower-right causal mask [q_len, seq_len] (query i sees keys up to seq_len - q_len + i),
+        banded by the window where one is set."""
         if dtype not in self.masks:
-            q_len, seq_len = self.end - self.start, self.slots.numel()
-            rows = torch.arange(q_len)[:, None] + (seq_len - q_len)
-            self.masks[dtype] = _additive(torch.arange(seq_len)[None, :] <= rows, dtype)
+            self.masks[dtype] = _additive(visible_keys(self.end - self.start, self.slots.numel(), self.window), dtype)
         return self.masks[dtype]
+
+    def windowed(self, window: int) -> PrefillPlan:
+        """This chunk under a sliding window: itself where no query's window cuts its keys, else
+        its keys from the first query's window on, masked per query."""
+        q_len, seq_len = self.end - self.start, self.slots.numel()
+        if seq_len <= window:
+            return self
+        first = max(0, seq_len - q_len - window + 1)
+        return PrefillPlan(self.start, self.end, self.slots[first:], window)
 
 
 @dataclass
@@ -150,16 +183,29 @@ class StepPlan:
     prefills: list[PrefillPlan]
     chunks: tuple[int, PrefillChunks | None, list[PrefillPlan]] | None = None
     """(head dim, the C prefill's chunks, the rest) once `native_prefills` built them."""
+    windows: dict[int, StepPlan] = field(default_factory=dict)
+
+    def windowed(self, window: int | None) -> StepPlan:
+        """This step under a sliding window (the plan itself for None), built once per window size."""
+        if window is None:
+            return self
+        if window < 1:
+            raise ValueError(f"window={window}: a sliding window holds at least one key")
+        if window not in self.windows:
+            decode = None if self.decode is None else self.decode.windowed(window)
+            self.windows[window] = StepPlan(decode, [p.windowed(window) for p in self.prefills])
+        return self.windows[window]
 
     def native_prefills(self, head_dim: int) -> tuple[PrefillChunks | None, list[PrefillPlan]]:
         """The prefills the C loop takes, in its layout (built once a step, on first use), and
         those it leaves to SDPA (sequences longer than native_prefill_max_keys)."""
         if self.chunks is None or self.chunks[0] != head_dim:
             limit = native_prefill_max_keys(head_dim)
-            short = [p for p in self.prefills if p.slots.numel() <= limit]
+            takes = [p.slots.numel() <= limit and p.window is None for p in self.prefills]
+            short = [p for p, taken in zip(self.prefills, takes) if taken]
             chunks = (PrefillChunks.of([p.start for p in short], [p.end for p in short], [p.slots for p in short])
                       if short else None)
-            self.chunks = (head_dim, chunks, [p for p in self.prefills if p.slots.numel() > limit])
+            self.chunks = (head_dim, chunks, [p for p, taken in zip(self.prefills, takes) if not taken])
         return self.chunks[1], self.chunks[2]
 
 
@@ -177,8 +223,10 @@ def paged_attention_cpu(
     max_seq_len: int | None = None,
     chunk_keys: int | None = None,
     native: bool = True,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """CPU twin of `paged_attention_ref` (same arguments; max_seq_len is not needed).
+    """CPU twin of `paged_attention_ref` (same arguments, the sliding window included; max_seq_len
+    is not needed).
 
     Keyword-only, for tests and benchmarks: chunk_keys forces the torch-op decode's split
     size (capped at the longest context rounded up to CHUNK_KEYS, which means no split);
@@ -189,7 +237,7 @@ def paged_attention_cpu(
     out = query.new_empty(query.shape)  # contiguous even when the query is a view
     if query.shape[0] == 0:
         return out
-    plan = step_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1], chunk_keys)
+    plan = step_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1], chunk_keys).windowed(window)
     torch_decode = plan.decode is not None and not (
         native and _native_decode(query, key_cache, value_cache, out, plan.decode, scale))
     prefills = plan.prefills
@@ -230,7 +278,7 @@ def _native_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     when it is built and takes these dtypes; False: the caller runs the torch-op decode."""
     function = native_decode() if supports(query, key_cache) else None
     return function is not None and paged_decode(function, query, key_cache, value_cache, out, plan.tables, plan.lens,
-                                                 plan.tokens, scale)
+                                                 plan.tokens, scale, plan.block_size)
 
 
 def _native_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,

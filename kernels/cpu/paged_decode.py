@@ -49,12 +49,14 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
 
 def paged_decode(
     function: NativeDecode, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
-    tables: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor, scale: float,
+    tables: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor, scale: float, block_size: int | None = None,
 ) -> bool:
     """Write the decodes' attention into out[rows] (out contiguous). tables: int32 [num_decodes, width] (this
-    step's decodes only), lens: int32 [num_decodes], rows: int64 query rows. False when the
-    shapes are beyond the C loop's fixed buffers (the caller falls back)."""
-    _, block_size, kv_heads, head_dim = key_cache.shape
+    step's decodes only), lens: int32 [num_decodes], rows: int64 query rows; block_size: the tables'
+    (the cache's where None; 1 for tables of slots, a sliding window's). False when the shapes are
+    beyond the C loop's fixed buffers (the caller falls back)."""
+    _, cache_block_size, kv_heads, head_dim = key_cache.shape
+    block_size = block_size or cache_block_size
     status = function(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows.data_ptr(),

@@ -30,6 +30,9 @@ quantized linear (`LlamaForCausalLM.packed_modules`: qkv, o, gate_up, down; the 
 head is never quantized, so the vocabulary size is no GEMM shape here). INT4
 group sizes: what `int4_group_size` picks for K, and 32 (GGUF Q4_1 checkpoints).
 FP8 GEMM: the mode `default_mode` picks on the target ("w8a16" before sm_89).
+The fused MoE kernels: Mixtral-8x7B's and Qwen3-30B-A3B's experts (`MOE_MODELS`) at 1..2048
+tokens, both row tiles. Sliding-window attention (a constexpr): Mistral-7B (Llama-3-8B's shapes
+with a window of 4,096) on a split decode, unsplit decodes and a prompt chunk past the window.
 
 One compile per configuration: launches that differ only in runtime integers
 (Triton also specialises integers on == 1 and % 16 == 0, e.g. M = 1 vs M = 16)
@@ -135,6 +138,7 @@ class ModelShape:
     head_dim: int
     intermediate: int
     vocab: int  # for completeness: the LM head is not quantized, so no kernel here sees it
+    window: Optional[int] = None  # sliding-window attention on every layer (its attention scenarios: `_attention_scenarios`)
 
     def linears(self) -> Dict[str, Tuple[int, int]]:
         """(N, K) of the quantized linears, as `LlamaForCausalLM.packed_modules` stacks them."""
@@ -149,7 +153,22 @@ class ModelShape:
 MODELS: Tuple[ModelShape, ...] = (
     ModelShape("Llama-3-8B", 4096, 32, 8, 128, 14336, 128256),
     ModelShape("SmolLM2-135M", 576, 9, 3, 64, 1536, 49152),
+    ModelShape("Mistral-7B", 4096, 32, 8, 128, 14336, 32000, window=4096),
 )
+@dataclass(frozen=True)
+class MoeShape:
+    name: str
+    hidden: int
+    inter: int  # each expert's
+    experts: int
+    top_k: int
+
+
+MOE_MODELS: Tuple[MoeShape, ...] = (
+    MoeShape("Mixtral-8x7B", 4096, 14336, 8, 2),
+    MoeShape("Qwen3-30B-A3B", 2048, 768, 128, 8),
+)
+MOE_TOKENS = (1, 16, 256, 2048)  # decode batches to a prompt chunk: both row tiles
 DTYPES: Tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)  # engine dtypes
 KV_BLOCK_SIZE = 16  # EngineConfig.block_size default (a constexpr of index arithmetic only, not of tiles)
 DECODE_BATCHES = (1, 4, 16, 64)
@@ -168,6 +187,7 @@ _KERNELS = {  # module -> its @triton.jit kernels the launchers call
     "gemm": ("_splitk_reduce_kernel",),
     "int4": ("_w4a16_kernel", "_dequant_kernel"),
     "fp8": ("_fp8_gemm_kernel", "_per_token_quant_kernel"),
+    "moe": ("_moe_gate_up_kernel", "_moe_down_kernel"),
 }
 _LOCK = threading.RLock()
 
@@ -251,6 +271,7 @@ def _device_model(target: Target, sms: int, log: List[Launch]):
         (m.int4, "interpreting", lambda: False),
         (m.fp8, "interpreting", lambda: False),
         (m.fp8, "native_fp8", native),
+        (m.moe, "interpreting", lambda: False),
     ]
     for mod, kernels in _KERNELS.items():
         for k in kernels:
@@ -281,8 +302,14 @@ def _attention_batch(model: ModelShape, dtype: torch.dtype, q_lens: Sequence[int
     return query, block_tables, torch.tensor(seq_lens, dtype=torch.int32), starts
 
 
-def _attention_scenarios() -> List[Tuple[str, List[int], List[int]]]:
-    """(label, q_lens, seq_lens) of the batches the attention kernels are launched on."""
+def _attention_scenarios(window: Optional[int]) -> List[Tuple[str, List[int], List[int]]]:
+    """(label, q_lens, seq_lens) of the batches the attention kernels are launched on: for a model
+    with a sliding window, three past it (a split decode, unsplit decodes, a prompt chunk: each row
+    tile) whose other variants are the windowless models' (the window is a runtime argument)."""
+    if window is not None:
+        ctx = 2 * window
+        return [(f"decode B={b} ctx={ctx} window={window}", [1] * b, [ctx] * b) for b in (1, 64)] + [
+            (f"prefill T=512 ctx={ctx} window={window}", [512], [ctx + 512])]
     out = []
     for b in DECODE_BATCHES:
         for ctx in CONTEXTS:
@@ -304,12 +331,26 @@ def _record_attention(m, log: List[Launch], model: ModelShape, dtype: torch.dtyp
     new = torch.empty(2, model.kv_heads, model.head_dim, dtype=dtype)
     m.cache_write.write_kv_cache_triton(new, new, cache, cache, torch.zeros(2, dtype=torch.long), **scales)
     out += [(f"{model.name} cache write, {kv}", launch) for launch in log]
-    for label, q_lens, seq_lens in _attention_scenarios():
+    for label, q_lens, seq_lens in _attention_scenarios(model.window):
         log.clear()
         query, tables, lens, starts = _attention_batch(model, dtype, q_lens, seq_lens)
         m.paged_attention.paged_attention_triton(
-            query, cache, cache, tables, lens, starts, model.head_dim ** -0.5, **scales)
+            query, cache, cache, tables, lens, starts, model.head_dim ** -0.5, window=model.window, **scales)
         out += [(f"{model.name} {label}, {kv}", launch) for launch in log]
+    return out
+
+
+def _record_moe(m, log: List[Launch], moe: MoeShape, dtype: torch.dtype) -> List[Tuple[str, Launch]]:
+    """The fused MoE kernels' launches at each token count (expert weights allocated, never touched)."""
+    w13 = torch.empty(moe.experts, 2 * moe.inter, moe.hidden, dtype=dtype)
+    w2 = torch.empty(moe.experts, moe.hidden, moe.inter, dtype=dtype)
+    out = []
+    for tokens in MOE_TOKENS:
+        log.clear()
+        ids = torch.arange(tokens * moe.top_k).remainder(moe.experts).view(tokens, moe.top_k)
+        m.moe.fused_moe_triton(torch.empty(tokens, moe.hidden, dtype=dtype), w13, w2,
+                               torch.empty(tokens, moe.top_k, dtype=torch.float32), ids)
+        out += [(f"{moe.name} MoE T={tokens}", launch) for launch in log]
     return out
 
 
@@ -423,6 +464,10 @@ def enumerate_configs(target: Target, dtypes: Iterable[torch.dtype] = DTYPES,
                         recorded += _record_attention(m, log, model, dtype, kv_fp8)
                     if dtype != torch.float32:
                         recorded += _record_gemms(m, log, model, dtype)
+            for moe in MOE_MODELS:
+                for dtype in dtypes:
+                    if dtype != torch.float32:
+                        recorded += _record_moe(m, log, moe, dtype)
         for label, launch in recorded:
             key = _config_key(launch)
             cfg = configs.setdefault(key, KernelConfig(launch.kernel, key, launch))

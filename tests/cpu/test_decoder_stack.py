@@ -139,6 +139,33 @@ def test_float32_steps_on_the_checkpoint_blocks_give_the_python_layers_tokens(en
     assert_engine_idle(engine)
 
 
+def test_a_sliding_window_on_every_layer_gives_the_python_layers_tokens(engine, prompts, monkeypatch):
+    """Mistral's window on every layer: the C loop reads the step's windowed plan (decodes through
+    tables of the window's slots), with the Python layers' tokens; the window changes them. The
+    float32 engine is told its layers have a window of 48 (the prefix cache is emptied around it:
+    the window changes every later layer's keys)."""
+    model = engine.runner.model
+    if model.fused_layers.stack(engine.runner.kv_caches) is None:
+        pytest.skip("this float32 engine's linears are not all GGUF blocks (no C compiler, or another layout)")
+    whole_context = greedy(engine, prompts[:4], c_stack=True, max_tokens=12)
+    window = 48
+    monkeypatch.setattr(model, "config", dataclasses.replace(model.config, sliding_window=window,
+                                                             sliding_layers=tuple(range(model.config.num_layers))))
+    for layer in model.decoder_layers:
+        monkeypatch.setattr(layer.self_attn, "window", window)
+    engine.block_manager.reset_prefix_cache()
+    try:
+        calls = StackCalls(monkeypatch)
+        in_c = greedy(engine, prompts[:4], c_stack=True, max_tokens=12)
+        assert calls.count > 0
+        engine.block_manager.reset_prefix_cache()
+        assert in_c == greedy(engine, prompts[:4], c_stack=False, max_tokens=12)
+        assert in_c != whole_context
+    finally:
+        engine.block_manager.reset_prefix_cache()
+    assert_engine_idle(engine)
+
+
 @pytest.mark.parametrize("variation", [dict(qk_norm=True), dict(qk_norm=True, qk_norm_across_heads=True),
                                        dict(sublayer_output_norms=True), dict(norm_rounds_once=True),
                                        dict(residual_multiplier=0.5)])

@@ -80,7 +80,7 @@ def test_enumeration_follows_the_launchers(results):
     """The recorded configurations show the launchers' choices per target: fp8 KV decoded in
     software only before sm_89, FP8 activations (per-token quant, fp8 x fp8 dot) only from
     sm_89 (and from there the fp8 weight against 16-bit activations at decode sizes, converted
-    by the hardware), split-KV and split-K both taken and not, both models' head groups,
+    by the hardware), split-KV and split-K both taken and not, the sliding window and the whole context, both models' head groups, the MoE kernels' two row tiles,
     the INT4 weight dequantized for prompt-sized M."""
     by_target = {t: [cfg for cfg, r in results if r.target == t] for t in TARGETS}
 
@@ -100,10 +100,12 @@ def test_enumeration_follows_the_launchers(results):
         assert values(t, "_paged_attention_kernel", "GROUP") == {3, 4}
         assert values(t, "_paged_attention_kernel", "HEAD_DIM") == {64, 128}
         assert len(values(t, "_paged_attention_kernel", "NUM_SPLITS")) >= 2
+        assert values(t, "_paged_attention_kernel", "SLIDING") == {False, True}
         assert values(t, "_w4a16_kernel", "SPLIT") == {False, True}
         assert {cfg.kernel for cfg in by_target[t]} >= {
             "_write_kv_kernel", "_paged_attention_kernel", "_split_reduce_kernel", "_w4a16_kernel",
-            "_splitk_reduce_kernel", "_fp8_gemm_kernel", "_dequant_kernel"}
+            "_splitk_reduce_kernel", "_fp8_gemm_kernel", "_dequant_kernel", "_moe_gate_up_kernel", "_moe_down_kernel"}
+        assert values(t, "_moe_gate_up_kernel", "BLOCK_M") == {16, 64}
 
 
 def test_fp8_kv_software_decode_matches_hardware(monkeypatch):

@@ -91,6 +91,36 @@ def test_a_softmax_scale_of_the_model_s_own(native, dtype):
     assert rel_err(b.run(paged_attention_cpu, native=native), b.reference()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("window", [1, 50, 128, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("native", [True, False], ids=["c-loops", "torch-ops"])
+def test_sliding_window(kind, dtype, window, native):
+    """Mistral / Gemma's local layers: the reference's window, on the C loops and the torch ops,
+    for windows inside a block, at a split boundary and longer than some contexts."""
+    b = batch(kind, "gqa4", 64, 16, dtype)
+    ref = paged_attention_ref(*b.ref_args(), window=window)
+    assert rel_err(b.run(paged_attention_cpu, native=native, window=window), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("chunk_keys", [None, 32])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_a_windowed_decode_reads_no_key_outside_its_window(chunk_keys, kv):
+    """Keys before the window hold NaN: a decode that read one would return NaN (the C loop,
+    the torch-op split layout, an fp8 cache)."""
+    window = 40
+    b = Batch([1] * 5, [300, 41, 17, 129, 64], 8, 2, 64, dtype=torch.bfloat16, seed=3, device=CPU,
+              kv_dtype=FP8 if kv == "fp8" else None)
+    ref = paged_attention_ref(*b.ref_args(), **b.scales(), window=window)
+    for table, length in zip(b.block_tables.tolist(), b.seq_lens.tolist()):
+        for position in range(max(0, length - window)):
+            for cache in (b.key_cache, b.value_cache):
+                row = cache[table[position // 16], position % 16]
+                row.view(torch.uint8).fill_(0x7F) if kv == "fp8" else row.fill_(float("nan"))
+    out = b.run(paged_attention_cpu, window=window, chunk_keys=chunk_keys, native=chunk_keys is None)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
 def test_float16_and_head_dim_80():
     b = batch("mixed", "gqa4", 80, 16, torch.float16)
     assert rel_err(b.run(paged_attention_cpu), b.reference()) < TOL[torch.float16]

@@ -1,0 +1,98 @@
+"""The fused MoE kernel (kernels/triton/moe.py) against the torch reference (kernels/moe.py, one pair
+of matmuls per expert with tokens) on one layer of real MoE models' experts, random weights in bf16,
+random routings: time per call, and for the fused kernel the share of the device's copy bandwidth
+that reading the touched experts' weights once would take (decode sizes are bound by that read).
+
+A section of benchmarks/gpu.py (`moe_rows`); alone: `python benchmarks/moe_kernel.py [--device cpu]`
+(on CPU only the reference runs, on tiny shapes: the dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.moe import fused_moe_ref, route
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    name: str
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+
+
+GPU_LAYERS = (MoeLayer("Mixtral-8x7B", 4096, 14336, 8, 2), MoeLayer("Qwen3-30B-A3B", 2048, 768, 128, 8))
+CPU_LAYERS = (MoeLayer("tiny", 64, 96, 8, 2),)
+TOKENS = (1, 32, 256, 2048)
+
+
+def _time(function, device: str, repeats: int) -> float:
+    """Best of `repeats` calls, in ms (one warm-up first: the Triton compile)."""
+    function()
+    best = float("inf")
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        function()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def moe_rows(device: str, copy_gb_s: float | None = None, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
+    """One row per (layer, token count); `copy_gb_s`: the device's measured copy bandwidth."""
+    layers = GPU_LAYERS if device == "cuda" else CPU_LAYERS
+    fused = None
+    if device == "cuda":
+        from pagedserve.kernels.triton.moe import fused_moe_triton as fused
+    rows = []
+    g = torch.Generator(device=device).manual_seed(0)
+    for layer in layers:
+        w13 = torch.randn(layer.experts, 2 * layer.inter, layer.hidden, device=device, dtype=torch.bfloat16,
+                          generator=g) * layer.hidden ** -0.5
+        w2 = torch.randn(layer.experts, layer.hidden, layer.inter, device=device, dtype=torch.bfloat16,
+                         generator=g) * layer.inter ** -0.5
+        expert_bytes = 3 * layer.hidden * layer.inter * 2
+        for count in tokens:
+            x = torch.randn(count, layer.hidden, device=device, dtype=torch.bfloat16, generator=g)
+            logits = torch.randn(count, layer.experts, device=device, generator=g)
+            weights, ids = route(logits, layer.top_k, renormalize=True, rounded=False)
+            touched = int(torch.unique(ids).numel())
+            repeats = 5 if device == "cuda" else 2
+            ref_ms = _time(lambda: fused_moe_ref(x, w13, w2, weights, ids), device, repeats)
+            row = dict(layer=layer.name, tokens=count, experts_touched=touched, ref_ms=round(ref_ms, 3),
+                       fused_ms=None, speedup=None, bandwidth_share=None)
+            if fused is not None:
+                fused_ms = _time(lambda: fused(x, w13, w2, weights, ids), device, repeats)
+                row.update(fused_ms=round(fused_ms, 3), speedup=round(ref_ms / fused_ms, 2))
+                if copy_gb_s:
+                    read_ms = touched * expert_bytes / (copy_gb_s * 1e9) * 1e3  # as gpu.py's roofline: bytes / copy rate
+                    row["bandwidth_share"] = round(read_ms / fused_ms, 3)
+            rows.append(row)
+        del w13, w2
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    show = lambda v, f="{}": "-" if v is None else f.format(v)  # noqa: E731
+    lines = ["| MoE layer (bf16) | tokens | experts touched | torch reference (ms) | fused Triton (ms) | speedup "
+             "| weight read at copy bandwidth / fused time |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['layer']} | {r['tokens']} | {r['experts_touched']} | {r['ref_ms']} | {show(r['fused_ms'])} "
+                     f"| {show(r['speedup'], '{}x')} | {show(r['bandwidth_share'], '{:.0%}')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args()
+    print(markdown(moe_rows(args.device)))

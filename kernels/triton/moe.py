@@ -1,0 +1,181 @@
+"""Fused mixture-of-experts MLP in Triton: two grouped GEMMs over the tokens sorted by expert.
+
+Same layout and result as `fused_moe_ref` (kernels/moe.py), within rounding.
+
+1. Align (`align_by_expert`, torch ops on the device, no host sync: CUDA graphs can hold it).
+   The (token, slot) pairs are sorted by expert and each expert's run is padded to a multiple of
+   BLOCK_M, so that every BLOCK_M rows of the sorted list belong to one expert: `sorted_pairs`
+   (padding rows hold num_pairs, an invalid pair), `block_experts` (each block's expert; -1 past
+   the last). The grid is the worst case, num_pairs + experts x (BLOCK_M - 1) rows; blocks past
+   the real ones exit at once.
+2. `_moe_gate_up_kernel`: each program takes one block of rows (one expert) and BLOCK_N of the
+   expert's intermediate channels, and multiplies the rows' tokens by both the gate rows and the
+   up rows of that expert's w13 (two accumulators), so silu(gate) * up is formed in registers and
+   only the activation [num_pairs, inter] is written (no [num_pairs, 2 * inter] buffer).
+3. `_moe_down_kernel`: the activation rows by the expert's w2, times each pair's routing weight,
+   into [num_pairs, hidden] in the model dtype.
+4. The k slots of each token are summed in float32 and rounded once (torch).
+
+Tiles: BLOCK_M 16 for decode-sized batches (few rows per expert), 64 once the average expert
+gets that many rows; BLOCK_N 64, BLOCK_K 64. Interpreter (TRITON_INTERPRET=1, CPU): big tiles,
+and the dot operands in float32 (its tl.dot multiplies bfloat16's raw bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..numerics import cdiv
+from .gemm import interpreting
+
+
+@triton.jit
+def _block_of_expert(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's expert (-1: a block past the last), its rows' pairs, which rows are real,
+    and its output columns."""
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, pairs, pairs < num_pairs, tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr,
+    num_pairs, inter, hidden, top_k,
+    stride_xm, stride_we, stride_wn, stride_am,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    expert, pairs, row_ok, n = _block_of_expert(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M, BLOCK_N)
+    if expert < 0:
+        return
+    tokens = (pairs // top_k).to(tl.int64)
+    n_ok = n < inter
+    w = w13_ptr + expert.to(tl.int64) * stride_we
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < hidden
+        a = tl.load(x_ptr + tokens[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        wg = tl.load(w + n[None, :].to(tl.int64) * stride_wn + k[:, None], mask=w_mask, other=0.0)
+        wu = tl.load(w + (n + inter)[None, :].to(tl.int64) * stride_wn + k[:, None], mask=w_mask, other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        gate = tl.dot(a, wg, gate)
+        up = tl.dot(a, wu, up)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    out = act_ptr + pairs.to(tl.int64)[:, None] * stride_am + n[None, :]
+    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr,
+    num_pairs, hidden, inter,
+    stride_am, stride_we, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    expert, pairs, row_ok, n = _block_of_expert(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M, BLOCK_N)
+    if expert < 0:
+        return
+    rows = pairs.to(tl.int64)
+    n_ok = n < hidden
+    w = w2_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < inter
+        a = tl.load(act_ptr + rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w + n[None, :].to(tl.int64) * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs, block_experts) for the kernels (see the module docstring), by device ops
+    of fixed shapes: nothing is read back to the host (no bincount, whose size is data's)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in pair order within one
+    experts_sorted = flat[order]
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_pairs, device=device) - first_of_expert[experts_sorted]
+    capacity = num_pairs + num_experts * (block_m - 1)
+    capacity = cdiv(capacity, block_m) * block_m
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs[padded_start[experts_sorted] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True)
+    block_experts = torch.where(block_experts < num_experts, block_experts, -1).to(torch.int32)
+    return sorted_pairs, block_experts
+
+
+def _tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): see the module docstring."""
+    if interpreting():
+        return 32, 64, 64
+    return (16 if num_pairs < 64 * num_experts else 64), 64, 64
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of `fused_moe_ref` (block_m: a row-tile override for tests)."""
+    tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape != (num_experts, hidden, inter):
+        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match hidden size {hidden}")
+    if tokens == 0:
+        return torch.zeros_like(x)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    num_pairs = tokens * top_k
+    auto_m, block_n, block_k = _tiles(num_pairs, num_experts)
+    block_m = block_m or auto_m
+    sorted_pairs, block_experts = align_by_expert(topk_ids, num_experts, block_m)
+    weights = topk_weights.reshape(-1).contiguous()
+    act = x.new_empty((num_pairs, inter))
+    partial = x.new_empty((num_pairs, hidden))
+    blocks = block_experts.numel()
+    dot_fp32 = interpreting() or x.dtype == torch.float32
+    _moe_gate_up_kernel[(blocks, cdiv(inter, block_n))](
+        x, w13, act, sorted_pairs, block_experts,
+        num_pairs, inter, hidden, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32,
+        num_warps=4, num_stages=2,
+    )
+    _moe_down_kernel[(blocks, cdiv(hidden, block_n))](
+        act, w2, partial, weights, sorted_pairs, block_experts,
+        num_pairs, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32,
+        num_warps=4, num_stages=2,
+    )
+    return partial.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+__all__ = ["align_by_expert", "fused_moe_triton"]
