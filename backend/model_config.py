@@ -49,6 +49,8 @@ class ModelConfig:
     local_rope_theta: float | None = None
     """Gemma 3: the rotary base of the sliding-window layers (`sliding_layers`), which take no rope
     scaling; the others turn by rope_theta with rope_scaling."""
+    attn_logit_softcapping: float | None = None
+    """Gemma 2: attention scores become cap * tanh(score / cap) before the softmax."""
     final_logit_softcapping: float | None = None
     """Gemma: logits = cap * tanh(logits / cap), in the model dtype, before anything reads them."""
     embedding_multiplier: float = 1.0

@@ -14,6 +14,9 @@ Sliding window (keyword-only `window`, None: full causal): the query at position
 to keys p - window < k <= p, the last `window` positions (transformers' sliding_window
 mask), so Mistral and Gemma's local layers run past the window exactly.
 
+Soft-capping (keyword-only `softcap`, Gemma 2): each score s (after the softmax scale) becomes
+softcap * tanh(s / softcap) before the softmax.
+
 FP8 KV cache: key_cache/value_cache may be torch.float8_e4m3fn with per-tensor
 scales (keyword-only k_scale, v_scale; dequantized = stored * scale; scales are
 ignored for other cache dtypes, and default to 1.0).
@@ -44,6 +47,7 @@ def paged_attention_ref(
     v_scale: float | torch.Tensor | None = None,
     max_seq_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decodes are batched (one gather, one padded SDPA with GQA folded into the
     query axis); prefill chunks run one sequence at a time.
@@ -75,7 +79,7 @@ def paged_attention_ref(
         if window is not None:
             mask &= positions[None, :] >= context[:, None] - window
         mask = mask[:, None, None, :]
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        attn = _attend(q, keys, values, mask, scale, softcap)
         out[tokens] = attn.reshape(len(decodes), -1, head_dim)
     for i in range(len(lens)):
         q_len = starts[i + 1] - starts[i]
@@ -89,13 +93,26 @@ def paged_attention_ref(
         if fp8:
             keys, values = _dequant(keys, ks, query.dtype), _dequant(values, vs, query.dtype)
         q = query[starts[i] : starts[i + 1]].transpose(0, 1)  # [h, q, d]
-        if seq_len == q_len and (window is None or window >= seq_len):
+        if seq_len == q_len and (window is None or window >= seq_len) and softcap is None:
             attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            mask = visible_keys(q_len, seq_len, window, query.device)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+            attn = _attend(q, keys, values, visible_keys(q_len, seq_len, window, query.device), scale, softcap)
         out[starts[i] : starts[i + 1]] = attn.transpose(0, 1)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """SDPA (GQA: q's heads a multiple of k's); with `softcap` the same in plain ops, in transformers'
+    eager order (SDPA has no soft-capping): scores in the query dtype, capped, softmax in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def visible_keys(q_len: int, seq_len: int, window: int | None, device: torch.device | None = None) -> torch.Tensor:

@@ -19,12 +19,12 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, initializer_range=0.3)
 
 
-WINDOWED = {"mistral": (0, 1), "mixtral": (0, 1), "qwen2-window": (1,), "phi3": (0, 1), "gemma3": (0,)}
+WINDOWED = {"mistral": (0, 1), "mixtral": (0, 1), "gemma2": (0,), "qwen2-window": (1,), "phi3": (0, 1), "gemma3": (0,)}
 """The kinds with sliding-window layers, and which."""
 
 
 def build(kind: str):
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                               LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                               Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -71,6 +71,10 @@ def build(kind: str):
                                              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                              "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})
         return Phi3ForCausalLM(config)
+    if kind == "gemma2":  # Gemma 3's layer less its q/k norms and local rope, plus soft-capped attention scores
+        return Gemma2ForCausalLM(Gemma2Config(**COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
+                                              attn_logit_softcapping=1.5, final_logit_softcapping=3.0,
+                                              pad_token_id=None, bos_token_id=1, eos_token_id=2))
     if kind == "gemma3":  # 4 norms a layer (offset weights), GELU, per-layer rope bases, softcapped logits, tied
         config = Gemma3TextConfig(**COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
                                   layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
@@ -83,7 +87,7 @@ def build(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["llama3", "mistral", "mixtral", "qwen2", "qwen2-window", "qwen3", "qwen3-moe",
-                                  "llama-tied", "llama-yarn", "granite", "olmo2", "phi3", "phi4-mini", "gemma3"])
+                                  "llama-tied", "llama-yarn", "granite", "olmo2", "phi3", "phi4-mini", "gemma2", "gemma3"])
 def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     torch.manual_seed(0)
     reference = build(kind).eval()
@@ -96,7 +100,7 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
         for layer in reference.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
-    if kind in ("olmo2", "gemma3"):  # every norm's: around attention and MLP, over q / k, the final one (Gemma: offsets)
+    if kind in ("olmo2", "gemma2", "gemma3"):  # every norm's: around attention and MLP, over q / k, the final one (Gemma: offsets)
         for name, weight in reference.named_parameters():
             if name.endswith("norm.weight"):
                 torch.nn.init.normal_(weight, mean=1.0, std=0.5)

@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
 }
 
@@ -106,7 +107,7 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
     family = SUPPORTED_ARCHITECTURES[arch]
     num_heads = config["num_attention_heads"]
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    gemma = _gemma3(config, rope) if family == "gemma3" else {}
+    gemma = _gemma(config, rope, family) if family in ("gemma2", "gemma3") else {}
     if gemma:
         rope = gemma.pop("global_rope")
     rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -135,13 +136,13 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope_theta),
         max_position_embeddings=context,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", family == "gemma3")),  # Gemma's default: tied
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", family in ("gemma2", "gemma3"))),  # Gemma's: tied
         qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
         o_bias=bool(config.get("attention_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe", "olmo2", "gemma3"),
         qk_norm_across_heads=family == "olmo2",
         sublayer_output_norms=family == "olmo2",
-        norm_rounds_once=family in ("olmo2", "gemma3"),
+        norm_rounds_once=family in ("olmo2", "gemma2", "gemma3"),
         **(_granite_multipliers(config) if family == "granite" else {}),
         **gemma,
         rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
@@ -166,11 +167,10 @@ def _longrope(config: dict[str, Any], rope: dict[str, Any], context: int) -> tup
     return {**rope, "original_max_position_embeddings": original, "factor": factor}, min(context, original)
 
 
-def _gemma3(config: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's variations of the Llama layer (ModelConfig's fields), and its full-attention layers'
-    rope parameters ("global_rope"), from config.json as transformers 4 or 5 writes it."""
-    if config.get("attn_logit_softcapping"):
-        raise ConfigError("model", "attention logit soft-capping (attn_logit_softcapping) is not supported yet")
+def _gemma(config: dict[str, Any], rope: dict[str, Any], family: str) -> dict[str, Any]:
+    """Gemma 2's and 3's variations of the Llama layer (ModelConfig's fields), and the rope parameters
+    of their full-attention layers ("global_rope"; Gemma 3's sliding-window layers have their own
+    base), from config.json as transformers 4 or 5 writes it."""
     if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ConfigError("model", f"hidden_activation {config['hidden_activation']!r} is not supported (gelu_pytorch_tanh is)")
     if config.get("use_bidirectional_attention"):
@@ -178,13 +178,15 @@ def _gemma3(config: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
     nested = "full_attention" in rope or "sliding_attention" in rope  # transformers 5: per layer type
     global_rope = dict(rope.get("full_attention") or {}) if nested else dict(rope)
     local_rope = dict(rope.get("sliding_attention") or {}) if nested else {}
-    global_rope.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    global_rope.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0 if family == "gemma3" else 10_000.0))
     if local_rope.get("rope_type", "default") != "default":
         raise ConfigError("model", f"rope scaling on Gemma 3's sliding-window layers ({local_rope}) is not supported")
+    local_theta = local_rope.get("rope_theta", config.get("rope_local_base_freq", 10_000.0))
     return dict(
         global_rope=global_rope,
         sandwich_norms=True, norm_weight_offset=1.0, activation="gelu_tanh",
-        local_rope_theta=float(local_rope.get("rope_theta", config.get("rope_local_base_freq", 10_000.0))),
+        local_rope_theta=float(local_theta) if family == "gemma3" else None,
+        attn_logit_softcapping=config.get("attn_logit_softcapping"),
         final_logit_softcapping=config.get("final_logit_softcapping"),
         embedding_multiplier=float(config["hidden_size"]) ** 0.5, embedding_multiplier_rounds=True,
         attention_multiplier=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -194,8 +196,8 @@ def _gemma3(config: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
 def _sliding_window(config: dict[str, Any], family: str) -> dict[str, Any]:
     """sliding_window and the layers that attend within it, as transformers runs them: every
     layer of Mistral (which ignores a layer_types list); Qwen2 / Qwen3 only with use_sliding_window,
-    from max_window_layers on; Gemma 3 and others by layer_types, or Gemma 3's pattern (every
-    sliding_window_pattern-th layer global)."""
+    from max_window_layers on; Gemma 2 / 3 and others by layer_types, or Gemma's pattern (every
+    sliding_window_pattern-th layer global: 2 in Gemma 2, 6 in Gemma 3)."""
     window = config.get("sliding_window")
     qwen = family in ("qwen2", "qwen3", "qwen3_moe")
     if qwen and not config.get("use_sliding_window", False):
@@ -204,10 +206,10 @@ def _sliding_window(config: dict[str, Any], family: str) -> dict[str, Any]:
         return {}
     layers = config["num_hidden_layers"]
     types = config.get("layer_types")
-    if family in ("mistral", "mixtral") or (types is None and not qwen and family != "gemma3"):
+    if family in ("mistral", "mixtral") or (types is None and not qwen and family not in ("gemma2", "gemma3")):
         types = ["sliding_attention"] * layers
-    elif types is None and family == "gemma3":
-        pattern = config.get("sliding_window_pattern", 6)
+    elif types is None and family in ("gemma2", "gemma3"):
+        pattern = config.get("sliding_window_pattern", 6 if family == "gemma3" else 2)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     elif types is None:
         first = config.get("max_window_layers", 28)

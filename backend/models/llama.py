@@ -7,7 +7,7 @@ into single matmuls; numerics otherwise follow Hugging Face's implementation. Th
 families are variations of Llama's layer, each switched on by its ModelConfig fields: Qwen3's
 per-head query / key norms, Granite's multipliers, OLMo 2's norms after each sublayer, Phi-3's
 partial rotary, Gemma 3's norms around each sublayer, GELU and per-layer rotary bases, sliding-window
-layers, and the mixture-of-experts MLP (models/moe.py) in place of the dense one.
+layers, Gemma 2's soft-capped attention scores, and the mixture-of-experts MLP (models/moe.py) in place of the dense one.
 Split over ranks (tensor parallelism), each rank builds its share of every layer
 from models/parallel.py; with one rank those are the plain layers.
 """
@@ -170,6 +170,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, parallel, bias=config.o_bias)
         self.scale = self.head_dim**-0.5 if config.attention_multiplier is None else config.attention_multiplier
         """The softmax scale, which every attention kernel takes as an argument."""
+        self.softcap = config.attn_logit_softcapping
+        """Gemma 2: scores become softcap * tanh(score / softcap) before the softmax; None for none."""
         # queries and keys RMS-normed before rotary: each head over head_dim with one weight (Qwen3),
         # or the whole projection with a weight as wide (OLMo 2)
         q_width, k_width = (self.q_size, self.kv_size) if config.qk_norm_across_heads else (self.head_dim, self.head_dim)
@@ -319,7 +321,8 @@ class LlamaForCausalLM(nn.Module):
         h, q, k, v = pieces.first(self, input_ids, positions)
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches)):
-            attn = attention(kernels, q, k, v, kv_cache, meta, layer.self_attn.scale, layer.self_attn.window)
+            attn = attention(kernels, q, k, v, kv_cache, meta, layer.self_attn.scale, layer.self_attn.window,
+                             layer.self_attn.softcap)
             if i == last:
                 if output_rows is None or output_rows.numel() == h.shape[0]:
                     return pieces.last(self, layer, h, attn)

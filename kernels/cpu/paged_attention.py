@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from ..numerics import cdiv
-from ..paged_attention import is_fp8, kv_scales, visible_keys
+from ..paged_attention import is_fp8, kv_scales, paged_attention_ref, visible_keys
 from .paged_decode import native_decode, paged_decode, supports
 from .paged_prefill import PrefillChunks, native_prefill, paged_prefill, supports as prefill_supports
 
@@ -224,9 +224,11 @@ def paged_attention_cpu(
     chunk_keys: int | None = None,
     native: bool = True,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """CPU twin of `paged_attention_ref` (same arguments, the sliding window included; max_seq_len
-    is not needed).
+    is not needed). Soft-capped scores (Gemma 2) take the reference itself: neither the C loops nor
+    torch's flash kernel cap scores.
 
     Keyword-only, for tests and benchmarks: chunk_keys forces the torch-op decode's split
     size (capped at the longest context rounded up to CHUNK_KEYS, which means no split);
@@ -234,6 +236,9 @@ def paged_attention_cpu(
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     if query.shape[1] % num_kv_heads or query.shape[2] != head_dim:
         raise ValueError(f"query {tuple(query.shape)} does not match cache {tuple(key_cache.shape)}")
+    if softcap is not None:
+        return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                   k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap)
     out = query.new_empty(query.shape)  # contiguous even when the query is a view
     if query.shape[0] == 0:
         return out

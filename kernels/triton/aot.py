@@ -32,7 +32,9 @@ group sizes: what `int4_group_size` picks for K, and 32 (GGUF Q4_1 checkpoints).
 FP8 GEMM: the mode `default_mode` picks on the target ("w8a16" before sm_89).
 The fused MoE kernels: Mixtral-8x7B's and Qwen3-30B-A3B's experts (`MOE_MODELS`) at 1..2048
 tokens, both row tiles. Sliding-window attention (a constexpr): Mistral-7B (Llama-3-8B's shapes
-with a window of 4,096) on a split decode, unsplit decodes and a prompt chunk past the window.
+with a window of 4,096) on a split decode, unsplit decodes and a prompt chunk past the window;
+Gemma-2-9B (head dim 256, soft-capped scores) on the same; its global layers' variant (no window)
+is the windowed one less a mask, whose registers and shared memory the windowed one bounds.
 
 One compile per configuration: launches that differ only in runtime integers
 (Triton also specialises integers on == 1 and % 16 == 0, e.g. M = 1 vs M = 16)
@@ -138,7 +140,8 @@ class ModelShape:
     head_dim: int
     intermediate: int
     vocab: int  # for completeness: the LM head is not quantized, so no kernel here sees it
-    window: Optional[int] = None  # sliding-window attention on every layer (its attention scenarios: `_attention_scenarios`)
+    window: Optional[int] = None  # sliding-window attention (its attention scenarios: `_attention_scenarios`)
+    softcap: Optional[float] = None  # attention scores soft-capped (Gemma 2)
 
     def linears(self) -> Dict[str, Tuple[int, int]]:
         """(N, K) of the quantized linears, as `LlamaForCausalLM.packed_modules` stacks them."""
@@ -154,6 +157,7 @@ MODELS: Tuple[ModelShape, ...] = (
     ModelShape("Llama-3-8B", 4096, 32, 8, 128, 14336, 128256),
     ModelShape("SmolLM2-135M", 576, 9, 3, 64, 1536, 49152),
     ModelShape("Mistral-7B", 4096, 32, 8, 128, 14336, 32000, window=4096),
+    ModelShape("Gemma-2-9B", 3584, 16, 8, 256, 14336, 256000, window=4096, softcap=50.0),
 )
 @dataclass(frozen=True)
 class MoeShape:
@@ -334,8 +338,8 @@ def _record_attention(m, log: List[Launch], model: ModelShape, dtype: torch.dtyp
     for label, q_lens, seq_lens in _attention_scenarios(model.window):
         log.clear()
         query, tables, lens, starts = _attention_batch(model, dtype, q_lens, seq_lens)
-        m.paged_attention.paged_attention_triton(
-            query, cache, cache, tables, lens, starts, model.head_dim ** -0.5, window=model.window, **scales)
+        m.paged_attention.paged_attention_triton(query, cache, cache, tables, lens, starts, model.head_dim ** -0.5,
+                                                 window=model.window, softcap=model.softcap, **scales)
         out += [(f"{model.name} {label}, {kv}", launch) for launch in log]
     return out
 

@@ -20,6 +20,9 @@ block_tables[seq, n // block_size]), so BLOCK_N may be any power of two,
 independent of the cache block size. Pointer offsets into the caches are int64.
 Softmax is online (running max / sum) in float32 in the log2 domain.
 
+Soft-capping (constexpr SOFTCAP, Gemma 2): a score in the log2 domain, s * log2(e), is capped at
+softcap * log2(e) with the same tanh, which is softcap * tanh(s / softcap) * log2(e).
+
 Sliding window (constexpr SLIDING; the window a runtime int, so one compiled variant serves
 every window size): a q-block's key range starts at its first token's window, and each row
 masks the keys before its own (query at p sees p - window < n <= p).
@@ -103,6 +106,7 @@ def _paged_attention_kernel(
     qk_scale,  # softmax scale * k_scale * log2(e)
     v_scale,
     window,  # keys a query sees, its own included (SLIDING)
+    softcap,  # the soft cap times log2(e) (SOFTCAP), the scores being in the log2 domain
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -113,7 +117,7 @@ def _paged_attention_kernel(
     KV_BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SLIDING: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr,  # 0: cache in the query dtype; 1: e4m3, hardware conversion; 2: e4m3 in software
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -177,6 +181,8 @@ def _paged_attention_kernel(
             k = _fp8_to_float(k, KV_FP8 == 1)
         k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1): finite at any |x|
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         visible = n_ok[None, :] & (n[None, :] <= last_key[:, None])
         if SLIDING:
             visible = visible & (n[None, :] > last_key[:, None] - window)
@@ -269,14 +275,16 @@ def _tiles(num_tokens: int, num_seqs: int, group_pad: int, head_dim_pad: int, in
     rows and 32 keys instead when a row of the dot operands (head_dim_pad x elem_bytes,
     the query dtype) exceeds 256 bytes (head_dim > 128 in 16-bit, > 64 in float32), so
     the K/V stages fit shared memory on every target (float32 head 128 at 64 x 64 needs
-    112 KiB; sm_89 allows 99, kernels/triton/aot.py). The interpreter pays per operation, not
+    112 KiB; sm_89 allows 99, kernels/triton/aot.py); 16 keys past 512 bytes a row (float32 at head
+    dim 256, Gemma's: 32 keys needed 100 KiB). The interpreter pays per operation, not
     per element, so it takes big tiles."""
     if interpret:
         return max(64, group_pad), 128
     avg_q = num_tokens / max(num_seqs, 1)
-    wide = head_dim_pad * elem_bytes > 256
+    row_bytes = head_dim_pad * elem_bytes
+    wide = row_bytes > 256
     block_m = 16 if avg_q < 8 else (32 if wide else 64)
-    block_n = 32 if wide else 64
+    block_n = 16 if row_bytes > 512 else 32 if wide else 64
     return max(block_m, group_pad), block_n
 
 
@@ -296,8 +304,10 @@ def paged_attention_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `paged_attention_ref` (window: its sliding window, None for full causal).
+    """Triton twin of `paged_attention_ref` (window: its sliding window, None for full causal;
+    softcap: its score soft cap).
 
     Tuning overrides (keyword-only, for tests/benchmarks): num_splits forces the
     split-KV path (1 = off, a power of two); max_seq_len spares the one host
@@ -369,6 +379,7 @@ def paged_attention_triton(
         num_seqs, num_heads,
         scale * ks * LOG2E, vs,
         window or 0,
+        (softcap or 0.0) * LOG2E,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -379,7 +390,7 @@ def paged_attention_triton(
         KV_BLOCK_SIZE=kv_block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         NUM_SPLITS=num_splits,
-        SLIDING=window is not None,
+        SLIDING=window is not None, SOFTCAP=softcap is not None,
         KV_FP8=(1 if native_fp8(query.device) else 2) if fp8 else 0, DOT_FP32=dot_fp32,
         PRECISION="ieee" if query.dtype == torch.float32 else None,
         num_warps=4 if block_m * head_dim_pad <= 64 * 128 else 8,

@@ -80,7 +80,7 @@ def test_enumeration_follows_the_launchers(results):
     """The recorded configurations show the launchers' choices per target: fp8 KV decoded in
     software only before sm_89, FP8 activations (per-token quant, fp8 x fp8 dot) only from
     sm_89 (and from there the fp8 weight against 16-bit activations at decode sizes, converted
-    by the hardware), split-KV and split-K both taken and not, the sliding window and the whole context, both models' head groups, the MoE kernels' two row tiles,
+    by the hardware), split-KV and split-K both taken and not, the sliding window and the whole context, soft-capped scores at head dim 256 (Gemma 2), both models' head groups, the MoE kernels' two row tiles,
     the INT4 weight dequantized for prompt-sized M."""
     by_target = {t: [cfg for cfg, r in results if r.target == t] for t in TARGETS}
 
@@ -97,10 +97,11 @@ def test_enumeration_follows_the_launchers(results):
     assert values("sm_90", "_fp8_gemm_kernel", "NATIVE_FP8") == {True, False}
     assert not any(cfg.kernel == "_per_token_quant_kernel" for cfg in by_target["sm_80"])
     for t in TARGETS:
-        assert values(t, "_paged_attention_kernel", "GROUP") == {3, 4}
-        assert values(t, "_paged_attention_kernel", "HEAD_DIM") == {64, 128}
+        assert values(t, "_paged_attention_kernel", "GROUP") == {2, 3, 4}
         assert len(values(t, "_paged_attention_kernel", "NUM_SPLITS")) >= 2
         assert values(t, "_paged_attention_kernel", "SLIDING") == {False, True}
+        assert values(t, "_paged_attention_kernel", "SOFTCAP") == {False, True}
+        assert values(t, "_paged_attention_kernel", "HEAD_DIM") == {64, 128, 256}
         assert values(t, "_w4a16_kernel", "SPLIT") == {False, True}
         assert {cfg.kernel for cfg in by_target[t]} >= {
             "_write_kv_kernel", "_paged_attention_kernel", "_split_reduce_kernel", "_w4a16_kernel",

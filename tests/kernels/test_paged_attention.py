@@ -145,6 +145,19 @@ def test_sliding_window_split(window):
     assert rel_err(b.triton(num_splits=4, window=window), ref) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_soft_capped_scores(num_splits, dtype):
+    """Gemma 2's attention soft cap (scores of std ~8 capped at 5, so most are cut), with its sliding
+    window and without; split and unsplit."""
+    b = Batch([1, 1, 20], [700, 40, 300], 8, 2, 64, dtype=dtype, seed=11)
+    b.scale = 1.0
+    for window in (None, 100):
+        ref = paged_attention_ref(*b.ref_args(), window=window, softcap=5.0)
+        assert rel_err(b.triton(num_splits=num_splits, window=window, softcap=5.0), ref) < TOL[dtype]
+        assert rel_err(ref, paged_attention_ref(*b.ref_args(), window=window)) > 0.05  # the cap changed the answer
+
+
 def test_split_heuristic():
     """Small batch + long context splits; a full grid or a short context does not."""
     assert choose_num_splits(num_programs=8, max_seq_len=4096, num_sms=132, block_n=64) > 1
