@@ -1,6 +1,6 @@
 """The fused MoE kernel (kernels/triton/moe.py) against the torch reference (kernels/moe.py, one pair
 of matmuls per expert with tokens) on one layer of real MoE models' experts, random weights in bf16,
-random routings: time per call, and for the fused kernel the share of the device's copy bandwidth
+random routings, the experts in bf16 and in fp8 (e4m3, per-channel scales): time per call, and for the fused kernel the share of the device's copy bandwidth
 that reading the touched experts' weights once would take (decode sizes are bound by that read).
 
 A section of benchmarks/gpu.py (`moe_rows`); alone: `python benchmarks/moe_kernel.py [--device cpu]`
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.moe import fused_moe_ref, route
+from pagedserve.kernels.moe import ExpertWeights, fused_moe_ref, quantize_experts_fp8, route
 
 
 @dataclass(frozen=True)
@@ -60,33 +60,41 @@ def moe_rows(device: str, copy_gb_s: float | None = None, tokens: tuple[int, ...
                           generator=g) * layer.hidden ** -0.5
         w2 = torch.randn(layer.experts, layer.hidden, layer.inter, device=device, dtype=torch.bfloat16,
                          generator=g) * layer.inter ** -0.5
-        expert_bytes = 3 * layer.hidden * layer.inter * 2
-        for count in tokens:
-            x = torch.randn(count, layer.hidden, device=device, dtype=torch.bfloat16, generator=g)
-            logits = torch.randn(count, layer.experts, device=device, generator=g)
-            weights, ids = route(logits, layer.top_k, renormalize=True, rounded=False)
-            touched = int(torch.unique(ids).numel())
-            repeats = 5 if device == "cuda" else 2
-            ref_ms = _time(lambda: fused_moe_ref(x, w13, w2, weights, ids), device, repeats)
-            row = dict(layer=layer.name, tokens=count, experts_touched=touched, ref_ms=round(ref_ms, 3),
-                       fused_ms=None, speedup=None, bandwidth_share=None)
-            if fused is not None:
-                fused_ms = _time(lambda: fused(x, w13, w2, weights, ids), device, repeats)
-                row.update(fused_ms=round(fused_ms, 3), speedup=round(ref_ms / fused_ms, 2))
-                if copy_gb_s:
-                    read_ms = touched * expert_bytes / (copy_gb_s * 1e9) * 1e3  # as gpu.py's roofline: bytes / copy rate
-                    row["bandwidth_share"] = round(read_ms / fused_ms, 3)
-            rows.append(row)
-        del w13, w2
+        bf16 = ExpertWeights(w13, w2)
+        for form, experts in (("bf16", bf16), ("fp8", quantize_experts_fp8(bf16))):
+            expert_bytes = 3 * layer.hidden * layer.inter * experts.w13.element_size()
+            for count in tokens:
+                rows.append(_row(layer, form, experts, expert_bytes, count, device, g, fused, copy_gb_s))
+            del experts
+        del w13, w2, bf16
     return rows
+
+
+def _row(layer: MoeLayer, form: str, experts: ExpertWeights, expert_bytes: int, count: int, device: str,
+         g: torch.Generator, fused, copy_gb_s: float | None) -> dict:
+    x = torch.randn(count, layer.hidden, device=device, dtype=torch.bfloat16, generator=g)
+    logits = torch.randn(count, layer.experts, device=device, generator=g)
+    weights, ids = route(logits, layer.top_k, renormalize=True, rounded=False)
+    touched = int(torch.unique(ids).numel())
+    repeats = 5 if device == "cuda" else 2
+    ref_ms = _time(lambda: fused_moe_ref(x, experts, weights, ids), device, repeats)
+    row = dict(layer=layer.name, experts=form, tokens=count, experts_touched=touched, ref_ms=round(ref_ms, 3),
+               fused_ms=None, speedup=None, bandwidth_share=None)
+    if fused is not None:
+        fused_ms = _time(lambda: fused(x, experts, weights, ids), device, repeats)
+        row.update(fused_ms=round(fused_ms, 3), speedup=round(ref_ms / fused_ms, 2))
+        if copy_gb_s:
+            read_ms = touched * expert_bytes / (copy_gb_s * 1e9) * 1e3  # as gpu.py's roofline: bytes / copy rate
+            row["bandwidth_share"] = round(read_ms / fused_ms, 3)
+    return row
 
 
 def markdown(rows: list[dict]) -> str:
     show = lambda v, f="{}": "-" if v is None else f.format(v)  # noqa: E731
-    lines = ["| MoE layer (bf16) | tokens | experts touched | torch reference (ms) | fused Triton (ms) | speedup "
-             "| weight read at copy bandwidth / fused time |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| MoE layer (bf16 activations) | experts | tokens | experts touched | torch reference (ms) | fused Triton (ms) "
+             "| speedup | weight read at copy bandwidth / fused time |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['layer']} | {r['tokens']} | {r['experts_touched']} | {r['ref_ms']} | {show(r['fused_ms'])} "
+        lines.append(f"| {r['layer']} | {r['experts']} | {r['tokens']} | {r['experts_touched']} | {r['ref_ms']} | {show(r['fused_ms'])} "
                      f"| {show(r['speedup'], '{}x')} | {show(r['bandwidth_share'], '{:.0%}')} |")
     return "\n".join(lines)
 

@@ -27,7 +27,7 @@ import torch
 from .cache_write import write_kv_cache_ref
 from .fp8 import Fp8Weight, fp8_matmul_ref
 from .int4 import Int4Weight, w4a16_matmul_ref
-from .moe import fused_moe_ref
+from .moe import ExpertWeights, fused_moe_ref
 from .paged_attention import paged_attention_ref
 
 FORCE_ENV = "PAGEDSERVE_FORCE_TRITON"
@@ -86,16 +86,15 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
     return fp8_matmul_ref(x, w, bias)
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """The mixture-of-experts MLP of a flat batch (layout: kernels/moe.py): the fused Triton kernel where
     `use_triton` (16-bit activations on CUDA), else the torch reference (one pair of matmuls per expert
     with tokens: the CPU path)."""
     if use_triton(x):
         from .triton.moe import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, experts, topk_weights, topk_ids)
+    return fused_moe_ref(x, experts, topk_weights, topk_ids)
 
 
 @functools.cache

@@ -47,7 +47,8 @@ class Fp8Weight:
         return replace(self, weight=self.weight.to(device), scale=self.scale.to(device))
 
 
-def _quantize_rows(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values and fp32 scales of every row (the last dimension) of `t`, any leading dims."""
     t = t.to(torch.float32)
     amax = t.abs().amax(dim=-1).clamp(min=AMAX_EPS)
     # a tensor divisor: torch on CUDA multiplies by a scalar divisor's reciprocal, which
@@ -59,13 +60,13 @@ def _quantize_rows(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
     """Per-output-channel e4m3 quantization of a [N, K] weight (round to nearest even)."""
-    q, scale = _quantize_rows(weight.detach())
+    q, scale = quantize_rows(weight.detach())
     return Fp8Weight(weight=q.contiguous(), scale=scale.contiguous())
 
 
 def quantize_per_token_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token activation quantization: x [M, K] -> (e4m3 [M, K], fp32 scale [M])."""
-    return _quantize_rows(x.detach())
+    return quantize_rows(x.detach())
 
 
 def dequantize_fp8(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

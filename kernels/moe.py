@@ -2,14 +2,19 @@
 
 Layout (shared by every implementation):
   x            [tokens, hidden]
-  w13          [experts, 2 * inter, hidden]   each expert's gate_proj rows, then its up_proj rows
-  w2           [experts, hidden, inter]       each expert's down_proj
+  experts      ExpertWeights:
+    w13        [experts, 2 * inter, hidden]   each expert's gate_proj rows, then its up_proj rows
+    w2         [experts, hidden, inter]       each expert's down_proj
+    w13_scale, w2_scale   fp32 [experts, rows]: with e4m3 weights, each output channel's scale
+               (W = stored * scale, as kernels/fp8.py's per-channel weights); None in the model dtype
   topk_ids     [tokens, k] integer            the experts of each token (distinct within a row)
   topk_weights [tokens, k]                    their weights, float32 or the model dtype
 Output [tokens, hidden] in x.dtype:
   sum over j of  topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = topk_ids[t, j].
 Each product is taken in the weights' dtype, rounded to x.dtype, and summed in x.dtype expert by
 expert in ascending order: transformers' order, so half-precision results round as its do.
+With e4m3 experts each projection is x @ stored^T in float32, times the channel scales, rounded to
+x.dtype (kernels/fp8.py's W8A16 reference, expert by expert).
 
 `fused_moe_ref` is the torch reference: the CPU path and the test oracle. It groups the
 (token, slot) pairs by expert once (one argsort), then runs two matmuls per expert that has tokens,
@@ -18,14 +23,45 @@ its rows in transformers' order, so that float32 results are its bits too.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from .fp8 import quantize_rows
+
+
+@dataclass
+class ExpertWeights:
+    """One layer's experts, stacked (see the module docstring)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.w13_scale is not None
+
+
+def quantize_experts_fp8(experts: ExpertWeights) -> ExpertWeights:
+    """e4m3 experts with per-output-channel scales (kernels/fp8.py's rounding)."""
+    w13, w13_scale = quantize_rows(experts.w13)
+    w2, w2_scale = quantize_rows(experts.w2)
+    return ExpertWeights(w13.contiguous(), w2.contiguous(), w13_scale.contiguous(), w2_scale.contiguous())
+
+
+def _project(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """a @ weight^T in a's dtype; an e4m3 weight in float32 with its channel scales."""
+    if scale is None:
+        return F.linear(a, weight)
+    return (F.linear(a.float(), weight.float()) * scale).to(a.dtype)
 
 
 def fused_moe_ref(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    experts: ExpertWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
@@ -33,7 +69,8 @@ def fused_moe_ref(
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
-    tokens_in_batch, inter = x.shape[0], w2.shape[2]
+    tokens_in_batch, inter = x.shape[0], experts.w2.shape[2]
+    w13, w2, s13, s2 = experts.w13, experts.w2, experts.w13_scale, experts.w2_scale
     # (slot, token) pairs, slot-major as transformers walks them: grouped by expert (a stable sort),
     # each expert's rows in its order, which its matmuls' float32 bits follow
     by_slot = topk_ids.t().reshape(-1)
@@ -47,8 +84,8 @@ def fused_moe_ref(
         mine = pairs[start : start + count]
         start += count
         tokens = mine % tokens_in_batch
-        gate, up = F.linear(x[tokens], w13[expert]).split(inter, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[expert]) * weights[mine, None]
+        gate, up = _project(x[tokens], w13[expert], None if s13 is None else s13[expert]).split(inter, dim=-1)
+        h = _project(F.silu(gate) * up, w2[expert], None if s2 is None else s2[expert]) * weights[mine, None]
         out.index_add_(0, tokens, h.to(x.dtype))
     return out
 
@@ -64,4 +101,4 @@ def route(router_logits: torch.Tensor, k: int, renormalize: bool, rounded: bool)
     return (weights.to(router_logits.dtype) if rounded else weights), ids
 
 
-__all__ = ["fused_moe_ref", "route"]
+__all__ = ["ExpertWeights", "fused_moe_ref", "quantize_experts_fp8", "route"]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.dispatch import fused_moe
-from pagedserve.kernels.moe import route
+from pagedserve.kernels.moe import ExpertWeights, quantize_experts_fp8, route
 
 from ..errors import ConfigError
 from ..model_config import ModelConfig
@@ -34,6 +34,9 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(hidden, experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
+        """Each output channel's scale once the experts are e4m3 (`quantize_fp8`)."""
         self.top_k = config.experts_per_token
         self.renormalize, self.rounded = config.renormalize_expert_weights, config.expert_weights_rounded
         self.shard, self.collectives = parallel.shard(0), parallel.collectives
@@ -43,8 +46,21 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.rounded)
-        out = fused_moe(x, self.w13, self.w2, weights, ids)
+        out = fused_moe(x, self.experts, weights, ids)
         return out if self.collectives is None else self.collectives.all_reduce(out)
+
+    @property
+    def experts(self) -> ExpertWeights:
+        return ExpertWeights(self.w13, self.w2, self.w13_scale, self.w2_scale)
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """The experts in e4m3 with per-channel scales (quantization fp8): half their bytes."""
+        q = quantize_experts_fp8(self.experts)
+        assert q.w13_scale is not None and q.w2_scale is not None  # e4m3 experts carry both
+        self.w13, self.w2 = nn.Parameter(q.w13, requires_grad=False), nn.Parameter(q.w2, requires_grad=False)
+        self.w13_scale = nn.Parameter(q.w13_scale, requires_grad=False)
+        self.w2_scale = nn.Parameter(q.w2_scale, requires_grad=False)
 
     @torch.no_grad()
     def load_expert(self, expert: int, projection: str, tensor: torch.Tensor) -> None:

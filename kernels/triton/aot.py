@@ -276,6 +276,7 @@ def _device_model(target: Target, sms: int, log: List[Launch]):
         (m.fp8, "interpreting", lambda: False),
         (m.fp8, "native_fp8", native),
         (m.moe, "interpreting", lambda: False),
+        (m.moe, "native_fp8", native),
     ]
     for mod, kernels in _KERNELS.items():
         for k in kernels:
@@ -345,16 +346,24 @@ def _record_attention(m, log: List[Launch], model: ModelShape, dtype: torch.dtyp
 
 
 def _record_moe(m, log: List[Launch], moe: MoeShape, dtype: torch.dtype) -> List[Tuple[str, Launch]]:
-    """The fused MoE kernels' launches at each token count (expert weights allocated, never touched)."""
-    w13 = torch.empty(moe.experts, 2 * moe.inter, moe.hidden, dtype=dtype)
-    w2 = torch.empty(moe.experts, moe.hidden, moe.inter, dtype=dtype)
+    """The fused MoE kernels' launches at each token count, experts in the model dtype and in e4m3
+    (weights allocated, never touched)."""
+    from ..moe import ExpertWeights  # read by attribute: the private kernel copy takes it as its own
+
+    experts = {}
+    for kind, weight_dtype in (("", dtype), (" fp8 experts", torch.float8_e4m3fn)):
+        scales = (torch.empty(moe.experts, 2 * moe.inter), torch.empty(moe.experts, moe.hidden)) if kind else (None, None)
+        experts[kind] = ExpertWeights(
+            torch.empty(moe.experts, 2 * moe.inter, moe.hidden, dtype=weight_dtype),
+            torch.empty(moe.experts, moe.hidden, moe.inter, dtype=weight_dtype), *scales)
     out = []
-    for tokens in MOE_TOKENS:
-        log.clear()
-        ids = torch.arange(tokens * moe.top_k).remainder(moe.experts).view(tokens, moe.top_k)
-        m.moe.fused_moe_triton(torch.empty(tokens, moe.hidden, dtype=dtype), w13, w2,
-                               torch.empty(tokens, moe.top_k, dtype=torch.float32), ids)
-        out += [(f"{moe.name} MoE T={tokens}", launch) for launch in log]
+    for kind, weights in experts.items():
+        for tokens in MOE_TOKENS:
+            log.clear()
+            ids = torch.arange(tokens * moe.top_k).remainder(moe.experts).view(tokens, moe.top_k)
+            m.moe.fused_moe_triton(torch.empty(tokens, moe.hidden, dtype=dtype), weights,
+                                   torch.empty(tokens, moe.top_k, dtype=torch.float32), ids)
+            out += [(f"{moe.name} MoE T={tokens}{kind}", launch) for launch in log]
     return out
 
 

@@ -10,7 +10,9 @@ under TRITON_INTERPRET=1:
     bit-identical to torch's `.to(torch.float8_e4m3fn)` (the cache write and the
     per-token activation quantizer store through uint8 views with it);
   * `decode_e4m3`: e4m3fn bit pattern -> exact float32 (the W8A16 GEMM, and paged
-    attention over an fp8 KV cache on GPUs without hardware e4m3).
+    attention over an fp8 KV cache on GPUs without hardware e4m3);
+  * `e4m3_to_float`: the bytes as exact floats, by the hardware where NATIVE, else `decode_e4m3`
+    (paged attention's fp8 KV, the fused MoE kernel's fp8 experts).
 
 `native_fp8(device)` is the host-side test the launchers use to pick between the
 hardware conversion and `decode_e4m3` (a constexpr of the kernel).
@@ -66,4 +68,15 @@ def decode_e4m3(b):
     return tl.where(u >= 128, -r, r)
 
 
-__all__ = ["NATIVE_FP8_CAPABILITY", "decode_e4m3", "e4m3_bits", "native_fp8"]
+@triton.jit
+def e4m3_to_float(x, NATIVE: tl.constexpr):
+    """uint8 e4m3fn bytes -> a float tensor holding the exact values: tl.float8e4nv
+    (hardware conversion, sm_89+) when NATIVE, else float32 decoded with integer ops."""
+    if NATIVE:
+        y = x.to(tl.float8e4nv, bitcast=True)
+    else:
+        y = decode_e4m3(x)
+    return y
+
+
+__all__ = ["NATIVE_FP8_CAPABILITY", "decode_e4m3", "e4m3_bits", "e4m3_to_float", "native_fp8"]

@@ -16,6 +16,11 @@ Same layout and result as `fused_moe_ref` (kernels/moe.py), within rounding.
    into [num_pairs, hidden] in the model dtype.
 4. The k slots of each token are summed in float32 and rounded once (torch).
 
+FP8 experts (W8A16, constexpr W_FP8: 1 the hardware's e4m3 conversion from sm_89, 2 decoded
+with integer ops before it, as the attention kernel's fp8 KV): the e4m3 tiles are converted
+exactly to the activations' dtype for the dot, and each output channel's scale multiplies the
+float32 accumulator (a channel's scale factors out of its sum over k).
+
 Tiles: BLOCK_M 16 for decode-sized batches (few rows per expert), 64 once the average expert
 gets that many rows; BLOCK_N 64, BLOCK_K 64. Interpreter (TRITON_INTERPRET=1, CPU): big tiles,
 and the dot operands in float32 (its tl.dot multiplies bfloat16's raw bits).
@@ -27,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..moe import ExpertWeights
 from ..numerics import cdiv
+from .e4m3 import e4m3_to_float, native_fp8
 from .gemm import interpreting
 
 
@@ -42,11 +49,22 @@ def _block_of_expert(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl
 
 
 @triton.jit
+def _weight_tile(ptr, W_FP8: tl.constexpr, dtype):
+    """A weight tile in the activations' dtype: loaded as is, or e4m3 bytes converted exactly."""
+    if W_FP8:
+        w = e4m3_to_float(ptr, W_FP8 == 1)
+    else:
+        w = ptr
+    return w.to(dtype)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr,
+    x_ptr, w13_ptr, scale_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr,
     num_pairs, inter, hidden, top_k,
-    stride_xm, stride_we, stride_wn, stride_am,
+    stride_xm, stride_we, stride_wn, stride_am, stride_se,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    W_FP8: tl.constexpr,
 ):
     expert, pairs, row_ok, n = _block_of_expert(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M, BLOCK_N)
     if expert < 0:
@@ -61,14 +79,20 @@ def _moe_gate_up_kernel(
         k_ok = k < hidden
         a = tl.load(x_ptr + tokens[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & n_ok[None, :]
-        wg = tl.load(w + n[None, :].to(tl.int64) * stride_wn + k[:, None], mask=w_mask, other=0.0)
-        wu = tl.load(w + (n + inter)[None, :].to(tl.int64) * stride_wn + k[:, None], mask=w_mask, other=0.0)
+        wg = _weight_tile(tl.load(w + n[None, :].to(tl.int64) * stride_wn + k[:, None], mask=w_mask, other=0), W_FP8,
+                          a.dtype)
+        wu = _weight_tile(tl.load(w + (n + inter)[None, :].to(tl.int64) * stride_wn + k[:, None], mask=w_mask, other=0),
+                          W_FP8, a.dtype)
         if DOT_FP32:
             a = a.to(tl.float32)
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
         gate = tl.dot(a, wg, gate)
         up = tl.dot(a, wu, up)
+    if W_FP8:  # per-channel scales factor out of the sum over k
+        scales = scale_ptr + expert.to(tl.int64) * stride_se
+        gate = gate * tl.load(scales + n, mask=n_ok, other=0.0)[None, :]
+        up = up * tl.load(scales + inter + n, mask=n_ok, other=0.0)[None, :]
     act = gate / (1.0 + tl.exp(-gate)) * up
     out = act_ptr + pairs.to(tl.int64)[:, None] * stride_am + n[None, :]
     tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -76,10 +100,11 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr,
+    act_ptr, w2_ptr, scale_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr,
     num_pairs, hidden, inter,
-    stride_am, stride_we, stride_wn, stride_om,
+    stride_am, stride_we, stride_wn, stride_om, stride_se,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    W_FP8: tl.constexpr,
 ):
     expert, pairs, row_ok, n = _block_of_expert(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M, BLOCK_N)
     if expert < 0:
@@ -92,13 +117,16 @@ def _moe_down_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < inter
         a = tl.load(act_ptr + rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w + n[None, :].to(tl.int64) * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b = _weight_tile(tl.load(w + n[None, :].to(tl.int64) * stride_wn + k[:, None],
+                                 mask=k_ok[:, None] & n_ok[None, :], other=0), W_FP8, a.dtype)
         if DOT_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
     weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
+    if W_FP8:
+        acc = acc * tl.load(scale_ptr + expert.to(tl.int64) * stride_se + n, mask=n_ok, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
 
@@ -136,14 +164,14 @@ def _tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
 
 def fused_moe_triton(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    experts: ExpertWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
     block_m: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of `fused_moe_ref` (block_m: a row-tile override for tests)."""
+    w13, w2 = experts.w13, experts.w2
     tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -152,6 +180,13 @@ def fused_moe_triton(
     if tokens == 0:
         return torch.zeros_like(x)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    w_fp8 = 0
+    s13 = s2 = topk_weights  # placeholders: the kernels read scales only with fp8 weights
+    if experts.fp8:
+        assert experts.w13_scale is not None and experts.w2_scale is not None  # fp8 means both
+        w_fp8 = 1 if native_fp8(x.device) else 2
+        w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
+        s13, s2 = experts.w13_scale.contiguous(), experts.w2_scale.contiguous()
     num_pairs = tokens * top_k
     auto_m, block_n, block_k = _tiles(num_pairs, num_experts)
     block_m = block_m or auto_m
@@ -162,17 +197,17 @@ def fused_moe_triton(
     blocks = block_experts.numel()
     dot_fp32 = interpreting() or x.dtype == torch.float32
     _moe_gate_up_kernel[(blocks, cdiv(inter, block_n))](
-        x, w13, act, sorted_pairs, block_experts,
+        x, w13, s13, act, sorted_pairs, block_experts,
         num_pairs, inter, hidden, top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), s13.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, W_FP8=w_fp8,
         num_warps=4, num_stages=2,
     )
     _moe_down_kernel[(blocks, cdiv(hidden, block_n))](
-        act, w2, partial, weights, sorted_pairs, block_experts,
+        act, w2, s2, partial, weights, sorted_pairs, block_experts,
         num_pairs, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32,
+        act.stride(0), w2.stride(0), w2.stride(1), partial.stride(0), s2.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, W_FP8=w_fp8,
         num_warps=4, num_stages=2,
     )
     return partial.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)

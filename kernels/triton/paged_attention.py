@@ -60,7 +60,7 @@ from triton.runtime.jit import JITFunction
 
 from ..numerics import cdiv
 from ..paged_attention import is_fp8, kv_scales
-from .e4m3 import decode_e4m3, native_fp8
+from .e4m3 import e4m3_to_float, native_fp8
 
 LOG2E = 1.4426950408889634
 
@@ -84,17 +84,6 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
-
-
-@triton.jit
-def _fp8_to_float(x, NATIVE: tl.constexpr):
-    """uint8 e4m3fn bytes -> a float tensor holding the exact values: tl.float8e4nv
-    (hardware conversion, sm_89+) when NATIVE, else float32 decoded with integer ops."""
-    if NATIVE:
-        y = x.to(tl.float8e4nv, bitcast=True)
-    else:
-        y = decode_e4m3(x)
-    return y
 
 
 @triton.jit
@@ -178,7 +167,7 @@ def _paged_attention_kernel(
         # K tile loaded transposed: [HEAD_DIM_PAD, BLOCK_N]
         k = tl.load(k_head + (block * stride_kb + offset * stride_ks)[None, :] + d[:, None], mask=kv_mask, other=0.0)
         if KV_FP8:
-            k = _fp8_to_float(k, KV_FP8 == 1)
+            k = e4m3_to_float(k, KV_FP8 == 1)
         k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
         if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1): finite at any |x|
@@ -197,7 +186,7 @@ def _paged_attention_kernel(
         v = tl.load(v_head + (block * stride_vb + offset * stride_vs)[:, None] + d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if KV_FP8:
-            v = _fp8_to_float(v, KV_FP8 == 1)
+            v = e4m3_to_float(v, KV_FP8 == 1)
         v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new

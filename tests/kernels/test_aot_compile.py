@@ -80,7 +80,7 @@ def test_enumeration_follows_the_launchers(results):
     """The recorded configurations show the launchers' choices per target: fp8 KV decoded in
     software only before sm_89, FP8 activations (per-token quant, fp8 x fp8 dot) only from
     sm_89 (and from there the fp8 weight against 16-bit activations at decode sizes, converted
-    by the hardware), split-KV and split-K both taken and not, the sliding window and the whole context, soft-capped scores at head dim 256 (Gemma 2), both models' head groups, the MoE kernels' two row tiles,
+    by the hardware), split-KV and split-K both taken and not, the sliding window and the whole context, soft-capped scores at head dim 256 (Gemma 2), both models' head groups, the MoE kernels' two row tiles and fp8 experts (decoded in software before sm_89),
     the INT4 weight dequantized for prompt-sized M."""
     by_target = {t: [cfg for cfg, r in results if r.target == t] for t in TARGETS}
 
@@ -107,6 +107,7 @@ def test_enumeration_follows_the_launchers(results):
             "_write_kv_kernel", "_paged_attention_kernel", "_split_reduce_kernel", "_w4a16_kernel",
             "_splitk_reduce_kernel", "_fp8_gemm_kernel", "_dequant_kernel", "_moe_gate_up_kernel", "_moe_down_kernel"}
         assert values(t, "_moe_gate_up_kernel", "BLOCK_M") == {16, 64}
+        assert values(t, "_moe_down_kernel", "W_FP8") == ({0, 2} if t == "sm_80" else {0, 1})
 
 
 def test_fp8_kv_software_decode_matches_hardware(monkeypatch):
