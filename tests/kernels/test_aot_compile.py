@@ -7,17 +7,19 @@ fp8 type sm_80 lacks, loop-carried type changes, dot shapes), and say nothing ab
 registers or shared memory; this is the check a GPU-less CI can make of those.
 
 What is compiled (budget: a few minutes on a 2-core CPU, cold Triton cache): the
-configurations the launchers choose for Llama-3-8B and SmolLM2-135M (`aot.MODELS`) with
-bfloat16 activations (the engine's CUDA default) and float32 ones (attention and cache
-write only: the quantized GEMMs take 16-bit activations; float32 tiles are the largest
-in shared memory), thinned by `aot.representative`: of GEMM configs differing only in
-BLOCK_K the largest is compiled (it bounds the smaller K tiles of INT4 group sizes 32 /
-64 in shared memory and registers), of attention configs differing only in NUM_SPLITS > 1
-the largest (the value enters scalar arithmetic only), of the reductions' split counts
-the largest. That is every tile shape, warp / stage count, split-K / split-KV / fp8
-branch of every kernel, ~90 compiles per target, shared out among child processes, one
+configurations the launchers choose for `aot.MODELS` (Llama-3-8B, SmolLM2-135M, Mistral-7B's
+sliding window, Gemma-2-9B's head dim 256 and soft cap) and `aot.MOE_MODELS` (the fused MoE
+kernels), with bfloat16 activations (the engine's CUDA default) on every target and float32
+ones on sm_89 (attention and cache write only: the quantized GEMMs and MoE take 16-bit
+activations; float32 tiles are the largest in shared memory, and sm_89 has the least of it),
+thinned by `aot.representative`: of GEMM configs differing only in BLOCK_K the largest is
+compiled (it bounds the smaller K tiles of INT4 group sizes 32 / 64 in shared memory and
+registers), of attention configs differing only in NUM_SPLITS > 1 the largest (the value
+enters scalar arithmetic only), of the reductions' split counts the largest. That is every
+tile shape, warp / stage count, split-K / split-KV / fp8 / window / soft-cap branch of every
+kernel, ~105 compiles per target and ~37 more on sm_89, shared out among child processes, one
 per CPU core (PAGEDSERVE_AOT_JOBS overrides). float16 (the same code as bfloat16 but for
-the type) and the unthinned set: `python benchmarks/kernels.py --static`.
+the type), float32 on the other targets and the unthinned set: `python benchmarks/kernels.py --static`.
 
 Shared memory: a configuration must fit unless it is only ever a timed GEMM candidate
 (not the first of `_candidates`): `triton/gemm.py`'s `timed_choice` skips candidates that fail
@@ -40,9 +42,16 @@ from pagedserve.kernels.triton import aot
 TARGETS = list(aot.TARGETS)
 
 
+FLOAT32_TARGET = "sm_89"
+"""float32 activations' configurations (attention and cache write only) are compiled for the target
+with the least shared memory per block: their dot runs on the FMA units (ieee precision) on every
+target, so shared memory is what tells the targets apart (the others: `--static`)."""
+
+
 @pytest.fixture(scope="module")
 def results():
-    return aot.compile_all(TARGETS, dtypes=(torch.bfloat16, torch.float32), reduced=True)
+    return (aot.compile_all(TARGETS, dtypes=(torch.bfloat16,), reduced=True)
+            + aot.compile_all([FLOAT32_TARGET], dtypes=(torch.float32,), reduced=True))
 
 
 def _rows(results, target, bad):
