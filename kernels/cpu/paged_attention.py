@@ -131,17 +131,15 @@ class DecodePlan:
     def windowed(self, window: int) -> DecodePlan:
         """The decodes' last `window` keys: this plan where none reads more, else tables of the
         window's slots (block size 1) and lengths capped at the window."""
-        lens = self.lens.numpy().astype(np.int64)
-        if lens.max() <= window:
+        lens = self.lens.long()
+        longest = int(lens.max())
+        if longest <= window:
             return self
-        width = min(window, int(lens.max()))
-        positions = np.maximum(lens - window, 0)[:, None] + np.arange(width)
-        positions = np.minimum(positions, lens[:, None] - 1)  # past a short decode's end: its last key, never read
-        tables = self.tables.numpy()
-        slots = np.take_along_axis(tables, positions // self.block_size, 1).astype(np.int64) * self.block_size
-        slots += positions % self.block_size
-        return DecodePlan(self.tokens, torch.from_numpy(slots.astype(np.int32)),
-                          torch.from_numpy(np.minimum(lens, window).astype(np.int32)), 1, self.requested_chunk_keys)
+        positions = (lens - window).clamp(min=0)[:, None] + torch.arange(min(window, longest))
+        positions = torch.minimum(positions, lens[:, None] - 1)  # past a short decode's end: its last key, never read
+        slots = _slots(self.tables.long(), positions, self.block_size)
+        return DecodePlan(self.tokens, slots.to(torch.int32), lens.clamp(max=window).to(torch.int32), 1,
+                          self.requested_chunk_keys)
 
 
 @dataclass
