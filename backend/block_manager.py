@@ -28,6 +28,13 @@ def hash_block(parent: bytes | None, token_ids: Iterable[int]) -> bytes:
     return digest.digest()
 
 
+def _salt(seq: Sequence) -> bytes | None:
+    """What a sequence's first block hash starts from: its LoRA adapter's name (the same tokens
+    through another adapter have other keys and values), nothing for the base model."""
+    name = seq.params.lora_name
+    return None if name is None else b"lora:" + name.encode()
+
+
 @dataclass(eq=False)
 class KVBlock:
     block_id: int
@@ -179,7 +186,7 @@ class BlockManager:
     def _extend_hashes(self, seq: Sequence, num_full: int) -> None:
         size = self.block_size
         for index in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[index - 1] if index else None
+            parent = seq.block_hashes[index - 1] if index else _salt(seq)
             seq.block_hashes.append(hash_block(parent, seq.token_ids[index * size : (index + 1) * size]))
 
     # -- allocation ------------------------------------------------------------

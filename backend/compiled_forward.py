@@ -102,5 +102,6 @@ def compile_wanted(config: EngineConfig, device: torch.device) -> bool:
     """`compile: auto` compiles on CUDA only: on CPU the eager step with packed half-precision
     weights is faster (inductor takes plain weights), and float32 gained too little for the
     seconds of load it costs (benchmarks/RESULTS.md, "Figures behind design choices in the
-    code")."""
-    return config.compile == "on" or (config.compile == "auto" and config.compile_supported and device.type == "cuda")
+    code"). Not with LoRA adapters, whose step runs eager."""
+    auto = config.compile_supported and not config.enable_lora and device.type == "cuda"
+    return config.compile == "on" or (config.compile == "auto" and auto)

@@ -24,6 +24,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 COMPILE_MODES = ("auto", "on", "off")
 LOAD_FORMATS = ("auto", "dummy")
 ASYNC_SCHEDULING = ("auto", "on", "off")
+LORA_RANKS = (8, 16, 32, 64, 128, 256)
 
 
 @dataclass
@@ -112,6 +113,24 @@ class EngineConfig:
     faster, since MKL and the few-row GEMV order a few rows' sums differently. Eager unquantized CPU
     steps only: refused with quantization, compile=on, several ranks or CUDA (the Triton kernels pick
     their tiles by batch size)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (vLLM's --enable-lora): requests name one by `lora_name` in their sampling
+    parameters, and requests of different adapters and the base model batch together (backend/lora/).
+    Eager steps on one rank: refused with compile=on or several ranks; with auto the step is not
+    compiled (CUDA graphs still replay the steps without adapter rows)."""
+    lora_modules: str = ""
+    """The adapters: a JSON file of name -> PEFT adapter folder (Triton's vLLM backend's multi_lora.json;
+    relative folders are read beside the file), or `name=folder,name=folder`. Empty with enable_lora: the
+    Triton model reads multi_lora.json in its version folder, as Triton's vLLM backend does."""
+    max_loras: int = 4
+    """Adapters on the device at once (vLLM's --max-loras): a step's requests use at most this many; a
+    request for another one waits in the queue until a slot's requests finish."""
+    max_lora_rank: int = 16
+    """Largest adapter rank served (vLLM's --max-lora-rank): every slot is this wide; an adapter of a
+    higher rank is refused at load, naming it."""
+    max_cpu_loras: int = 0
+    """Adapters kept read in host memory, least recently used dropped first (vLLM's --max-cpu-loras);
+    0: max_loras."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (Megatron-style tensor parallelism): one process per rank, each holding
     its share of the weights and of the KV cache; rank 0 runs the engine and spawns the others. Must divide
@@ -189,6 +208,7 @@ class EngineConfig:
         _at_least(self, "stream_interval", 1)
         _at_least(self, "num_threads", 0)
         _at_least(self, "tensor_parallel_size", 1)
+        self._validate_lora()
         if self.tensor_parallel_size > 1:
             self._validate_tensor_parallel()
         if self.model and not os.path.exists(self.model):
@@ -197,6 +217,20 @@ class EngineConfig:
                 f"{self.model!r} does not exist; give a Hugging Face model directory "
                 "or a .gguf file, or leave it empty for the bundled default model",
             )
+
+    def _validate_lora(self) -> None:
+        _at_least(self, "max_loras", 1)
+        _at_least(self, "max_cpu_loras", 0)
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ConfigError("max_lora_rank", f"must be one of {list(LORA_RANKS)}, got {self.max_lora_rank}")
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ConfigError("lora_modules", "lists adapters but enable_lora is false; set enable_lora=true")
+            return
+        for name, neutral in (("compile", ("auto", "off")), ("tensor_parallel_size", (1,))):
+            if getattr(self, name) not in neutral:
+                raise ConfigError("enable_lora", f"adapters run in the eager step on one rank; set {name} to "
+                                                 f"{' or '.join(map(repr, neutral))} (got {getattr(self, name)!r})")
 
     @property
     def compile_supported(self) -> bool:

@@ -28,6 +28,7 @@ from .device import max_model_len, num_kv_blocks, resolve_device, resolve_dtype
 from .distributed import TensorParallelRunner, start_workers
 from .errors import ConfigError, InvalidRequestError
 from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
+from .lora.manager import LoRAManager
 from .model_files import resolve_model_path
 from .model_loader import load_model, read_checkpoint
 from .model_runner import ModelRunner, StagedTokens
@@ -106,6 +107,8 @@ class LLMEngine:
             cpu.prepare(loaded.model, loaded.config, self.dtype, tensor_parallel)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.lora = LoRAManager(loaded.model, config, self.dtype, self.device) if config.enable_lora else None
+        """The adapters this model serves (enable_lora), else None."""
 
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         num_blocks = num_kv_blocks(config, loaded.model.local_config, self.device, self.kv_dtype)
@@ -118,6 +121,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
             max_model_len=self.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
+            max_loras=config.max_loras if self.lora is not None else 0,
         )
         runner_args = (loaded.model, num_blocks, config.block_size, self.kv_dtype, self.device, config.attention_backend,
                        config.max_num_batched_tokens if compiled else 0)
@@ -125,7 +129,7 @@ class LLMEngine:
             self.runner: ModelRunner = TensorParallelRunner(self.workers, *runner_args)
         else:
             graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) else 0
-            self.runner = ModelRunner(*runner_args, graphs, self.max_model_len)
+            self.runner = ModelRunner(*runner_args, graphs, self.max_model_len, self.lora)
         if config.kv_cache_dtype == "fp8":
             calibrate_kv_scales(self.runner, self.encode(CALIBRATION_TEXT)[: self.max_model_len])
         self.runner.capture_graphs()  # after calibration: the captured kernels take the KV scales as constants
@@ -176,6 +180,11 @@ class LLMEngine:
         accepted but not yet added (the engine thread's inbox)."""
         self._validate_prompt(prompt_token_ids)
         params.check_vocab(self.model_config.vocab_size)
+        if params.lora_name is not None:
+            if self.lora is None:
+                raise InvalidRequestError("lora_name", f"this model serves no adapters (asked for {params.lora_name!r}); "
+                                                       "start it with enable_lora=true and its adapters in lora_modules")
+            self.lora.check(params.lora_name)
         if params.structured_outputs is not None:
             self.grammars.prepare(params.structured_outputs)
         config = self.config

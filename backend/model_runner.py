@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .attention import AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
 from .compiled_forward import CompiledForward
 from .cuda_graphs import DecodeGraphs
+from .lora.manager import LoRAManager
 from .models.llama import LlamaForCausalLM
 from .process_tuning import advise_huge_pages
 from .sampling_params import SamplingParams
@@ -38,6 +39,7 @@ class StepArrays:
     sampling_seqs: list
     device_rows: np.ndarray  # [k] int64: input rows whose token is still on the device
     device_src: np.ndarray  # [k] int64: its row in the step before's sampled tokens
+    token_slots: np.ndarray | None = None  # [tokens] int32: each token's LoRA slot (-1 none); None: no adapter rows
 
 
 @dataclass
@@ -60,6 +62,7 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_seqs: list[Sequence]
+    lora_slots: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -74,12 +77,15 @@ class ModelRunner:
         compile_max_tokens: int = 0,
         graph_max_seqs: int = 0,
         max_model_len: int = 0,
+        lora: LoRAManager | None = None,
     ):
         """compile_max_tokens > 0: run the compiled step (backend/compiled_forward.py),
         warmed up now for steps of up to that many tokens. graph_max_seqs > 0 (CUDA):
         decode steps of up to that many sequences replay whole CUDA graphs
-        (backend/cuda_graphs.py), captured by `capture_graphs` for contexts up to max_model_len."""
+        (backend/cuda_graphs.py), captured by `capture_graphs` for contexts up to max_model_len.
+        lora: the model's adapters (enable_lora); a step with adapter rows runs eager, not a graph."""
         self.model = model
+        self.lora = lora
         self.config = model.config
         self.block_size = block_size
         self.device = device
@@ -146,11 +152,13 @@ class ModelRunner:
         positions = np.arange(num_tokens, dtype=np.int64) - query_start[rows] + starts[rows]
         slots = block_tables[rows, positions // self.block_size].astype(np.int64) * self.block_size
         slots += positions % self.block_size
+        seq_slots = self.lora.slots_of(seqs) if self.lora is not None else None
         return StepArrays(input_ids=input_ids, positions=positions, slots=slots, block_tables=block_tables,
                           seq_lens=seq_lens, query_start=query_start, logits_indices=query_start[1:][sampling] - 1,
                           sampling_seqs=[s for s, keep in zip(seqs, sampling) if keep],
                           device_rows=np.asarray(device_rows, dtype=np.int64),
-                          device_src=np.asarray(device_src, dtype=np.int64))
+                          device_src=np.asarray(device_src, dtype=np.int64),
+                          token_slots=None if seq_slots is None else seq_slots[rows])
 
     def remember(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """The tokens a step sampled, on the device, for the next step's inputs (async
@@ -207,6 +215,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=to(arrays.logits_indices),
             sampling_seqs=arrays.sampling_seqs,
+            lora_slots=None if arrays.token_slots is None else to(arrays.token_slots),
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -217,7 +226,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one forward; logits [num_sampling_seqs, vocab] float32 and those sequences, in
         the order of the logits' rows (a decode graph's rows keep each sequence's row)."""
-        if self.graphs is not None and self.graphs.takes(batch):
+        if self.graphs is not None and not self._adapted(batch) and self.graphs.takes(batch):
             return self.graphs.run(batch)
         inputs = self.to_inputs(self.plan(batch))
         return self.run(inputs), inputs.sampling_seqs
@@ -232,6 +241,8 @@ class ModelRunner:
         if self.compiled:
             pad = self.compiled.rows(len(input_ids)) - len(input_ids)
             input_ids, positions, pieces = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad)), self.compiled.pieces
+        if self.lora is not None:
+            self.lora.activate(inputs.lora_slots, inputs.logits_indices)
         hidden = self.model(
             input_ids, positions, kv_caches or self.kv_caches, inputs.meta, attention or self.attention_kernels, pieces,
             inputs.logits_indices,
@@ -239,6 +250,10 @@ class ModelRunner:
         if len(inputs.logits_indices) == 0:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden)
+
+    def _adapted(self, batch: ScheduledBatch) -> bool:
+        """Whether a sequence of the batch runs with a LoRA adapter (its step is not a graph's)."""
+        return self.lora is not None and any(seq.params.lora_name is not None for seq in batch.seqs)
 
     def recover(self) -> None:
         """After a failed step: nothing to rebuild on one rank (tensor parallelism restarts its workers)."""

@@ -61,6 +61,9 @@ class SamplingParams:
     for this request, never lowers it. The first and the final delta go out at once."""
     structured_outputs: StructuredOutputs | None = None
     """The grammar every sampled token must follow (backend/structured_output.py)."""
+    lora_name: str | None = None
+    """The LoRA adapter this request runs with: a name the model's `lora_modules` list (its
+    multi_lora.json, as Triton's vLLM backend reads it); None: the base model."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -141,6 +144,8 @@ class SamplingParams:
             _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2^63), got {self.seed}")
+        _check(self.lora_name is None or (isinstance(self.lora_name, str) and bool(self.lora_name)), "lora_name",
+               f"must be the name of an adapter (a non-empty string), got {self.lora_name!r}")
         if self.stream_interval is not None:
             _check(self.stream_interval >= 1, "stream_interval", f"must be >= 1, got {self.stream_interval}")
         if self.logprobs is not None:

@@ -77,7 +77,11 @@ class Scheduler:
         policy: str = "inflight",
         max_model_len: int | None = None,
         eos_token_ids: Seq[int] = (),
+        max_loras: int = 0,
     ):
+        """max_loras > 0: requests of at most that many LoRA adapters run at once (the device's
+        slots); the first waiting request of another adapter waits, and those behind it, until a
+        running adapter's last request finishes (first come, first served)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -85,6 +89,7 @@ class Scheduler:
         self.policy = policy
         self.max_model_len = max_model_len
         self.eos_token_ids = list(eos_token_ids)
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -211,6 +216,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending_tokens:
                 break  # preempted while its last step ran: back once that step's token is in
+            if not self._adapter_fits(seq):
+                break
             cached = self._shared_prompt_blocks(seq) or self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
@@ -226,6 +233,14 @@ class Scheduler:
             budget -= num_new
         if self.policy == "static" and (len(self.running) >= self.max_num_seqs or not self.waiting):
             self._static_batch_open = False
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether seq's LoRA adapter runs already or a slot is left for it."""
+        name = seq.params.lora_name
+        if name is None or not self.max_loras:
+            return True
+        running = {s.params.lora_name for s in self.running} - {None}
+        return name in running or len(running) < self.max_loras
 
     def _shared_prompt_blocks(self, seq: Sequence) -> list:
         """A fork's share of its first sample's full prompt blocks (never the block of

@@ -102,6 +102,9 @@ def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
     openai.add_argument("--model", action="append", default=None, dest="models",
                         help="Triton model to offer (repeatable; default: llm)")
     openai.add_argument("--served-model-name", default=None, help="OpenAI model id of the one model (default: its Triton name)")
+    openai.add_argument("--lora-module", action="append", default=[], dest="lora_modules", metavar="NAME[=MODEL]",
+                        help="a LoRA adapter the server's multi_lora.json lists, offered as an OpenAI model of its own "
+                             "(repeatable; MODEL: the model that serves it, default the first)")
     key = openai.add_argument_group("API key", f"Every /v1 route needs `Authorization: Bearer KEY` when a key is set. "
                                                 f"Default: ${API_KEY_ENV}, else the file ${API_KEY_FILE_ENV} names.")
     key.add_argument("--api-key-file", default=None, metavar="PATH",
@@ -143,7 +146,8 @@ def run_openai(args: argparse.Namespace) -> int:
     try:
         config = GatewayConfig(
             host=args.host, port=args.port, triton_url=args.triton_url, models=args.models or ["llm"],
-            served_model_name=args.served_model_name, api_key=args.api_key, api_key_file=args.api_key_file,
+            served_model_name=args.served_model_name, lora_modules=args.lora_modules, api_key=args.api_key,
+            api_key_file=args.api_key_file,
             allow_unauthenticated=args.allow_unauthenticated, default_max_tokens=args.default_max_tokens,
             **{name: getattr(args, name) for name in FLAGS},
         )

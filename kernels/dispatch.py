@@ -1,7 +1,7 @@
 """The one place the model code's kernels are picked: Triton, C (CPU) or the torch references.
 
 Callers get plain functions: the engine's attention layer asks `attention_kernels`
-once, the quantized linears call `int4_linear` / `fp8_linear` per step, the model's norms,
+once, the quantized linears call `int4_linear` / `fp8_linear` per step, an adapted layer `add_lora`, the model's norms,
 rotary embedding and activation ask the `fused_*` functions, the sampler `first_max_index`.
 Attention has a third implementation beside the Triton kernel and the reference: the CPU
 attention (kernels/cpu/paged_attention.py), what `auto` runs on CPU. The fused CPU ops return
@@ -27,6 +27,7 @@ import torch
 from .cache_write import write_kv_cache_ref
 from .fp8 import Fp8Weight, fp8_matmul_ref
 from .int4 import Int4Weight, w4a16_matmul_ref
+from .lora import add_lora_ref
 from .moe import ExpertWeights, fused_moe_ref
 from .paged_attention import paged_attention_ref
 
@@ -95,6 +96,18 @@ def fused_moe(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tenso
 
         return fused_moe_triton(x, experts, topk_weights, topk_ids)
     return fused_moe_ref(x, experts, topk_weights, topk_ids)
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
+             token_slots: torch.Tensor) -> torch.Tensor:
+    """out += each token's LoRA delta (layout: kernels/lora.py): the grouped Triton kernels where
+    `use_triton` (16-bit activations on CUDA), else the torch reference (two matmuls per adapter in
+    the step: the CPU path)."""
+    if use_triton(x):
+        from .triton.lora import add_lora_triton
+
+        return add_lora_triton(out, x, a, b, scaling, token_slots)
+    return add_lora_ref(out, x, a, b, scaling, token_slots)
 
 
 @functools.cache

@@ -33,6 +33,7 @@ Triton (2.51) traps kept here:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -43,7 +44,8 @@ from typing import Any, Callable, Mapping
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..engine_thread import EngineThread
-from ..errors import InvalidRequestError
+from ..errors import ConfigError, InvalidRequestError
+from ..lora.adapter import MULTI_LORA_FILE
 from ..outputs import EngineStats, RequestOutput
 from ..process_tuning import name_native_thread
 from ..values import to_bool
@@ -123,6 +125,8 @@ class EngineModel:
         enable_metrics = to_bool(params.pop("enable_metrics", "true"))
         # vLLM-named metrics: off unless asked for, as in Triton's vLLM backend
         report_vllm_metrics = to_bool(params.pop("REPORT_CUSTOM_METRICS", "false"))
+        if to_bool(params.get("enable_lora", "false")) and not params.get("lora_modules"):
+            params["lora_modules"] = beside_the_model(args)
         config = EngineConfig.from_strings(params)
         # built on its own thread (engine_thread.py says why)
         engine_thread = EngineThread(lambda: LLMEngine(config), step_timeout_s=config.step_timeout_s)
@@ -318,6 +322,16 @@ class EngineModel:
         self.outbox.put(None)
         self.response_thread.join(30)
         self.watcher.stop()
+
+
+def beside_the_model(args: Mapping[str, str]) -> str:
+    """The adapters' list of a model with enable_lora and no lora_modules: multi_lora.json in its version
+    folder, where Triton's vLLM backend reads it."""
+    path = os.path.join(args["model_repository"], str(args["model_version"]), MULTI_LORA_FILE)
+    if not os.path.exists(path):
+        raise ConfigError("lora_modules", f"enable_lora is true and {path} does not exist; list the adapters there "
+                                          "({\"name\": \"adapter folder\"}) or set lora_modules")
+    return path
 
 
 def _is_bls_caller(inputs: Mapping[str, Any]) -> bool:

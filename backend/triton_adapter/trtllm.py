@@ -54,9 +54,10 @@ REFUSED = {
     "prompt_vocab_size": "prompt tables (p-tuning) are not supported",
     "prompt_table_extra_id": "prompt tables (p-tuning) are not supported",
     "prompt_table_extra_ids": "prompt tables (p-tuning) are not supported",
-    "lora_task_id": "LoRA adapters are not supported yet",
-    "lora_weights": "LoRA adapters are not supported yet",
-    "lora_config": "LoRA adapters are not supported yet",
+    "lora_weights": "LoRA weights are read from the server's multi_lora.json, not sent with requests: list the "
+                    "adapter there under a number as its name and send that number as lora_task_id",
+    "lora_config": "LoRA weights are read from the server's multi_lora.json, not sent with requests: list the "
+                   "adapter there under a number as its name and send that number as lora_task_id",
     "embedding_bias": "embedding bias is not supported; use bad_words to forbid words",
     "embedding_bias_words": "embedding bias is not supported; use bad_words to forbid words",
     "embedding_bias_weights": "embedding bias is not supported; use bad_words to forbid words",
@@ -181,6 +182,9 @@ def parse_trtllm_request(
     scalar(inputs, "pad_id")  # accepted: outputs are not padded
     for name in BEAM_ONLY:
         scalar(inputs, name)
+    task = scalar(inputs, "lora_task_id")
+    if task is not None:  # the adapter multi_lora.json lists under this number (enable_lora)
+        values["lora_name"] = str(int(task))
     with_logprobs = flag(inputs, "return_log_probs")
     if with_logprobs:
         values["logprobs"] = 0

@@ -43,6 +43,7 @@ log = logging.getLogger("pagedserve.openai")
 
 def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAPI:
     model_ids = config.model_ids()
+    adapters = config.adapters()
     started = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -61,6 +62,12 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
             raise OpenAIError(404, f"The model `{model}` does not exist. Served: {sorted(model_ids)}", param="model",
                               code="model_not_found")
         return model_ids[model]
+
+    def with_adapter(requests: list[translate.LLMRequest], model: str) -> None:
+        """A request for an adapter's model id runs with that adapter (its `lora_name`)."""
+        if model in adapters:
+            for llm_request in requests:
+                llm_request.sampling["lora_name"] = adapters[model][1]
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
@@ -110,6 +117,7 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
         model = triton_model(body.model)
         llm_request = translate.chat_request(body, config.default_max_tokens, config.max_choices_per_request,
                                              config.tool_call_parser)
+        with_adapter([llm_request], body.model)
         header = responses.ResponseHeader.new("chatcmpl", body.model)
         result = responses.Accumulator(n=body.n)
         steps = bounded([app.state.triton.stream(model, llm_request)])
@@ -135,6 +143,7 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         model = triton_model(body.model)
         llm_requests = translate.completion_requests(body, config.default_max_tokens, config.max_choices_per_request)
+        with_adapter(llm_requests, body.model)
         prompts = [r.text or "" for r in llm_requests]
         header = responses.ResponseHeader.new("cmpl", body.model)
         result = responses.Accumulator(n=body.n)

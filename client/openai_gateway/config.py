@@ -54,6 +54,11 @@ class GatewayConfig:
     """Triton models (text in, text out, vLLM-backend contract) offered as OpenAI models."""
     served_model_name: str | None = None
     """The OpenAI model id of the one model, when it should not be its Triton name."""
+    lora_modules: list[str] = field(default_factory=list)
+    """LoRA adapters offered as OpenAI models of their own (vLLM's way: `model` names the adapter), each
+    `NAME` (an adapter of the first model) or `NAME=MODEL` (one of that Triton model, by its OpenAI id): a
+    request for it goes to that model with `lora_name` NAME in its sampling parameters. The server's
+    multi_lora.json lists what each model serves."""
     api_key: str | None = field(default=None, repr=False)
     """Bearer key checked on every /v1 route; default: $PAGEDSERVE_API_KEY; none: open.
     After validation it holds the key in effect, wherever it came from."""
@@ -95,6 +100,7 @@ class GatewayConfig:
             raise GatewayConfigError("models: name at least one Triton model, e.g. llm")
         if self.served_model_name is not None and len(self.models) != 1:
             raise GatewayConfigError("served_model_name: only with exactly one model")
+        self.adapters()
         if self.default_max_tokens < 1:
             raise GatewayConfigError(f"default_max_tokens: {self.default_max_tokens} must be at least 1")
         if self.tool_call_parser not in PARSERS:
@@ -139,10 +145,26 @@ class GatewayConfig:
         return next(iter(keys.values()), None)
 
     def model_ids(self) -> dict[str, str]:
-        """OpenAI model id -> Triton model name."""
+        """OpenAI model id -> Triton model name (an adapter's: the model that serves it)."""
+        return self._base_ids() | {name: model for name, (model, _) in self.adapters().items()}
+
+    def _base_ids(self) -> dict[str, str]:
         if self.served_model_name:
             return {self.served_model_name: self.models[0]}
         return {name: name for name in self.models}
+
+    def adapters(self) -> dict[str, tuple[str, str]]:
+        """OpenAI model id of each LoRA adapter -> (Triton model, lora_name)."""
+        base = self._base_ids()
+        adapters = {}
+        for item in self.lora_modules:
+            name, _, model = (part.strip() for part in item.partition("="))
+            model = model or next(iter(base))
+            if not name or model not in base or name in base or name in adapters:
+                raise GatewayConfigError(f"lora_modules (--lora-module): {item!r} must be NAME or NAME=MODEL, NAME new "
+                                         f"and MODEL one of {sorted(base)}")
+            adapters[name] = (base[model], name)
+        return adapters
 
 
 def is_loopback(host: str) -> bool:
