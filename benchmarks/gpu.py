@@ -12,7 +12,8 @@ share of the bandwidth roofline (bytes a step must read, weights plus KV, over t
 time, over the copy bandwidth measured in this run); TTFT of a 2,048-token prompt; offline
 output tok/s with 256 requests in flight (ShareGPT-like lengths, fixed seed). First, one layer
 of Mixtral's and Qwen3-MoE's experts through the fused MoE kernel and the torch reference
-(benchmarks/moe_kernel.py). The peer is
+(benchmarks/moe_kernel.py); then the batched LoRA delta on Llama-3-8B's linears and what mixing 4
+adapters costs the bundled model's shape at 32 streams (benchmarks/lora.py). The peer is
 transformers on the same shape and requests: continuous batching (`generate_batch`'s
 manager, paged attention) for throughput, static-cache compiled `generate` for one stream.
 
@@ -48,6 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_shapes import write_model_dir  # noqa: E402
+from lora import kernel_rows as lora_kernel_rows, markdown as lora_markdown, mix_rows as lora_mix_rows  # noqa: E402
 from moe_kernel import markdown as moe_markdown, moe_rows  # noqa: E402
 
 
@@ -522,6 +524,8 @@ def markdown(result: dict) -> str:
                           f"ITL p50 {row['itl_p50_ms']} ms."]
     if result.get("moe"):
         lines += ["", moe_markdown(result["moe"])]
+    if result.get("lora_mix") or result.get("lora_kernel"):
+        lines += ["", lora_markdown(result.get("lora_mix"), result.get("lora_kernel"))]
     lines += [""] + [f"- {verdict}: {text}" for verdict, text in result["targets"]]
     if result["skipped"]:
         lines += [""] + [f"- skipped: {text}" for text in result["skipped"]]
@@ -585,6 +589,17 @@ def main(argv: list[str] | None = None) -> dict:
     moe_tokens = (1, 256) if args.quick else (1, 32, 256, 2048)
     attempt(result, "fused MoE kernel", left, 60,
             lambda: result.__setitem__("moe", moe_rows(args.device, result["device"]["copy_gb_s"], moe_tokens)))
+    release(args.device)
+    save()
+    lora_tokens = (1, 256) if args.quick else (1, 32, 256, 2048)
+    attempt(result, "LoRA kernel", left, 30,
+            lambda: result.__setitem__("lora_kernel", lora_kernel_rows(args.device, lora_tokens)))
+    release(args.device)
+    with tempfile.TemporaryDirectory() as root:
+        lora_shape = "smollm2-135m" if args.device == "cuda" else "tiny"
+        attempt(result, "LoRA adapters mixed", left, 120, lambda: result.__setitem__("lora_mix", lora_mix_rows(
+            write_model_dir(lora_shape, os.path.join(root, lora_shape)), args.device, load_format="dummy",
+            out_len=32 if args.quick else 64, label=lora_shape)))
     release(args.device)
     save()
     with tempfile.TemporaryDirectory() as root:

@@ -27,7 +27,7 @@ import torch
 from .cache_write import write_kv_cache_ref
 from .fp8 import Fp8Weight, fp8_matmul_ref
 from .int4 import Int4Weight, w4a16_matmul_ref
-from .lora import add_lora_ref
+from .lora import SlotRows, add_lora_ref
 from .moe import ExpertWeights, fused_moe_ref
 from .paged_attention import paged_attention_ref
 
@@ -99,15 +99,15 @@ def fused_moe(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tenso
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
-             token_slots: torch.Tensor) -> torch.Tensor:
+             token_slots: torch.Tensor, groups: list[SlotRows] | None = None) -> torch.Tensor:
     """out += each token's LoRA delta (layout: kernels/lora.py): the grouped Triton kernels where
     `use_triton` (16-bit activations on CUDA), else the torch reference (two matmuls per adapter in
-    the step: the CPU path)."""
+    the step: the CPU path, which takes the step's `groups` where the caller has them)."""
     if use_triton(x):
         from .triton.lora import add_lora_triton
 
         return add_lora_triton(out, x, a, b, scaling, token_slots)
-    return add_lora_ref(out, x, a, b, scaling, token_slots)
+    return add_lora_ref(out, x, a, b, scaling, token_slots, groups)
 
 
 @functools.cache

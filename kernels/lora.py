@@ -22,22 +22,50 @@ blocks add exact zeros, and every projection's delta is its own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 
-def add_lora_ref(
-    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, token_slots: torch.Tensor
-) -> torch.Tensor:
-    """out += each token's adapter delta (see the module docstring); returns out."""
-    slots = token_slots.to(torch.int64)
-    for slot in torch.unique(slots).tolist():
+@dataclass(frozen=True)
+class SlotRows:
+    """The rows of a step that use one slot (None: every row), and that slot's scaling."""
+
+    slot: int
+    rows: torch.Tensor | None
+    scaling: float
+
+
+def slot_groups(token_slots: torch.Tensor, scaling: torch.Tensor) -> list[SlotRows]:
+    """The step's rows grouped by slot (the reference's work list; computed once a step, as every
+    adapted layer of the step reads the same)."""
+    slots = token_slots.cpu().numpy()
+    scales = scaling.tolist()
+    groups = []
+    for slot in np.unique(slots).tolist():
         if slot < 0:
             continue
-        rows = torch.nonzero(slots == slot).flatten()
-        shrunk = x.index_select(0, rows) @ a[slot].to(x.dtype).t()
-        delta = (shrunk @ b[slot].to(x.dtype).t()) * float(scaling[slot])  # a Python float, as PEFT's
-        out.index_add_(0, rows, delta.to(out.dtype))
+        rows = np.flatnonzero(slots == slot)
+        every = len(rows) == len(slots)
+        groups.append(SlotRows(slot, None if every else torch.from_numpy(rows).to(token_slots.device), scales[slot]))
+    return groups
+
+
+def add_lora_ref(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
+    token_slots: torch.Tensor, groups: list[SlotRows] | None = None,
+) -> torch.Tensor:
+    """out += each token's adapter delta (see the module docstring); returns out. `groups`: the
+    rows by slot where the caller has them already (`slot_groups`)."""
+    for group in slot_groups(token_slots, scaling) if groups is None else groups:
+        xs = x if group.rows is None else x.index_select(0, group.rows)
+        delta = ((xs @ a[group.slot].t()) @ b[group.slot].t()) * group.scaling  # a Python float, as PEFT's
+        if group.rows is None:
+            out.add_(delta)
+        else:
+            out.index_add_(0, group.rows, delta)
     return out
 
 
-__all__ = ["add_lora_ref"]
+__all__ = ["SlotRows", "add_lora_ref", "slot_groups"]

@@ -33,5 +33,8 @@ def test_the_gpu_check_runs_every_section_on_cpu(tmp_path):
     served = next(row for row in result["rows"] if "served_tok_s" in row)
     assert served["served_tok_s"] > 0 and served["served_requests"] > 0
     assert [row["tokens"] for row in result["moe"]] == [1, 256, 1, 256] and all(row["ref_ms"] > 0 for row in result["moe"])
+    assert [row["run"] for row in result["lora_mix"]] == ["LoRA off, base model", "LoRA on, base model",
+                                                         "LoRA on, one adapter", "LoRA on, 4 adapters mixed"]
+    assert all(row["tok_s"] > 0 for row in result["lora_mix"]) and all(row["ref_ms"] > 0 for row in result["lora_kernel"])
     assert len(result["targets"]) == 9  # every target has its line (NOT MEASURED on a tiny model)
     assert (tmp_path / "gpu.md").read_text().count("| pagedserve |") == 3

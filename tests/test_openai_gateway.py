@@ -102,6 +102,16 @@ def test_gateway_settings_are_checked_once():
         GatewayConfig(models=["a", "b"], served_model_name="x")
 
 
+def test_lora_adapters_are_models_of_their_own():
+    """An adapter's model id goes to the Triton model that serves it, with its lora_name."""
+    config = GatewayConfig(models=["llm", "other"], lora_modules=["sql", "chat=other"])
+    assert config.model_ids() == {"llm": "llm", "other": "other", "sql": "llm", "chat": "other"}
+    assert config.adapters() == {"sql": ("llm", "sql"), "chat": ("other", "chat")}
+    for bad in (["llm"], ["x=nowhere"], ["a", "a"], ["=llm"]):
+        with pytest.raises(GatewayConfigError, match="--lora-module"):
+            GatewayConfig(lora_modules=bad)
+
+
 def test_prompts_times_n_is_capped_before_any_request_is_built():
     sent = completion_requests(CompletionRequest(model="llm", prompt=["a", "b"], n=2), 16, max_choices=4)
     assert len(sent) == 2

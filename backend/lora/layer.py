@@ -9,33 +9,48 @@ is the base layer alone (a CUDA graph captured so replays it).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from pagedserve.kernels.dispatch import add_lora
+from pagedserve.kernels.lora import SlotRows, slot_groups
 
 
 class LoRAStep:
     """The token -> slot map of the step being run (set by the model runner around its forward)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scaling: torch.Tensor) -> None:
+        self.scaling = scaling
+        """float32 [slots]: each slot's adapter's scaling (the manager's)."""
         self.token_slots: torch.Tensor | None = None
         """int32 [tokens]: each input row's slot, -1 for none; None: no row of this step has an adapter."""
         self.output_slots: torch.Tensor | None = None
         """The same for the rows the step samples: the last layer past its attention runs those alone."""
+        self._groups: dict[int, list[SlotRows]] = {}
 
     def set(self, token_slots: torch.Tensor | None, output_rows: torch.Tensor | None) -> None:
         self.token_slots = token_slots
         self.output_slots = None if token_slots is None or output_rows is None else token_slots[output_rows]
+        self._groups = {}
 
-    def slots_for(self, rows: int) -> torch.Tensor | None:
-        """The slots of a layer input of `rows` rows: every token's, or the sampled rows'."""
+    def slots_for(self, rows: int) -> tuple[torch.Tensor, list[SlotRows] | None] | None:
+        """The slots of a layer input of `rows` rows (every token's, or the sampled rows'), with the
+        rows grouped by slot on CPU (the reference's work list, made once a step); None: no adapter."""
         slots = self.token_slots
-        if slots is None or rows == slots.shape[0]:
-            return slots
-        if self.output_slots is not None and rows == self.output_slots.shape[0]:
-            return self.output_slots
-        raise ValueError(f"a layer input of {rows} rows in a step of {slots.shape[0]} tokens")
+        if slots is None:
+            return None
+        if rows != slots.shape[0]:
+            if self.output_slots is None or rows != self.output_slots.shape[0]:
+                raise ValueError(f"a layer input of {rows} rows in a step of {slots.shape[0]} tokens")
+            slots = self.output_slots
+        if slots.device.type != "cpu":
+            return slots, None
+        groups = self._groups.get(rows)
+        if groups is None:
+            groups = self._groups[rows] = slot_groups(slots, self.scaling)
+        return slots, groups
 
 
 class LoRALinear(nn.Module):
@@ -60,10 +75,21 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        slots = self.step.slots_for(x.shape[0])
-        if slots is None:
+        step = self.step.slots_for(x.shape[0])
+        if step is None:
             return out
-        return add_lora(out, x, self.a, self.b, self.scaling, slots)
+        return add_lora(out, x, self.a, self.b, self.scaling, *step)
+
+    def __getattr__(self, name: str) -> Any:
+        """The base layer's attributes (its weight, method, collectives) through the wrapper: code that
+        reads a layer's weights (the CPU's C decoder stack, which runs the steps without adapter rows)
+        finds them as before."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base":
+                raise
+            return getattr(super().__getattr__("base"), name)
 
     def load(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put one adapter in `slot`: parts maps a slice's index to its (A [r, in], B [rows, r]); B

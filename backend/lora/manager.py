@@ -34,8 +34,8 @@ class LoRAManager:
         self.paths = read_lora_modules(config.lora_modules)
         """Adapter name -> its folder."""
         self.max_rank = config.max_lora_rank
-        self.step = LoRAStep()
         self.scaling = torch.zeros(config.max_loras, dtype=torch.float32, device=device)
+        self.step = LoRAStep(self.scaling)
         self.targets = self._wrap(model, config.max_loras, dtype, device)
         """(layer index, checkpoint module such as "self_attn.q_proj") -> where its delta goes."""
         self.slots: list[str | None] = [None] * config.max_loras

@@ -31,7 +31,8 @@ head is never quantized, so the vocabulary size is no GEMM shape here). INT4
 group sizes: what `int4_group_size` picks for K, and 32 (GGUF Q4_1 checkpoints).
 FP8 GEMM: the mode `default_mode` picks on the target ("w8a16" before sm_89).
 The fused MoE kernels: Mixtral-8x7B's and Qwen3-30B-A3B's experts (`MOE_MODELS`) at 1..2048
-tokens, both row tiles. Sliding-window attention (a constexpr): Mistral-7B (Llama-3-8B's shapes
+tokens, both row tiles. The batched LoRA kernels on Llama-3-8B's linears at both row tiles and
+every rank tile. Sliding-window attention (a constexpr): Mistral-7B (Llama-3-8B's shapes
 with a window of 4,096) on a split decode, unsplit decodes and a prompt chunk past the window;
 Gemma-2-9B (head dim 256, soft-capped scores) on the same; its global layers' variant (no window)
 is the windowed one less a mask, whose registers and shared memory the windowed one bounds.
@@ -173,6 +174,10 @@ MOE_MODELS: Tuple[MoeShape, ...] = (
     MoeShape("Qwen3-30B-A3B", 2048, 768, 128, 8),
 )
 MOE_TOKENS = (1, 16, 256, 2048)  # decode batches to a prompt chunk: both row tiles
+LORA_TOKENS = (1, 2048)  # both row tiles of the LoRA kernels
+LORA_SLOTS = 4  # EngineConfig.max_loras default
+LORA_PROJECTIONS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}  # checkpoint projections stacked in each
+LORA_MODELS = ("Llama-3-8B",)  # the tiles depend on the rank and the token count, not the widths
 DTYPES: Tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)  # engine dtypes
 KV_BLOCK_SIZE = 16  # EngineConfig.block_size default (a constexpr of index arithmetic only, not of tiles)
 DECODE_BATCHES = (1, 4, 16, 64)
@@ -192,6 +197,7 @@ _KERNELS = {  # module -> its @triton.jit kernels the launchers call
     "int4": ("_w4a16_kernel", "_dequant_kernel"),
     "fp8": ("_fp8_gemm_kernel", "_per_token_quant_kernel"),
     "moe": ("_moe_gate_up_kernel", "_moe_down_kernel"),
+    "lora": ("_lora_shrink_kernel", "_lora_expand_kernel"),
 }
 _LOCK = threading.RLock()
 
@@ -277,6 +283,7 @@ def _device_model(target: Target, sms: int, log: List[Launch]):
         (m.fp8, "native_fp8", native),
         (m.moe, "interpreting", lambda: False),
         (m.moe, "native_fp8", native),
+        (m.lora, "interpreting", lambda: False),
     ]
     for mod, kernels in _KERNELS.items():
         for k in kernels:
@@ -364,6 +371,23 @@ def _record_moe(m, log: List[Launch], moe: MoeShape, dtype: torch.dtype) -> List
             m.moe.fused_moe_triton(torch.empty(tokens, moe.hidden, dtype=dtype), weights,
                                    torch.empty(tokens, moe.top_k, dtype=torch.float32), ids)
             out += [(f"{moe.name} MoE T={tokens}{kind}", launch) for launch in log]
+    return out
+
+
+def _record_lora(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -> List[Tuple[str, Launch]]:
+    """The batched LoRA kernels' launches on each adapted linear at both row tiles, at the default
+    max_lora_rank (16) and the largest rank tile (64 a projection): every rank tile, 16 to 64."""
+    out = []
+    for name, (width_out, width_in) in model.linears().items():
+        projections = LORA_PROJECTIONS[name]
+        for rank in (16 * projections, 64 * projections):
+            for tokens in LORA_TOKENS:
+                log.clear()
+                m.lora.add_lora_triton(torch.empty(tokens, width_out, dtype=dtype), torch.empty(tokens, width_in, dtype=dtype),
+                                       torch.empty(LORA_SLOTS, rank, width_in, dtype=dtype),
+                                       torch.empty(LORA_SLOTS, width_out, rank, dtype=dtype), torch.empty(LORA_SLOTS),
+                                       torch.arange(tokens, dtype=torch.int32).remainder(LORA_SLOTS + 1) - 1)
+                out += [(f"{model.name} LoRA {name} rank {rank} T={tokens}", launch) for launch in log]
     return out
 
 
@@ -481,6 +505,10 @@ def enumerate_configs(target: Target, dtypes: Iterable[torch.dtype] = DTYPES,
                 for dtype in dtypes:
                     if dtype != torch.float32:
                         recorded += _record_moe(m, log, moe, dtype)
+            for model in models:
+                for dtype in dtypes:
+                    if dtype != torch.float32 and model.name in LORA_MODELS:
+                        recorded += _record_lora(m, log, model, dtype)
         for label, launch in recorded:
             key = _config_key(launch)
             cfg = configs.setdefault(key, KernelConfig(launch.kernel, key, launch))

@@ -114,8 +114,11 @@ def test_enumeration_follows_the_launchers(results):
         assert values(t, "_w4a16_kernel", "SPLIT") == {False, True}
         assert {cfg.kernel for cfg in by_target[t]} >= {
             "_write_kv_kernel", "_paged_attention_kernel", "_split_reduce_kernel", "_w4a16_kernel",
-            "_splitk_reduce_kernel", "_fp8_gemm_kernel", "_dequant_kernel", "_moe_gate_up_kernel", "_moe_down_kernel"}
+            "_splitk_reduce_kernel", "_fp8_gemm_kernel", "_dequant_kernel", "_moe_gate_up_kernel", "_moe_down_kernel",
+            "_lora_shrink_kernel", "_lora_expand_kernel"}
         assert values(t, "_moe_gate_up_kernel", "BLOCK_M") == {16, 64}
+        assert values(t, "_lora_shrink_kernel", "BLOCK_M") == {16, 64}
+        assert values(t, "_lora_shrink_kernel", "BLOCK_R") == values(t, "_lora_expand_kernel", "BLOCK_K") == {16, 32, 64}
         assert values(t, "_moe_down_kernel", "W_FP8") == ({0, 2} if t == "sm_80" else {0, 1})
 
 
