@@ -116,8 +116,8 @@ class EngineConfig:
     enable_lora: bool = False
     """Serve LoRA adapters (vLLM's --enable-lora): requests name one by `lora_name` in their sampling
     parameters, and requests of different adapters and the base model batch together (backend/lora/).
-    Eager steps on one rank: refused with compile=on or several ranks; with auto the step is not
-    compiled (CUDA graphs still replay the steps without adapter rows)."""
+    Eager steps on one rank: refused with compile=on, several ranks or deterministic; with auto the step
+    is not compiled (CUDA graphs still replay the steps without adapter rows)."""
     lora_modules: str = ""
     """The adapters: a JSON file of name -> PEFT adapter folder (Triton's vLLM backend's multi_lora.json;
     relative folders are read beside the file), or `name=folder,name=folder`. Empty with enable_lora: the
@@ -227,9 +227,10 @@ class EngineConfig:
             if self.lora_modules:
                 raise ConfigError("lora_modules", "lists adapters but enable_lora is false; set enable_lora=true")
             return
-        for name, neutral in (("compile", ("auto", "off")), ("tensor_parallel_size", (1,))):
+        for name, neutral in (("compile", ("auto", "off")), ("tensor_parallel_size", (1,)), ("deterministic", (False,))):
             if getattr(self, name) not in neutral:
-                raise ConfigError("enable_lora", f"adapters run in the eager step on one rank; set {name} to "
+                raise ConfigError("enable_lora", f"adapters run in the eager step on one rank, their deltas in "
+                                                 f"batches of any size (not batch-invariant); set {name} to "
                                                  f"{' or '.join(map(repr, neutral))} (got {getattr(self, name)!r})")
 
     @property

@@ -33,17 +33,18 @@ def engine_for(small_llama: str, modules: str, **settings) -> LLMEngine:
                      max_num_batched_tokens=32, **{**GPU_SHARE, **settings})
 
 
-@pytest.mark.parametrize("max_loras", [4, 1], ids=["slots-for-all", "one-slot"])
+@pytest.mark.parametrize("max_loras,async_scheduling", [(4, "off"), (1, "on")], ids=["slots-for-all", "one-slot-async"])
 def test_a_batch_mixing_adapters_gives_each_request_its_own_adapters_tokens(small_llama, small_prompts, adapters,
-                                                                            max_loras):
+                                                                            max_loras, async_scheduling):
     """Base and three adapters in one continuous batch (32-token steps chunk the long prompts),
     twice (the second time from the prefix cache): every request gets transformers + peft's greedy
-    tokens for its adapter. With one slot the adapters take turns in it."""
+    tokens for its adapter. With one slot the adapters take turns in it (and each step is planned
+    while the one before runs: async scheduling)."""
     from transformers import AutoModelForCausalLM
 
     modules, references = adapters
     base = AutoModelForCausalLM.from_pretrained(small_llama, dtype=torch.float32).eval()
-    engine = engine_for(small_llama, modules, max_loras=max_loras)
+    engine = engine_for(small_llama, modules, max_loras=max_loras, async_scheduling=async_scheduling)
     names = [None, *ADAPTERS]
     jobs = [(names[i % 4], prompt) for i, prompt in enumerate(small_prompts * 2)]
     expected = [greedy(references[name] if name else base, prompt, 8) for name, prompt in jobs]
@@ -102,3 +103,5 @@ def test_lora_settings_are_checked_once():
         EngineConfig(enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="enable_lora.*compile"):
         EngineConfig(enable_lora=True, compile="on")
+    with pytest.raises(ConfigError, match="enable_lora.*deterministic"):
+        EngineConfig(enable_lora=True, deterministic=True)
