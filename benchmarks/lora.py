@@ -28,6 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_kernel import _time  # noqa: E402
 from workload import machine  # noqa: E402
 
 from pagedserve.backend import LLMEngine, SamplingParams  # noqa: E402
@@ -97,21 +98,6 @@ def mix_rows(model: str, device: str, streams: int = 32, prompt_len: int = 128, 
         row["vs_lora_off"] = round(row["tok_s"] / rows[0]["tok_s"], 3)
         row["model"] = label or os.path.basename(model.rstrip("/")) or "bundled"
     return rows
-
-
-def _time(function, device: str, repeats: int) -> float:
-    """Best of `repeats` calls, ms (one warm-up first: the Triton compile)."""
-    function()
-    best = float("inf")
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        function()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def kernel_rows(device: str, tokens: tuple[int, ...] = (1, 32, 256, 2048)) -> list[dict]:

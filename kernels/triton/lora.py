@@ -41,6 +41,24 @@ def _rows_of_slot(sorted_rows_ptr, block_slots_ptr, num_tokens, num_slots, BLOCK
 
 
 @triton.jit
+def _rows_times_weight(acc, x_ptr, rows, row_ok, stride_xm, w_ptr, n, n_ok, stride_wn, width,
+                       BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + x[rows, :width] @ w[n, :width]^T: both kernels' loop (the shrink's w is a slot's A, n
+    its rank columns; the expand's w a slot's B, n its output rows)."""
+    for k0 in range(0, width, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < width
+        xs = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0).to(xs.dtype)
+        if DOT_FP32:
+            xs = xs.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(xs, w, acc)
+    return acc
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, shrunk_ptr, sorted_rows_ptr, block_slots_ptr,
     num_tokens, num_slots, rank, width,
@@ -52,18 +70,8 @@ def _lora_shrink_kernel(
         return
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < rank
-    a = a_ptr + slot.to(tl.int64) * stride_as
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for k0 in range(0, width, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < width
-        xs = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(a + r[None, :].to(tl.int64) * stride_ar + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        w = w.to(xs.dtype)
-        if DOT_FP32:
-            xs = xs.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(xs, w, acc)
+    acc = _rows_times_weight(tl.zeros([BLOCK_M, BLOCK_R], tl.float32), x_ptr, rows, row_ok, stride_xm,
+                             a_ptr + slot.to(tl.int64) * stride_as, r, r_ok, stride_ar, width, BLOCK_K, DOT_FP32)
     tl.store(shrunk_ptr + rows[:, None] * stride_sm + r[None, :], acc.to(shrunk_ptr.dtype.element_ty),
              mask=row_ok[:, None] & r_ok[None, :])
 
@@ -80,18 +88,8 @@ def _lora_expand_kernel(
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < width
-    b = b_ptr + slot.to(tl.int64) * stride_bs
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, rank, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < rank
-        s = tl.load(shrunk_ptr + rows[:, None] * stride_sm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(b + n[None, :].to(tl.int64) * stride_bn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        w = w.to(s.dtype)
-        if DOT_FP32:
-            s = s.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(s, w, acc)
+    acc = _rows_times_weight(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), shrunk_ptr, rows, row_ok, stride_sm,
+                             b_ptr + slot.to(tl.int64) * stride_bs, n, n_ok, stride_bn, rank, BLOCK_K, DOT_FP32)
     dtype = out_ptr.dtype.element_ty
     delta = (acc.to(dtype).to(tl.float32) * tl.load(scaling_ptr + slot)).to(dtype)
     mask = row_ok[:, None] & n_ok[None, :]
