@@ -44,9 +44,11 @@ def test_sampling_defaults_are_tensorrt_llms_greedy_unless_top_k_or_top_p_sample
 def test_unsupported_inputs_are_refused_by_name_and_neutral_values_accepted():
     ok = arrays(max_tokens=[[4]], beam_width=[[1]], return_context_logits=[[False]], length_penalty=[[1.3]])
     parse_trtllm_request(ok, TEXT_NAMES, [], [], True)
-    for name, value in (("beam_width", [[2]]), ("lora_task_id", [[3]]), ("return_generation_logits", [[True]])):
+    for name, value in (("beam_width", [[2]]), ("lora_weights", [[0.5]]), ("return_generation_logits", [[True]])):
         with pytest.raises(InvalidRequestError, match=f"'{name}'"):
             parse_trtllm_request(arrays(max_tokens=[[4]], **{name: value}), TEXT_NAMES, [], [], True)
+    # lora_task_id N: the adapter multi_lora.json lists as "N" (the engine checks that it exists)
+    assert parse_trtllm_request(arrays(max_tokens=[[4]], lora_task_id=[[3]]), TEXT_NAMES, [], [], True).sampling["lora_name"] == "3"
     with pytest.raises(InvalidRequestError, match="'request_output_len': is required"):
         parse_trtllm_request(arrays(), TOKEN_NAMES, [], [], True)
 
