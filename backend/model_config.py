@@ -98,8 +98,9 @@ class ModelConfig:
     source_block_format: str | None = None
     """"q4_1" or "q8_0" when the checkpoint's layer weights are GGUF blocks of that format, which
     float32 engines multiply through (kernels/cpu/block_matmul.py): dtype auto times those."""
-    packed_int4: str | None = None
-    """"awq" or "gptq"/"gptq_v2" when the checkpoint stores packed 4-bit linear weights."""
+    packed_weights: str | None = None
+    """The format of the checkpoint's quantized decoder projections (checkpoints/prequantized.py's
+    FORMATS: "awq", "gptq", "gptq_v2", "compressed-int4", "fp8"), None where they are not."""
 
     @property
     def rotary_dim(self) -> int:

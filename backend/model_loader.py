@@ -3,8 +3,8 @@
 Every format yields (name, tensor) pairs in Hugging Face naming; `load_weights`
 copies them into the model with a progress bar, stacking the projections of each
 packed module (q/k/v, gate/up) as the model's `packed_modules` table says, handing
-each expert's tensors to its layer's SparseMoeBlock and packed 4-bit projections to
-PackedInt4Loader.
+each expert's tensors to its layer's SparseMoeBlock and quantized projections (AWQ, GPTQ,
+compressed-tensors, ModelOpt) to PrequantizedLoader.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .checkpoints import Checkpoint
 from .checkpoints.dummy import dummy_checkpoint, randomize
 from .checkpoints.gguf import read_gguf_checkpoint
 from .checkpoints.hf import hf_dir_config, read_hf_checkpoint
-from .checkpoints.packed_int4 import PackedInt4Loader
+from .checkpoints.prequantized import PrequantizedLoader
 from .errors import ConfigError
 from .model_config import ModelConfig
 from .model_files import is_gguf, resolve_model_path
@@ -73,9 +73,8 @@ def load_checkpoint(
         randomize(model)
         return model.eval()
     packed = None
-    if config.packed_int4:
-        assert config.source_group_size is not None  # set with packed_int4 (checkpoints/hf.py)
-        packed = PackedInt4Loader(model.packed_modules, config.packed_int4, config.source_group_size)
+    if config.packed_weights:
+        packed = PrequantizedLoader(model.packed_modules, config.packed_weights, config.source_group_size)
     load_weights(model, checkpoint.tensors, checkpoint.num_tensors, packed, on_linear_weight)
     if packed is not None:
         packed.install(model.layers, device, dtype)
@@ -92,7 +91,7 @@ def build_empty_model(
     """Allocate the model without initializing weights (they are loaded next)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions, parallel)
-        if config.packed_int4:  # filled from the packed checkpoint tensors after loading
+        if config.packed_weights:  # filled from the quantized checkpoint tensors after loading
             for layer in model.layers:
                 for name in model.packed_modules:
                     layer.set_submodule(name, torch.nn.Identity())
@@ -117,7 +116,7 @@ def load_weights(
     model: LlamaForCausalLM,
     tensors: Iterator[tuple[str, torch.Tensor]],
     total: int,
-    packed: PackedInt4Loader | None = None,
+    packed: PrequantizedLoader | None = None,
     on_linear_weight: CheckpointWeightHook | None = None,
 ) -> None:
     """Copy Hugging Face-named tensors into the model. The projections of a packed

@@ -6,7 +6,7 @@ sensitive (on the default model, FP8 in that one layer alone costs +1.3%
 perplexity, as much as the other 29 together). Each QuantizedLinear calls the
 kernel dispatcher: the Triton kernel on CUDA, the torch reference (dequantize,
 then matmul) elsewhere. Which linears are quantized is the model's `packed_modules`
-table; checkpoints already in packed 4-bit form load through checkpoints/packed_int4.py.
+table; checkpoints already quantized (4-bit, FP8) load through checkpoints/prequantized.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""AWQ (GEMM) and GPTQ 4-bit checkpoint tensors -> our packed `Int4Weight` layout.
+"""AWQ (GEMM), GPTQ and compressed-tensors (pack-quantized) 4-bit checkpoint tensors -> our packed
+`Int4Weight` layout.
 
 Kept apart from kernels/int4.py (our layout, quantizer and reference matmul): these
 are one-time load-time conversions from other tools' bit orders, bounded by the one
@@ -130,3 +131,29 @@ def int4_from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
             qweight = pack_int4(unpack_int4(qweight)[perm])
     return Int4Weight(qweight=qweight.contiguous(), scales=scales.contiguous(),
                       offsets=offsets_from_zeros(z, scales), group_size=group_size, shape=(n, k), perm=perm)
+
+
+def int4_from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                                 weight_zero_point: Optional[torch.Tensor] = None) -> Int4Weight:
+    """compressed-tensors' pack-quantized 4-bit tensors (llm-compressor's W4A16) -> Int4Weight.
+
+    compressed-tensors (`pack_to_int32`): weight_packed int32 [N, ceil(K / 8)] packed along K (nibble i
+    of word c holds input 8c + i) with the signed codes offset by 8 (stored 0..15); weight_scale
+    [N, K // G] (one column for the channel strategy: G = K); weight_zero_point, asymmetric schemes only,
+    int32 [ceil(N / 8), K // G] packed the same way along N. W = (stored - zero) * scale, the zero 8
+    where there is none. The zeros become offsets = -zero * scale in the scales' dtype (one rounding,
+    `offsets_from_zeros`); codes and scales are kept bit for bit.
+    """
+    n, groups = weight_scale.shape
+    codes = _unpack_along_last(weight_packed.to(torch.int32))  # [N, 8 * ceil(K / 8)]
+    k = codes.shape[1]
+    if n != weight_packed.shape[0] or k % groups or (k // groups) % PACK:
+        raise ValueError(f"compressed-tensors shapes disagree: weight_packed {tuple(weight_packed.shape)}, "
+                         f"weight_scale {tuple(weight_scale.shape)} (4-bit, groups of a multiple of 8 inputs expected)")
+    scales = weight_scale.t().contiguous()  # [K // G, N]
+    if weight_zero_point is None:
+        zeros = torch.full_like(scales, 8, dtype=torch.uint8)
+    else:
+        zeros = _unpack_along_last(weight_zero_point.to(torch.int32).t().contiguous())[:, :n]  # [K // G, N]
+    return Int4Weight(qweight=pack_int4(codes.t()), scales=scales, offsets=offsets_from_zeros(zeros, scales),
+                      group_size=k // groups, shape=(n, k))

@@ -26,7 +26,7 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 def words(nibbles: np.ndarray) -> torch.Tensor:
     """[..., 8] nibbles -> int32 words, nibble i at bits 4i."""
     shifted = nibbles.astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))
-    return torch.from_numpy(np.bitwise_or.reduce(shifted, axis=-1).view(np.int32))
+    return torch.from_numpy(np.ascontiguousarray(np.bitwise_or.reduce(shifted, axis=-1)).view(np.int32))
 
 
 def pack(fmt: str, codes: np.ndarray, zeros: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,8 +40,50 @@ def pack(fmt: str, codes: np.ndarray, zeros: np.ndarray) -> tuple[torch.Tensor, 
     return qweight, words((zeros - 1).reshape(-1, n // 8, 8) & 15)
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def compressed(codes: np.ndarray, zeros: np.ndarray | None) -> dict[str, torch.Tensor]:
+    """compressed-tensors' pack-quantized tensors of codes [K, N] (0..15) and zeros [K/G, N] (None:
+    symmetric, zero 8): codes packed along K per output row, zeros along N."""
+    k, n = codes.shape
+    tensors = {"weight_packed": words(codes.T.reshape(n, k // 8, 8)), "weight_shape": torch.tensor([n, k])}
+    if zeros is not None:
+        tensors["weight_zero_point"] = words(zeros.T.reshape(n // 8, 8, -1).transpose(0, 2, 1))
+    return tensors
+
+
+INT4_CONFIGS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False},
+    "compressed-int4": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}}},
+}
+INT4_CONFIGS["compressed-int4-asym"] = json.loads(json.dumps(INT4_CONFIGS["compressed-int4"]))
+INT4_CONFIGS["compressed-int4-asym"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+
+
+def write_checkpoint(reference, quantized: dict[str, torch.Tensor], quantization: dict, directory, tokenizer,
+                     config_file: str = "config.json") -> str:
+    """`reference`'s tensors with its projections replaced by `quantized`, and `quantization` in its
+    config.json (or, for ModelOpt, in hf_quant_config.json)."""
+    reference.save_pretrained(directory / "dense")
+    rest = {k: v for k, v in reference.state_dict().items() if not any(p in k for p in PROJECTIONS)}
+    out = directory / "quantized"
+    out.mkdir()
+    save_file({**rest, **quantized}, out / "model.safetensors")
+    config = json.loads((directory / "dense" / "config.json").read_text())
+    if config_file == "config.json":
+        config["quantization_config"] = quantization
+    else:
+        (out / config_file).write_text(json.dumps(quantization))
+    (out / "config.json").write_text(json.dumps(config))
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("fmt", list(INT4_CONFIGS))
 def test_packed_checkpoint_matches_transformers_on_the_dense_weights(fmt, tmp_path, tokenizer):
+    """AWQ, GPTQ and compressed-tensors W4A16 (symmetric, and with zero points): the packed codes,
+    scales and zeros run as they are and generate transformers' tokens on the same weights dense."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     rng = np.random.default_rng(0)
@@ -53,26 +95,83 @@ def test_packed_checkpoint_matches_transformers_on_the_dense_weights(fmt, tmp_pa
             linear = layer.get_submodule(name)
             n, k = linear.weight.shape
             codes = rng.integers(0, 16, (k, n))
-            zeros = rng.integers(1, 16, (k // GROUP, n))
+            zeros = np.full((k // GROUP, n), 8) if fmt == "compressed-int4" else rng.integers(1, 16, (k // GROUP, n))
             scales = torch.from_numpy(rng.uniform(0.02, 0.08, (k // GROUP, n))).half()
             dense = (torch.from_numpy(codes - np.repeat(zeros, GROUP, axis=0)).float() * scales.float().repeat_interleave(GROUP, 0))
             linear.weight.data.copy_(dense.t())
-            qweight, qzeros = pack(fmt, codes, zeros)
             prefix = f"model.layers.{index}.{name}"
+            if fmt.startswith("compressed"):
+                tensors = compressed(codes, None if fmt == "compressed-int4" else zeros) | {"weight_scale": scales.t().contiguous()}
+                packed |= {f"{prefix}.{kind}": tensor for kind, tensor in tensors.items()}
+                continue
+            qweight, qzeros = pack(fmt, codes, zeros)
             packed |= {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
             if fmt == "gptq":
                 packed[f"{prefix}.g_idx"] = torch.arange(k, dtype=torch.int32) // GROUP
-    dense_dir, packed_dir = tmp_path / "dense", tmp_path / "packed"
-    reference.save_pretrained(dense_dir)
-    rest = {k: v for k, v in reference.state_dict().items() if not any(p in k for p in PROJECTIONS)}
-    packed_dir.mkdir()
-    save_file({**rest, **packed}, packed_dir / "model.safetensors")
-    config = json.loads((dense_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": fmt, "bits": 4, "group_size": GROUP, "version": "gemm", "desc_act": False}
-    (packed_dir / "config.json").write_text(json.dumps(config))
-    tokenizer.save_pretrained(packed_dir)
+    directory = write_checkpoint(reference, packed, INT4_CONFIGS[fmt], tmp_path, tokenizer)
 
-    engine = LLMEngine(model=str(packed_dir), dtype="float32", **GPU_SHARE)
+    engine = LLMEngine(model=directory, dtype="float32", **GPU_SHARE)
     assert type(engine.runner.model.layers[0].self_attn.qkv_proj).__name__ == "QuantizedLinear"
     prompts = [[1, 500, 42, 9000, 123], list(range(300, 340))]
     assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=10)
+
+
+FP8_CONFIGS = {  # name -> (scales per channel, quantization spec, the file it is in)
+    "compressed-tensors": (True, {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                      "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
+                                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                            "dynamic": False}}}}, "config.json"),
+    "modelopt": (False, {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}},
+                 "hf_quant_config.json"),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FP8_CONFIGS))
+def test_fp8_checkpoint_matches_transformers_on_the_dense_weights(fmt, tmp_path, tokenizer):
+    """llm-compressor's FP8 (per-channel scales, a static input scale, in config.json) and ModelOpt's
+    (per-tensor scales, hf_quant_config.json): the e4m3 weights run as they are (no bf16 copy) and
+    generate transformers' tokens on the same weights dense."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedserve.kernels.fp8 import Fp8Weight
+
+    per_channel, spec, config_file = FP8_CONFIGS[fmt]
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=False)).eval()
+    quantized = {}
+    for index, layer in enumerate(reference.model.layers):
+        for name in PROJECTIONS:
+            linear = layer.get_submodule(name)
+            weight = linear.weight.data.float()
+            amax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax().reshape(1)
+            scale = amax / 448.0
+            codes = (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            linear.weight.data.copy_(codes.float() * scale)
+            prefix = f"model.layers.{index}.{name}"
+            quantized |= {f"{prefix}.weight": codes, f"{prefix}.weight_scale": scale.float(),
+                          f"{prefix}.input_scale": torch.tensor([0.05])}
+    directory = write_checkpoint(reference, quantized, spec, tmp_path, tokenizer, config_file)
+
+    engine = LLMEngine(model=directory, dtype="float32", **GPU_SHARE)
+    qkv = engine.runner.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.weight, Fp8Weight) and qkv.weight.weight.dtype == torch.float8_e4m3fn
+    prompts = [[1, 500, 42, 9000, 123], list(range(300, 340))]
+    assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=10)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "ModelOpt NVFP4"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "int", "strategy": "channel"}}}}, "format 'int-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", "model.layers.0.mlp.down_proj"],
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}, "unquantized"),
+    ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
+])
+def test_checkpoint_quantizations_not_served_are_refused_by_name(spec, message):
+    from pagedserve.backend.checkpoints.quantization_config import prequantized
+    from pagedserve.backend.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        prequantized(spec)

@@ -1,7 +1,8 @@
 """Checkpoint formats. Each reads a model into one ModelConfig and a stream of
 tensors under Hugging Face names, so the model loader knows no format:
 hf.py (config.json + safetensors), gguf.py (llama.cpp GGUF, dequantized), and
-packed_int4.py (AWQ / GPTQ projections, collected from the stream and fused after it),
+prequantized.py (4-bit and FP8 projections as AWQ, GPTQ, compressed-tensors and ModelOpt store
+them, collected from the stream and fused after it),
 and dummy.py (random weights of a config's shape, for speed measurements).
 """
 

@@ -22,8 +22,8 @@ INIT_STD = 0.02
 def dummy_checkpoint(config: ModelConfig) -> Checkpoint:
     """A checkpoint of `config`'s shape with no stored tensors: the loader fills the model
     with `randomize` instead of copying weights."""
-    if config.packed_int4:
-        config.packed_int4 = None  # random dense weights; quantize on load for the 4-bit kernels
+    if config.packed_weights:
+        config.packed_weights = None  # random dense weights; quantize on load for the quantized kernels
         config.source_group_size = None
     return Checkpoint(config, iter(()), 0, random_weights=True)
 

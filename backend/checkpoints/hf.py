@@ -12,6 +12,7 @@ import torch
 from ..errors import ConfigError
 from ..model_config import ModelConfig
 from . import Checkpoint
+from .quantization_config import checkpoint_quantization, prequantized
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -92,6 +93,9 @@ def hf_dir_config(path: str) -> ModelConfig:
     if os.path.exists(generation_path):
         with open(generation_path) as f:
             generation = json.load(f)
+    quantization = checkpoint_quantization(path, config)
+    if quantization:
+        config["quantization_config"] = quantization
     return hf_model_config(config, generation)
 
 
@@ -152,7 +156,7 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         eos_token_ids=_eos_ids(config, generation_config),
         bos_token_id=config.get("bos_token_id"),
         checkpoint_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
-        **_packed_int4(config.get("quantization_config")),
+        **prequantized(config.get("quantization_config")),
     )
 
 
@@ -245,25 +249,6 @@ def _granite_multipliers(config: dict[str, Any]) -> dict[str, Any]:
     multiplier too, not 1/sqrt(head_dim))."""
     names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
     return {name: float(config.get(name, 1.0)) for name in names}
-
-
-def _packed_int4(spec: dict[str, Any] | None) -> dict[str, Any]:
-    """AWQ (GEMM) and GPTQ 4-bit checkpoints: the format and group size, or a clear refusal."""
-    if not spec:
-        return {}
-    method = str(spec.get("quant_method", "")).lower()
-    if method not in ("awq", "gptq"):
-        raise ConfigError("model", f"checkpoint quantization {method!r} is not supported (awq and gptq 4-bit are)")
-    bits = spec.get("bits", spec.get("w_bit", 4))
-    if bits != 4:
-        raise ConfigError("model", f"{method} checkpoints with {bits} bits are not supported (4 is)")
-    if method == "awq" and str(spec.get("version", "gemm")).lower() != "gemm":
-        raise ConfigError("model", "only GEMM-version AWQ checkpoints are supported")
-    if method == "gptq" and spec.get("desc_act"):
-        raise ConfigError("model", "act-order (desc_act) GPTQ checkpoints are not supported: their q/k/v cannot be fused")
-    group = int(spec.get("group_size", spec.get("q_group_size", 128)))
-    fmt = "awq" if method == "awq" else str(spec.get("checkpoint_format", "gptq")).lower()
-    return {"packed_int4": fmt, "source_group_size": group}
 
 
 def _eos_ids(config: dict[str, Any], generation: dict[str, Any] | None) -> list[int]:

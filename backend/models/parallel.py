@@ -97,10 +97,10 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """ConfigError naming `tensor_parallel_size` and the sizes this model allows."""
     if size == 1:
         return
-    if config.packed_int4:
+    if config.packed_weights:
         raise ConfigError(
             "tensor_parallel_size",
-            f"{config.packed_int4} 4-bit checkpoints are not sharded; serve them with tensor_parallel_size=1 "
+            f"{config.packed_weights} checkpoints are not sharded; serve them with tensor_parallel_size=1 "
             "or use the bf16/fp32 checkpoint",
         )
     if config.o_bias:

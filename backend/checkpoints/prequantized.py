@@ -1,0 +1,132 @@
+"""Checkpoints whose linear weights are quantized already, loaded as they are (never through bf16):
+
+- 4-bit: AWQ (GEMM), GPTQ (v1, v2) and compressed-tensors' pack-quantized (llm-compressor's W4A16,
+  symmetric or with zero points, per group or per channel), repacked into our INT4 layout;
+- FP8: e4m3 weights with per-tensor or per-channel scales, as compressed-tensors' float-quantized
+  (llm-compressor's FP8 W8A8, static or dynamic) and ModelOpt's FP8 write them. Their activation
+  scales are not read: our FP8 GEMM quantizes the activations per token as they come (sm_89+; W8A16
+  before it and on CPU), which needs no calibrated scale.
+
+A format's projections are collected while the tensors stream in, then fused per the model's
+`packed_modules` table (q/k/v into qkv_proj, gate/up into gate_up_proj) into QuantizedLinears.
+Fusing needs every part of a module, so it waits until the stream has ended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from pagedserve.kernels.dispatch import fp8_linear, int4_linear
+from pagedserve.kernels.fp8 import Fp8Weight
+from pagedserve.kernels.int4 import Int4Weight
+from pagedserve.kernels.int4_checkpoints import int4_from_awq, int4_from_compressed_tensors, int4_from_gptq
+from pagedserve.kernels.numerics import FP8_DTYPE
+
+from ..errors import ConfigError
+from ..quantization import QuantizedLinear
+
+
+def concat_out_features(parts: list[Int4Weight]) -> Int4Weight:
+    """Fuse linears that share their input (q/k/v, gate/up) into one packed weight."""
+    first = parts[0]
+    if any(p.group_size != first.group_size or p.in_features != first.in_features or p.perm is not None for p in parts):
+        raise ValueError("fused 4-bit parts need the same input width and group size and no act-order")
+    return Int4Weight(
+        qweight=torch.cat([p.qweight for p in parts], dim=1),
+        scales=torch.cat([p.scales for p in parts], dim=1),
+        offsets=torch.cat([p.offsets for p in parts], dim=1),
+        group_size=first.group_size,
+        shape=(sum(p.out_features for p in parts), first.in_features),
+    )
+
+
+def concat_fp8(parts: list[Fp8Weight]) -> Fp8Weight:
+    """Fuse e4m3 linears that share their input: rows and their channel scales stacked."""
+    return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+def fp8_from_checkpoint(weight: torch.Tensor, scale: torch.Tensor) -> Fp8Weight:
+    """An e4m3 weight [N, K] and its scale as stored: one for the tensor ([] or [1]) or one per output
+    channel ([N] or [N, 1]); a per-tensor scale becomes N equal channel scales (exact)."""
+    rows = weight.shape[0]
+    if weight.dtype != FP8_DTYPE:
+        raise ValueError(f"an FP8 checkpoint's weight is {weight.dtype}, expected {FP8_DTYPE}")
+    scale = scale.to(torch.float32).reshape(-1)
+    if scale.numel() == 1:
+        scale = scale.expand(rows)
+    elif scale.numel() != rows:
+        raise ValueError(f"weight_scale of {scale.numel()} values for {rows} rows: only per-tensor and per-channel "
+                         "scales are read (block-wise FP8 is not supported)")
+    return Fp8Weight(weight.contiguous(), scale.contiguous())
+
+
+@dataclass(frozen=True)
+class PrequantizedFormat:
+    """How one format's projections are read (`kinds`: their tensors' suffixes), fused and run."""
+
+    kinds: tuple[str, ...]
+    read: Callable[[dict[str, torch.Tensor], int], Any]
+    """The projection's tensors and the checkpoint's group size -> its weight in our layout."""
+    concat: Callable[[list[Any]], Any]
+    kernel: Callable[..., torch.Tensor]
+
+
+def _gptq(fmt: str) -> Callable[[dict[str, torch.Tensor], int], Int4Weight]:
+    return lambda t, group: int4_from_gptq(t["qweight"], t["qzeros"], t["scales"], None, group, fmt)
+
+
+def _int4(kinds: tuple[str, ...], read: Callable[[dict[str, torch.Tensor], int], Int4Weight]) -> PrequantizedFormat:
+    return PrequantizedFormat(kinds, read, concat_out_features, int4_linear)
+
+
+_GPTQ_KINDS = ("qweight", "qzeros", "scales", "g_idx", "bias")
+FORMATS: dict[str, PrequantizedFormat] = {
+    "awq": _int4(_GPTQ_KINDS, lambda t, group: int4_from_awq(t["qweight"], t["qzeros"], t["scales"], group)),
+    "gptq": _int4(_GPTQ_KINDS, _gptq("gptq")),
+    "gptq_v2": _int4(_GPTQ_KINDS, _gptq("gptq_v2")),
+    "compressed-int4": _int4(
+        ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "bias"),
+        lambda t, group: int4_from_compressed_tensors(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"))),
+    "fp8": PrequantizedFormat(("weight", "weight_scale", "input_scale", "bias"),
+                              lambda t, group: fp8_from_checkpoint(t["weight"], t["weight_scale"]), concat_fp8, fp8_linear),
+}
+"""ModelConfig.packed_weights -> its format."""
+
+
+class PrequantizedLoader:
+    """Collects a checkpoint's quantized projections and installs our fused QuantizedLinears."""
+
+    def __init__(self, packed_modules: Mapping[str, tuple[str, ...]], checkpoint_format: str, group_size: int | None):
+        self.packed_modules = packed_modules
+        self.projections = {part for parts in packed_modules.values() for part in parts}
+        self.format = FORMATS[checkpoint_format]
+        self.name = checkpoint_format
+        self.group_size = group_size or 0
+        self.parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+
+    def accepts(self, module: str, kind: str) -> bool:
+        return module in self.projections and kind in self.format.kinds
+
+    def add(self, layer: int, module: str, kind: str, tensor: torch.Tensor) -> None:
+        self.parts.setdefault((layer, module), {})[kind] = tensor
+
+    def install(self, layers: nn.ModuleList, device: torch.device, dtype: torch.dtype) -> None:
+        for index, layer in enumerate(layers):
+            for target, names in self.packed_modules.items():
+                missing = [n for n in names if (index, n) not in self.parts]
+                if missing:
+                    raise ConfigError("model", f"checkpoint lacks the quantized weights of layer {index}'s {missing} "
+                                               f"({self.name}: a checkpoint that leaves decoder projections unquantized "
+                                               "is not supported)")
+                tensors = [self.parts.pop((index, n)) for n in names]
+                try:
+                    weight = self.format.concat([self.format.read(t, self.group_size) for t in tensors]).to(device)
+                except (KeyError, ValueError) as error:
+                    raise ConfigError("model", f"layer {index}'s {target} ({self.name}): {error}") from None
+                biases = [t["bias"] for t in tensors if t.get("bias") is not None]
+                bias = torch.cat(biases).to(device, dtype) if len(biases) == len(tensors) else None
+                layer.set_submodule(target, QuantizedLinear(weight, bias, self.format.kernel))
