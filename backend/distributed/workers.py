@@ -44,7 +44,8 @@ from .step_channel import Command, StepChannel
 logger = logging.getLogger("pagedserve")
 WORKER_MODULE = "pagedserve.backend.distributed.worker"
 SHUTDOWN_WAIT_S = 10.0
-EXIT_REAP_S = 1.0  # a killed process closes its sockets a moment before it can be reaped
+EXIT_REAP_S = 5.0  # a dying worker closes its sockets before it can be reaped: a killed one a moment before, one that
+# failed on its own (a traceback, then torch's interpreter teardown) up to seconds before on a busy 2-core machine
 
 
 class TensorParallelError(PagedServeError):
