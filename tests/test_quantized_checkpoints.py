@@ -80,40 +80,55 @@ def write_checkpoint(reference, quantized: dict[str, torch.Tensor], quantization
     return str(out)
 
 
+def llama_reference():
+    """The random Llama whose projections a test replaces by quantized ones (and their dense values)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=False)).eval()
+
+
+def projections(reference):
+    """(checkpoint name prefix, linear) of every decoder projection of `reference`."""
+    for index, layer in enumerate(reference.model.layers):
+        for name in PROJECTIONS:
+            yield f"model.layers.{index}.{name}", layer.get_submodule(name)
+
+
+def assert_serves_reference(directory: str, reference) -> LLMEngine:
+    """The checkpoint's engine, having given `reference`'s greedy tokens."""
+    engine = LLMEngine(model=directory, dtype="float32", **GPU_SHARE)
+    prompts = [[1, 500, 42, 9000, 123], list(range(300, 340))]
+    assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=10)
+    return engine
+
+
 @pytest.mark.parametrize("fmt", list(INT4_CONFIGS))
 def test_packed_checkpoint_matches_transformers_on_the_dense_weights(fmt, tmp_path, tokenizer):
     """AWQ, GPTQ and compressed-tensors W4A16 (symmetric, and with zero points): the packed codes,
     scales and zeros run as they are and generate transformers' tokens on the same weights dense."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     rng = np.random.default_rng(0)
-    torch.manual_seed(0)
-    reference = LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=False)).eval()
+    reference = llama_reference()
     packed = {}
-    for index, layer in enumerate(reference.model.layers):
-        for name in PROJECTIONS:
-            linear = layer.get_submodule(name)
-            n, k = linear.weight.shape
-            codes = rng.integers(0, 16, (k, n))
-            zeros = np.full((k // GROUP, n), 8) if fmt == "compressed-int4" else rng.integers(1, 16, (k // GROUP, n))
-            scales = torch.from_numpy(rng.uniform(0.02, 0.08, (k // GROUP, n))).half()
-            dense = (torch.from_numpy(codes - np.repeat(zeros, GROUP, axis=0)).float() * scales.float().repeat_interleave(GROUP, 0))
-            linear.weight.data.copy_(dense.t())
-            prefix = f"model.layers.{index}.{name}"
-            if fmt.startswith("compressed"):
-                tensors = compressed(codes, None if fmt == "compressed-int4" else zeros) | {"weight_scale": scales.t().contiguous()}
-                packed |= {f"{prefix}.{kind}": tensor for kind, tensor in tensors.items()}
-                continue
-            qweight, qzeros = pack(fmt, codes, zeros)
-            packed |= {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
-            if fmt == "gptq":
-                packed[f"{prefix}.g_idx"] = torch.arange(k, dtype=torch.int32) // GROUP
+    for prefix, linear in projections(reference):
+        n, k = linear.weight.shape
+        codes = rng.integers(0, 16, (k, n))
+        zeros = np.full((k // GROUP, n), 8) if fmt == "compressed-int4" else rng.integers(1, 16, (k // GROUP, n))
+        scales = torch.from_numpy(rng.uniform(0.02, 0.08, (k // GROUP, n))).half()
+        dense = (torch.from_numpy(codes - np.repeat(zeros, GROUP, axis=0)).float() * scales.float().repeat_interleave(GROUP, 0))
+        linear.weight.data.copy_(dense.t())
+        if fmt.startswith("compressed"):
+            tensors = compressed(codes, None if fmt == "compressed-int4" else zeros) | {"weight_scale": scales.t().contiguous()}
+            packed |= {f"{prefix}.{kind}": tensor for kind, tensor in tensors.items()}
+            continue
+        qweight, qzeros = pack(fmt, codes, zeros)
+        packed |= {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
+        if fmt == "gptq":
+            packed[f"{prefix}.g_idx"] = torch.arange(k, dtype=torch.int32) // GROUP
     directory = write_checkpoint(reference, packed, INT4_CONFIGS[fmt], tmp_path, tokenizer)
 
-    engine = LLMEngine(model=directory, dtype="float32", **GPU_SHARE)
+    engine = assert_serves_reference(directory, reference)
     assert type(engine.runner.model.layers[0].self_attn.qkv_proj).__name__ == "QuantizedLinear"
-    prompts = [[1, 500, 42, 9000, 123], list(range(300, 340))]
-    assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=10)
 
 
 FP8_CONFIGS = {  # name -> (scales per channel, quantization spec, the file it is in)
@@ -132,32 +147,24 @@ def test_fp8_checkpoint_matches_transformers_on_the_dense_weights(fmt, tmp_path,
     """llm-compressor's FP8 (per-channel scales, a static input scale, in config.json) and ModelOpt's
     (per-tensor scales, hf_quant_config.json): the e4m3 weights run as they are (no bf16 copy) and
     generate transformers' tokens on the same weights dense."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from pagedserve.kernels.fp8 import Fp8Weight
 
     per_channel, spec, config_file = FP8_CONFIGS[fmt]
-    torch.manual_seed(0)
-    reference = LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=False)).eval()
+    reference = llama_reference()
     quantized = {}
-    for index, layer in enumerate(reference.model.layers):
-        for name in PROJECTIONS:
-            linear = layer.get_submodule(name)
-            weight = linear.weight.data.float()
-            amax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax().reshape(1)
-            scale = amax / 448.0
-            codes = (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-            linear.weight.data.copy_(codes.float() * scale)
-            prefix = f"model.layers.{index}.{name}"
-            quantized |= {f"{prefix}.weight": codes, f"{prefix}.weight_scale": scale.float(),
-                          f"{prefix}.input_scale": torch.tensor([0.05])}
+    for prefix, linear in projections(reference):
+        weight = linear.weight.data.float()
+        amax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax().reshape(1)
+        scale = amax / 448.0
+        codes = (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        linear.weight.data.copy_(codes.float() * scale)
+        quantized |= {f"{prefix}.weight": codes, f"{prefix}.weight_scale": scale.float(),
+                      f"{prefix}.input_scale": torch.tensor([0.05])}
     directory = write_checkpoint(reference, quantized, spec, tmp_path, tokenizer, config_file)
 
-    engine = LLMEngine(model=directory, dtype="float32", **GPU_SHARE)
+    engine = assert_serves_reference(directory, reference)
     qkv = engine.runner.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.weight, Fp8Weight) and qkv.weight.weight.dtype == torch.float8_e4m3fn
-    prompts = [[1, 500, 42, 9000, 123], list(range(300, 340))]
-    assert_greedy_matches_transformers(engine, reference, prompts, max_tokens=10)
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -39,7 +39,6 @@ class LoRAAdapter:
 
     name: str
     path: str
-    rank: int
     scaling: float
     """lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA: what PEFT multiplies the delta by."""
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -115,7 +114,7 @@ def load_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:
         weights[(layer, module)] = (a, b)
     if not weights:
         raise refuse("holds no LoRA weights")
-    return LoRAAdapter(name, path, rank, scaling, weights)
+    return LoRAAdapter(name, path, scaling, weights)
 
 
 __all__ = ["LoRAAdapter", "MULTI_LORA_FILE", "load_adapter", "read_lora_modules"]

@@ -23,7 +23,7 @@ class LoRAStep:
 
     def __init__(self, scaling: torch.Tensor) -> None:
         self.scaling = scaling
-        """float32 [slots]: each slot's adapter's scaling (the manager's)."""
+        """float32 [slots]: each slot's adapter's scaling (the manager writes it as it places adapters)."""
         self.token_slots: torch.Tensor | None = None
         """int32 [tokens]: each input row's slot, -1 for none; None: no row of this step has an adapter."""
         self.output_slots: torch.Tensor | None = None
@@ -61,14 +61,13 @@ class LoRALinear(nn.Module):
     b: torch.Tensor
 
     def __init__(self, base: nn.Module, in_features: int, slices: tuple[int, ...], num_slots: int, max_rank: int,
-                 step: LoRAStep, scaling: torch.Tensor, dtype: torch.dtype, device: torch.device):
+                 step: LoRAStep, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.base = base
         self.slices = slices
         self.max_rank = max_rank
         self.step = step
-        self.scaling = scaling
-        """float32 [slots], shared by the model's wrapped layers (an adapter has one scaling)."""
+        """The step's token -> slot map and each slot's scaling, shared by the model's wrapped layers."""
         rank = len(slices) * max_rank
         self.register_buffer("a", torch.zeros(num_slots, rank, in_features, dtype=dtype, device=device), persistent=False)
         self.register_buffer("b", torch.zeros(num_slots, sum(slices), rank, dtype=dtype, device=device), persistent=False)
@@ -78,7 +77,7 @@ class LoRALinear(nn.Module):
         step = self.step.slots_for(x.shape[0])
         if step is None:
             return out
-        return add_lora(out, x, self.a, self.b, self.scaling, *step)
+        return add_lora(out, x, self.a, self.b, self.step.scaling, *step)
 
     def __getattr__(self, name: str) -> Any:
         """The base layer's attributes (its weight, method, collectives) through the wrapper: code that
@@ -102,10 +101,6 @@ class LoRALinear(nn.Module):
             columns = slice(index * self.max_rank, index * self.max_rank + rank)
             self.a[slot, columns].copy_(a)
             self.b[slot, row : row + b.shape[0], columns].copy_(b)
-
-    def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
 
 
 __all__ = ["LoRALinear", "LoRAStep"]

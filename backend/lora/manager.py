@@ -34,8 +34,7 @@ class LoRAManager:
         self.paths = read_lora_modules(config.lora_modules)
         """Adapter name -> its folder."""
         self.max_rank = config.max_lora_rank
-        self.scaling = torch.zeros(config.max_loras, dtype=torch.float32, device=device)
-        self.step = LoRAStep(self.scaling)
+        self.step = LoRAStep(torch.zeros(config.max_loras, dtype=torch.float32, device=device))
         self.targets = self._wrap(model, config.max_loras, dtype, device)
         """(layer index, checkpoint module such as "self_attn.q_proj") -> where its delta goes."""
         self.slots: list[str | None] = [None] * config.max_loras
@@ -90,7 +89,7 @@ class LoRAManager:
             parts.setdefault(layer, {})[index] = (a, b)
         for layer in self._layers():
             layer.load(slot, parts.get(layer, {}))
-        self.scaling[slot] = adapter.scaling
+        self.step.scaling[slot] = adapter.scaling
         self.slots[slot] = name
         return slot
 
@@ -136,7 +135,7 @@ class LoRAManager:
                             (mlp, "down_proj", inter, (config.hidden_size,))]
             for owner, attr, width_in, slices in wrapped:
                 wrapper = LoRALinear(getattr(owner, attr), width_in, slices, num_slots, self.max_rank, self.step,
-                                     self.scaling, dtype, device)
+                                     dtype, device)
                 setattr(owner, attr, wrapper)
                 prefix = "self_attn." if owner is attn else "mlp."
                 name = prefix + attr

@@ -43,6 +43,8 @@ SHARED_SCALARS = {
 BEAM_ONLY = ("length_penalty", "len_penalty", "early_stopping", "beam_search_diversity_rate")
 """Beam-search settings: accepted and without effect at beam width 1, as there."""
 
+LORA_FROM_THE_SERVER = ("LoRA weights are read from the server's multi_lora.json, not sent with requests: list the "
+                        "adapter there under a number as its name and send that number as lora_task_id")
 REFUSED = {
     "beam_width": (
         "beam search is not supported; send beam_width 1 (or leave it out) and use num_return_sequences for several outputs"
@@ -54,10 +56,8 @@ REFUSED = {
     "prompt_vocab_size": "prompt tables (p-tuning) are not supported",
     "prompt_table_extra_id": "prompt tables (p-tuning) are not supported",
     "prompt_table_extra_ids": "prompt tables (p-tuning) are not supported",
-    "lora_weights": "LoRA weights are read from the server's multi_lora.json, not sent with requests: list the "
-                    "adapter there under a number as its name and send that number as lora_task_id",
-    "lora_config": "LoRA weights are read from the server's multi_lora.json, not sent with requests: list the "
-                   "adapter there under a number as its name and send that number as lora_task_id",
+    "lora_weights": LORA_FROM_THE_SERVER,
+    "lora_config": LORA_FROM_THE_SERVER,
     "embedding_bias": "embedding bias is not supported; use bad_words to forbid words",
     "embedding_bias_words": "embedding bias is not supported; use bad_words to forbid words",
     "embedding_bias_weights": "embedding bias is not supported; use bad_words to forbid words",
