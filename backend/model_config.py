@@ -100,7 +100,9 @@ class ModelConfig:
     float32 engines multiply through (kernels/cpu/block_matmul.py): dtype auto times those."""
     packed_weights: str | None = None
     """The format of the checkpoint's quantized decoder projections (checkpoints/prequantized.py's
-    FORMATS: "awq", "gptq", "gptq_v2", "compressed-int4", "fp8"), None where they are not."""
+    FORMATS: "awq", "gptq", "gptq_v2", "compressed-int4", "fp8", "fp8-block"), None where they are not."""
+    fp8_block: tuple[int, int] | None = None
+    """(rows, columns) of a block-wise FP8 checkpoint's scale tiles (its weight_block_size)."""
 
     @property
     def rotary_dim(self) -> int:

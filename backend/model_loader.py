@@ -74,7 +74,7 @@ def load_checkpoint(
         return model.eval()
     packed = None
     if config.packed_weights:
-        packed = PrequantizedLoader(model.packed_modules, config.packed_weights, config.source_group_size)
+        packed = PrequantizedLoader(model.packed_modules, config)
     load_weights(model, checkpoint.tensors, checkpoint.num_tensors, packed, on_linear_weight)
     if packed is not None:
         packed.install(model.layers, device, dtype)

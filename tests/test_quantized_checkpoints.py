@@ -1,5 +1,7 @@
-"""AWQ (GEMM) and GPTQ 4-bit checkpoints load into the fused INT4 layers and generate what
-transformers generates with the same weights in dense form."""
+"""Quantized checkpoints as shipped (AWQ, GPTQ and compressed-tensors 4-bit; FP8 per tensor, channel
+or block from compressed-tensors, ModelOpt, AutoFP8 and DeepSeek-style releases) load into the
+fused INT4 / FP8 layers and generate what transformers generates with the same weights in dense
+form."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import torch
 from safetensors.torch import save_file
 
 from pagedserve.backend import LLMEngine
+from pagedserve.kernels.fp8 import Fp8Weight, dequantize_fp8, fp8_from_blocks, quantize_fp8_blocks
 
 from .conftest import GPU_SHARE, assert_greedy_matches_transformers
-from .test_models import COMMON
+from .test_models import COMMON, build
 
 pytestmark = pytest.mark.slow
 
@@ -80,11 +83,14 @@ def write_checkpoint(reference, quantized: dict[str, torch.Tensor], quantization
     return str(out)
 
 
-def llama_reference():
-    """The random Llama whose projections a test replaces by quantized ones (and their dense values)."""
+def llama_reference(kind: str = "llama"):
+    """The random Llama (or another of test_models' kinds) whose projections a test replaces by
+    quantized ones (and their dense values)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if kind != "llama":
+        return build(kind).eval()
     return LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=False)).eval()
 
 
@@ -131,44 +137,63 @@ def test_packed_checkpoint_matches_transformers_on_the_dense_weights(fmt, tmp_pa
     assert type(engine.runner.model.layers[0].self_attn.qkv_proj).__name__ == "QuantizedLinear"
 
 
-FP8_CONFIGS = {  # name -> (scales per channel, quantization spec, the file it is in)
-    "compressed-tensors": (True, {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                                      "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
-                                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
-                                                            "dynamic": False}}}}, "config.json"),
-    "modelopt": (False, {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}},
-                 "hf_quant_config.json"),
+BLOCK = [24, 32]  # rows x columns: partial row blocks in k/v, two or four column groups
+_FP8_CT = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"]}
+FP8_CONFIGS = {  # name -> (scales: "channel", "tensor" or "block", quantization spec, the file it is in, scale name)
+    "compressed-tensors": ("channel", _FP8_CT | {"config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}, "input_activations": {
+            "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}}, "config.json", "weight_scale"),
+    "compressed-tensors-block": ("block", _FP8_CT | {"config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": BLOCK},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32, "dynamic": True}}}},
+        "config.json", "weight_scale"),
+    "modelopt": ("tensor", {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "exclude_modules": [
+        "lm_head"]}}, "hf_quant_config.json", "weight_scale"),
+    "block-fp8": ("block", {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": BLOCK}, "config.json", "weight_scale_inv"),
+    "autofp8": ("tensor", {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]},
+                "config.json", "weight_scale"),
 }
 
 
-@pytest.mark.parametrize("fmt", list(FP8_CONFIGS))
-def test_fp8_checkpoint_matches_transformers_on_the_dense_weights(fmt, tmp_path, tokenizer):
-    """llm-compressor's FP8 (per-channel scales, a static input scale, in config.json) and ModelOpt's
-    (per-tensor scales, hf_quant_config.json): the e4m3 weights run as they are (no bf16 copy) and
-    generate transformers' tokens on the same weights dense."""
-    from pagedserve.kernels.fp8 import Fp8Weight
+def fp8_codes(weight: torch.Tensor, scales: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes of `weight` and their scale as the checkpoint stores it: one for the tensor, one per
+    output channel [N, 1], or one per BLOCK tile."""
+    if scales == "block":
+        return quantize_fp8_blocks(weight, tuple(BLOCK))
+    amax = weight.abs().amax(dim=1, keepdim=True) if scales == "channel" else weight.abs().amax().reshape(1)
+    scale = amax / 448.0
+    return (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale.float()
 
-    per_channel, spec, config_file = FP8_CONFIGS[fmt]
-    reference = llama_reference()
+
+@pytest.mark.parametrize("fmt, kind", [(fmt, "llama") for fmt in FP8_CONFIGS] + [("block-fp8", "qwen3")])
+def test_fp8_checkpoint_matches_transformers_on_the_dense_weights(fmt, kind, tmp_path, tokenizer):
+    """llm-compressor's FP8 (per-channel scales with a static input scale; 24 x 32 blocks), ModelOpt's
+    (per-tensor scales, hf_quant_config.json), block-wise FP8 as DeepSeek-V3 and Qwen3 ship it
+    (weight_scale_inv per 24 x 32 block, partial blocks included) and AutoFP8's: the e4m3 weights
+    run as they are (no bf16 copy) and generate transformers' tokens on the same weights dense."""
+    scales, spec, config_file, scale_name = FP8_CONFIGS[fmt]
+    reference = llama_reference(kind)
     quantized = {}
     for prefix, linear in projections(reference):
-        weight = linear.weight.data.float()
-        amax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax().reshape(1)
-        scale = amax / 448.0
-        codes = (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-        linear.weight.data.copy_(codes.float() * scale)
-        quantized |= {f"{prefix}.weight": codes, f"{prefix}.weight_scale": scale.float(),
+        codes, scale = fp8_codes(linear.weight.data.float(), scales)
+        dense = codes.float() * scale if scales != "block" else dequantize_fp8(fp8_from_blocks(codes, scale, tuple(BLOCK)))
+        linear.weight.data.copy_(dense)
+        quantized |= {f"{prefix}.weight": codes, f"{prefix}.{scale_name}": scale,
                       f"{prefix}.input_scale": torch.tensor([0.05])}
     directory = write_checkpoint(reference, quantized, spec, tmp_path, tokenizer, config_file)
 
     engine = assert_serves_reference(directory, reference)
     qkv = engine.runner.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.weight, Fp8Weight) and qkv.weight.weight.dtype == torch.float8_e4m3fn
+    assert qkv.weight.group_size == (BLOCK[1] if scales == "block" else 0)
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 100]}, "100-column blocks"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "in e5m2"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["model.layers.3.mlp"]},
+     "unquantized"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "ModelOpt NVFP4"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "int", "strategy": "channel"}}}}, "format 'int-quantized'"),

@@ -25,6 +25,7 @@ def dummy_checkpoint(config: ModelConfig) -> Checkpoint:
     if config.packed_weights:
         config.packed_weights = None  # random dense weights; quantize on load for the quantized kernels
         config.source_group_size = None
+        config.fp8_block = None
     return Checkpoint(config, iter(()), 0, random_weights=True)
 
 

@@ -3,9 +3,12 @@
 - 4-bit: AWQ (GEMM), GPTQ (v1, v2) and compressed-tensors' pack-quantized (llm-compressor's W4A16,
   symmetric or with zero points, per group or per channel), repacked into our INT4 layout;
 - FP8: e4m3 weights with per-tensor or per-channel scales, as compressed-tensors' float-quantized
-  (llm-compressor's FP8 W8A8, static or dynamic) and ModelOpt's FP8 write them. Their activation
-  scales are not read: our FP8 GEMM quantizes the activations per token as they come (sm_89+; W8A16
-  before it and on CPU), which needs no calibrated scale.
+  (llm-compressor's FP8 W8A8, static or dynamic), ModelOpt's FP8 and AutoFP8 write them; and
+  block-wise ones (one scale per rows x columns tile: DeepSeek-style `weight_scale_inv`, or
+  compressed-tensors' block strategy), whose block scales become group scales repeated over each
+  block's rows (kernels/fp8.py). Activation scales are not read: our FP8 GEMM quantizes the
+  activations per token as they come (sm_89+; W8A16 before it and on CPU), which needs no
+  calibrated scale.
 
 A format's projections are collected while the tensors stream in, then fused per the model's
 `packed_modules` table (q/k/v into qkv_proj, gate/up into gate_up_proj) into QuantizedLinears.
@@ -21,12 +24,13 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.dispatch import fp8_linear, int4_linear
-from pagedserve.kernels.fp8 import Fp8Weight
+from pagedserve.kernels.fp8 import Fp8Weight, fp8_from_blocks
 from pagedserve.kernels.int4 import Int4Weight
 from pagedserve.kernels.int4_checkpoints import int4_from_awq, int4_from_compressed_tensors, int4_from_gptq
 from pagedserve.kernels.numerics import FP8_DTYPE
 
 from ..errors import ConfigError
+from ..model_config import ModelConfig
 from ..quantization import QuantizedLinear
 
 
@@ -45,22 +49,36 @@ def concat_out_features(parts: list[Int4Weight]) -> Int4Weight:
 
 
 def concat_fp8(parts: list[Fp8Weight]) -> Fp8Weight:
-    """Fuse e4m3 linears that share their input: rows and their channel scales stacked."""
-    return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
+    """Fuse e4m3 linears that share their input: rows and their channel (or group) scales stacked."""
+    return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), parts[0].group_size)
+
+
+def fp8_blocks_from_checkpoint(tensors: dict[str, torch.Tensor], config: ModelConfig) -> Fp8Weight:
+    """A block-wise e4m3 weight and its block scales, named weight_scale_inv (DeepSeek-style) or
+    weight_scale (compressed-tensors)."""
+    scale = tensors.get("weight_scale_inv", tensors.get("weight_scale"))
+    if scale is None:
+        raise KeyError("weight_scale_inv")
+    assert config.fp8_block is not None  # set with packed_weights "fp8-block"
+    return fp8_from_blocks(_e4m3(tensors["weight"]), scale, config.fp8_block)
+
+
+def _e4m3(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype != FP8_DTYPE:
+        raise ValueError(f"an FP8 checkpoint's weight is {weight.dtype}, expected {FP8_DTYPE}")
+    return weight
 
 
 def fp8_from_checkpoint(weight: torch.Tensor, scale: torch.Tensor) -> Fp8Weight:
     """An e4m3 weight [N, K] and its scale as stored: one for the tensor ([] or [1]) or one per output
     channel ([N] or [N, 1]); a per-tensor scale becomes N equal channel scales (exact)."""
-    rows = weight.shape[0]
-    if weight.dtype != FP8_DTYPE:
-        raise ValueError(f"an FP8 checkpoint's weight is {weight.dtype}, expected {FP8_DTYPE}")
+    rows = _e4m3(weight).shape[0]
     scale = scale.to(torch.float32).reshape(-1)
     if scale.numel() == 1:
         scale = scale.expand(rows)
     elif scale.numel() != rows:
-        raise ValueError(f"weight_scale of {scale.numel()} values for {rows} rows: only per-tensor and per-channel "
-                         "scales are read (block-wise FP8 is not supported)")
+        raise ValueError(f"weight_scale of {scale.numel()} values for {rows} rows: per-tensor or per-channel "
+                         "scales expected (block-wise checkpoints name their weight_block_size)")
     return Fp8Weight(weight.contiguous(), scale.contiguous())
 
 
@@ -69,30 +87,42 @@ class PrequantizedFormat:
     """How one format's projections are read (`kinds`: their tensors' suffixes), fused and run."""
 
     kinds: tuple[str, ...]
-    read: Callable[[dict[str, torch.Tensor], int], Any]
-    """The projection's tensors and the checkpoint's group size -> its weight in our layout."""
+    read: Callable[[dict[str, torch.Tensor], ModelConfig], Any]
+    """The projection's tensors and the checkpoint's config (its group or block size) -> its weight in
+    our layout."""
     concat: Callable[[list[Any]], Any]
     kernel: Callable[..., torch.Tensor]
 
 
-def _gptq(fmt: str) -> Callable[[dict[str, torch.Tensor], int], Int4Weight]:
-    return lambda t, group: int4_from_gptq(t["qweight"], t["qzeros"], t["scales"], None, group, fmt)
+Reader = Callable[[dict[str, torch.Tensor], ModelConfig], Any]
 
 
-def _int4(kinds: tuple[str, ...], read: Callable[[dict[str, torch.Tensor], int], Int4Weight]) -> PrequantizedFormat:
+def _group(config: ModelConfig) -> int:
+    return config.source_group_size or 0
+
+
+def _gptq(fmt: str) -> Reader:
+    return lambda t, c: int4_from_gptq(t["qweight"], t["qzeros"], t["scales"], None, _group(c), fmt)
+
+
+def _int4(kinds: tuple[str, ...], read: Reader) -> PrequantizedFormat:
     return PrequantizedFormat(kinds, read, concat_out_features, int4_linear)
+
+
+def _fp8(kinds: tuple[str, ...], read: Reader) -> PrequantizedFormat:
+    return PrequantizedFormat(kinds + ("input_scale", "bias"), read, concat_fp8, fp8_linear)
 
 
 _GPTQ_KINDS = ("qweight", "qzeros", "scales", "g_idx", "bias")
 FORMATS: dict[str, PrequantizedFormat] = {
-    "awq": _int4(_GPTQ_KINDS, lambda t, group: int4_from_awq(t["qweight"], t["qzeros"], t["scales"], group)),
+    "awq": _int4(_GPTQ_KINDS, lambda t, c: int4_from_awq(t["qweight"], t["qzeros"], t["scales"], _group(c))),
     "gptq": _int4(_GPTQ_KINDS, _gptq("gptq")),
     "gptq_v2": _int4(_GPTQ_KINDS, _gptq("gptq_v2")),
     "compressed-int4": _int4(
         ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "bias"),
-        lambda t, group: int4_from_compressed_tensors(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"))),
-    "fp8": PrequantizedFormat(("weight", "weight_scale", "input_scale", "bias"),
-                              lambda t, group: fp8_from_checkpoint(t["weight"], t["weight_scale"]), concat_fp8, fp8_linear),
+        lambda t, c: int4_from_compressed_tensors(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"))),
+    "fp8": _fp8(("weight", "weight_scale"), lambda t, c: fp8_from_checkpoint(t["weight"], t["weight_scale"])),
+    "fp8-block": _fp8(("weight", "weight_scale", "weight_scale_inv"), fp8_blocks_from_checkpoint),
 }
 """ModelConfig.packed_weights -> its format."""
 
@@ -100,12 +130,13 @@ FORMATS: dict[str, PrequantizedFormat] = {
 class PrequantizedLoader:
     """Collects a checkpoint's quantized projections and installs our fused QuantizedLinears."""
 
-    def __init__(self, packed_modules: Mapping[str, tuple[str, ...]], checkpoint_format: str, group_size: int | None):
+    def __init__(self, packed_modules: Mapping[str, tuple[str, ...]], config: ModelConfig):
+        assert config.packed_weights is not None
         self.packed_modules = packed_modules
         self.projections = {part for parts in packed_modules.values() for part in parts}
-        self.format = FORMATS[checkpoint_format]
-        self.name = checkpoint_format
-        self.group_size = group_size or 0
+        self.format = FORMATS[config.packed_weights]
+        self.name = config.packed_weights
+        self.config = config
         self.parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
 
     def accepts(self, module: str, kind: str) -> bool:
@@ -124,7 +155,7 @@ class PrequantizedLoader:
                                                "is not supported)")
                 tensors = [self.parts.pop((index, n)) for n in names]
                 try:
-                    weight = self.format.concat([self.format.read(t, self.group_size) for t in tensors]).to(device)
+                    weight = self.format.concat([self.format.read(t, self.config) for t in tensors]).to(device)
                 except (KeyError, ValueError) as error:
                     raise ConfigError("model", f"layer {index}'s {target} ({self.name}): {error}") from None
                 biases = [t["bias"] for t in tensors if t.get("bias") is not None]

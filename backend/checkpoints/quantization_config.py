@@ -11,10 +11,13 @@ import json
 import os
 from typing import Any
 
+from pagedserve.kernels.fp8 import GROUP_MULTIPLE
+
 from ..errors import ConfigError
 
 MODELOPT_FILE = "hf_quant_config.json"
-SERVED = "AWQ and GPTQ 4-bit, compressed-tensors FP8 (float-quantized) and W4A16 (pack-quantized), ModelOpt FP8"
+SERVED = ("AWQ and GPTQ 4-bit, compressed-tensors FP8 (float-quantized, per tensor, channel or block) and W4A16 "
+          "(pack-quantized), ModelOpt FP8, block-wise FP8 (weight_block_size), AutoFP8")
 
 
 def checkpoint_quantization(path: str, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -30,8 +33,8 @@ def checkpoint_quantization(path: str, config: dict[str, Any]) -> dict[str, Any]
 
 
 def prequantized(spec: dict[str, Any] | None) -> dict[str, Any]:
-    """ModelConfig's packed_weights and source_group_size for a checkpoint's quantization, or a
-    ConfigError naming what is not served."""
+    """ModelConfig's packed_weights (and source_group_size or fp8_block) for a checkpoint's
+    quantization, or a ConfigError naming what is not served."""
     if not spec:
         return {}
     method = str(spec.get("quant_method", "")).lower()
@@ -45,9 +48,8 @@ def prequantized(spec: dict[str, Any] | None) -> dict[str, Any]:
             raise _refuse(f"ModelOpt {algo or 'unnamed'} checkpoints are not supported (FP8 is)")
         _only_head_excluded(spec.get("exclude_modules") or [], "exclude_modules")
         return {"packed_weights": "fp8"}
-    if method == "fp8" and spec.get("weight_block_size"):
-        raise _refuse(f"block-wise FP8 checkpoints (weight_block_size {spec['weight_block_size']}, DeepSeek-style) "
-                      "are not supported yet")
+    if method == "fp8":
+        return _fp8(spec)
     raise _refuse(f"checkpoint quantization {method!r} is not supported")
 
 
@@ -68,6 +70,28 @@ def _awq_gptq(spec: dict[str, Any], method: str) -> dict[str, Any]:
     return {"packed_weights": fmt, "source_group_size": group}
 
 
+def _fp8(spec: dict[str, Any]) -> dict[str, Any]:
+    """quant_method "fp8": block-wise e4m3 weights with `weight_block_size` (DeepSeek-V3's and Qwen3's
+    FP8 releases: a weight_scale_inv per block, activations quantized as they come), or without it
+    AutoFP8's per-tensor weight_scale."""
+    if str(spec.get("fmt", "e4m3")).lower() != "e4m3":
+        raise _refuse(f"FP8 checkpoints in {spec['fmt']} are not supported (e4m3 is)")
+    _only_head_excluded(list(spec.get("modules_to_not_convert") or spec.get("ignored_layers") or []),
+                        "modules_to_not_convert")
+    block = spec.get("weight_block_size")
+    if not block:
+        return {"packed_weights": "fp8"}
+    return {"packed_weights": "fp8-block", "fp8_block": _block(block, "weight_block_size")}
+
+
+def _block(block: Any, key: str) -> tuple[int, int]:
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise _refuse(f"{key} {block!r} is not [rows, columns]")
+    if block[1] % GROUP_MULTIPLE:
+        raise _refuse(f"block-wise FP8 with {block[1]}-column blocks is not supported (a multiple of {GROUP_MULTIPLE} is)")
+    return int(block[0]), int(block[1])
+
+
 def _compressed_tensors(spec: dict[str, Any]) -> dict[str, Any]:
     """llm-compressor's schemes: FP8 (float-quantized, per tensor or channel; activations static or
     dynamic) and W4A16 (pack-quantized, per group or channel, symmetric or not), one scheme for every
@@ -83,8 +107,11 @@ def _compressed_tensors(spec: dict[str, Any]) -> dict[str, Any]:
     _only_head_excluded(spec.get("ignore") or [], "ignore")
     kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
     if fmt == "float-quantized" and kind == "float" and bits == 8:
+        if strategy == "block":
+            return {"packed_weights": "fp8-block", "fp8_block": _block(weights.get("block_structure"), "block_structure")}
         if strategy not in ("tensor", "channel"):
-            raise _refuse(f"compressed-tensors FP8 with {strategy!r} scales is not supported (tensor and channel are)")
+            raise _refuse(f"compressed-tensors FP8 with {strategy!r} scales is not supported (tensor, channel and "
+                          "block are)")
         return {"packed_weights": "fp8"}
     if fmt == "pack-quantized" and kind == "int" and bits == 4:
         if strategy not in ("group", "channel") or weights.get("actorder") not in (None, False, "static"):

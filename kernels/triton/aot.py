@@ -29,7 +29,8 @@ candidate regime: M <= 16, <= 64, > 64, with and without split-K) for each
 quantized linear (`LlamaForCausalLM.packed_modules`: qkv, o, gate_up, down; the LM
 head is never quantized, so the vocabulary size is no GEMM shape here). INT4
 group sizes: what `int4_group_size` picks for K, and 32 (GGUF Q4_1 checkpoints).
-FP8 GEMM: the mode `default_mode` picks on the target ("w8a16" before sm_89).
+FP8 GEMM: the mode `default_mode` picks on the target ("w8a16" before sm_89), with
+per-channel scales and with block-wise checkpoints' 128-column group scales.
 The fused MoE kernels: Mixtral-8x7B's and Qwen3-30B-A3B's experts (`MOE_MODELS`) at 1..2048
 tokens, both row tiles. The batched LoRA kernels on Llama-3-8B's linears at both row tiles and
 every rank tile. Sliding-window attention (a constexpr): Mistral-7B (Llama-3-8B's shapes
@@ -185,6 +186,7 @@ CONTEXTS = (512, 2048, 8192)
 PREFILLS = ((16, 0), (64, 8192), (512, 0), (2048, 0))  # (new tokens, cached tokens before them)
 GEMM_MS = (1, 16, 64, 256, 2048)
 GGUF_GROUP_SIZE = 32  # Q4_1 blocks, kept as the INT4 group when re-quantizing a GGUF checkpoint
+FP8_BLOCK = 128  # block-wise FP8 checkpoints' weight_block_size (DeepSeek-V3, Qwen3): group scales of 128 columns
 
 # ---------------------------------------------------------------------------------------------
 # Private compiled copies of the kernel modules, and launch recording
@@ -404,6 +406,7 @@ def _record_gemms(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -
     for layer, (n, k) in model.linears().items():
         groups = sorted({int4_group_size(k), GGUF_GROUP_SIZE}, reverse=True)
         w8 = m.fp8.Fp8Weight(torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n))
+        w8_blocks = m.fp8.Fp8Weight(w8.weight, torch.empty(n, math.ceil(k / FP8_BLOCK)), FP8_BLOCK)
         for mm in GEMM_MS:
             x = torch.empty(mm, k, dtype=dtype)
             out_t = torch.empty(mm, n, dtype=dtype)
@@ -418,11 +421,12 @@ def _record_gemms(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -
                     else:
                         it._launch(x, w4, None, out_t, cfg)
                     out += [(f"{label} group={g}" + _TIMED * (i > 0), launch) for launch in log]
-            for i, cfg in enumerate(ft._candidates(mm, n, k, mode)):
-                log.clear()
-                ft._run(x, w8, None, out_t, cfg, mode)  # the per-token quantization too, where cfg takes it
-                out += [(f"{label} fp8 {mode}{' ' + cfg.variant if cfg.variant else ''}" + _TIMED * (i > 0), launch)
-                        for launch in log]
+            for weight, scales in ((w8, ""), (w8_blocks, f" {FP8_BLOCK}x{FP8_BLOCK} blocks")):
+                for i, cfg in enumerate(ft._candidates(mm, n, k, mode, weight.group_size)):
+                    log.clear()
+                    ft._run(x, weight, None, out_t, cfg, mode)  # the per-token quantization too, where cfg takes it
+                    out += [(f"{label} fp8{scales} {mode}{' ' + cfg.variant if cfg.variant else ''}" + _TIMED * (i > 0),
+                             launch) for launch in log]
     return out
 
 
@@ -526,6 +530,30 @@ _DOMINATED = {  # kernel -> the constexpr whose largest value stands for the oth
 }
 
 
+_SUPERSEDED = {"_fp8_gemm_kernel": "GROUP_K"}
+"""kernel -> a constexpr whose nonzero form bounds its zero form (`representative`)."""
+
+
+def _drop_superseded(configs: Sequence[KernelConfig]) -> List[KernelConfig]:
+    """The FP8 GEMM with per-channel scales (GROUP_K 0) is dropped where the same launch with group
+    scales is compiled: the grouped form is the channel form plus a second fp32 accumulator tile and
+    a scale load per K tile, so it bounds the channel form's registers and shared memory (so it
+    measured for every tile on sm_80 and sm_90); the channel form's scenarios are merged in."""
+    def twin(cfg: KernelConfig) -> Tuple:
+        name = _SUPERSEDED[cfg.kernel]
+        return cfg.kernel, tuple(p for p in cfg.key[1] if p[0] != name), cfg.key[2], cfg.timed_only
+
+    grouped = {twin(c): c for c in configs if c.kernel in _SUPERSEDED and dict(c.key[1]).get(_SUPERSEDED[c.kernel])}
+    out: List[KernelConfig] = []
+    for cfg in configs:
+        bound = grouped.get(twin(cfg)) if cfg.kernel in _SUPERSEDED else None
+        if bound is None or bound is cfg:
+            out.append(cfg)
+        else:
+            bound.uses.extend(u for u in cfg.uses if u not in bound.uses)
+    return out
+
+
 def representative(configs: Sequence[KernelConfig]) -> List[KernelConfig]:
     """A smaller set for quick checks: of configurations that differ only in a GEMM's
     BLOCK_K, in the attention kernel's NUM_SPLITS (when > 1) or in a reduction's split
@@ -537,10 +565,10 @@ def representative(configs: Sequence[KernelConfig]) -> List[KernelConfig]:
     rows of the partials tile; SPLIT_K: an unrolled loop) grow their register use with
     the value. Timed-only GEMM candidates and configurations launched untimed are thinned
     separately (`KernelConfig.timed_only` keeps its meaning). Every other configuration
-    is kept."""
+    is kept, less the FP8 GEMMs that `_drop_superseded` drops."""
     out: List[KernelConfig] = []
     best: Dict[Tuple, KernelConfig] = {}
-    for cfg in configs:
+    for cfg in _drop_superseded(configs):
         name = _DOMINATED.get(cfg.kernel)
         parts = dict(cfg.key[1])
         if name is None or (cfg.kernel == "_paged_attention_kernel" and parts[name] == 1):

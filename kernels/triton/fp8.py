@@ -11,6 +11,11 @@
           mode for decode-sized M (`GemmConfig.variant`): no per-token quantization
           kernel before it.
 
+Weights with group scales (block-wise checkpoints, `Fp8Weight.group_size`) run the same
+kernel with GROUP_K set: each K tile's product is scaled by its group's scale per column
+before it joins the fp32 accumulator (the channel form scales once, in the epilogue); the
+activations stay quantized per token.
+
 Launch scaffolding (split-K with a deterministic reduction for small M, timed config
 choice, tile order) is shared with the INT4 kernel in `triton/gemm.py`. In "fp8" mode on a
 GPU, cuBLASLt's row-wise-scaled FP8 GEMM (`torch._scaled_mm`, the same product of the same
@@ -77,10 +82,10 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
 def _fp8_gemm_kernel(
     a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr,
     M, N, K, k_per_split,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_om, stride_os,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_om, stride_os, stride_sn,
     A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NATIVE_FP8: tl.constexpr = False,
+    NATIVE_FP8: tl.constexpr = False, GROUP_K: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -97,23 +102,33 @@ def _fp8_gemm_kernel(
         # B tile [BLOCK_K, BLOCK_N] read from the [N, K] weight (K-major operand).
         b = tl.load(b_ptr + offs_n[None, :] * stride_bn + kk[:, None] * stride_bk,
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+        if GROUP_K > 0:  # the tile's product, then its group's scale per column
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            part = acc
         if A_FP8:
             # Hopper's FP8 tensor cores sum with reduced precision; a fresh partial sum
             # per K tile, added to acc in float32, keeps the error within fp16's
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            part = tl.dot(a, b, part, max_num_imprecise_acc=BLOCK_K)
         else:
             if NATIVE_FP8:  # e4m3 hardware (sm_89+): a conversion instruction, exact
                 bf = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 bf = decode_e4m3(b)
             if DOT_F32:
-                acc = tl.dot(a.to(tl.float32), bf, acc, input_precision="ieee")
+                part = tl.dot(a.to(tl.float32), bf, part, input_precision="ieee")
             else:
-                acc = tl.dot(a, bf.to(a.dtype), acc)
+                part = tl.dot(a, bf.to(a.dtype), part)  # e4m3 values are exact in 16 bits
+        if GROUP_K > 0:  # a K tile lies inside one group (BLOCK_K divides GROUP_K)
+            group_scale = tl.load(b_scale_ptr + offs_n * stride_sn + k0 // GROUP_K, mask=mask_n, other=0.0)
+            acc += part * group_scale[None, :]
+        else:
+            acc = part
 
     if A_FP8:
         acc = acc * tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
-    acc = acc * tl.load(b_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    if GROUP_K == 0:
+        acc = acc * tl.load(b_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     store_tile(acc, out_ptr, bias_ptr, pid_k, offs_m, offs_n, mask_m, mask_n, stride_om, stride_os,
                HAS_BIAS, SPLIT)
 
@@ -144,7 +159,18 @@ def per_token_quant_fp8_triton(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
     return q, s
 
 
-def _candidates(m: int, n: int, k: int, mode: str):
+def _candidates(m: int, n: int, k: int, mode: str, group: int = 0):
+    """The tiles tried for one shape; with group scales (`group` > 0) each K tile must lie
+    inside one group, so BLOCK_K is capped at the largest power of two dividing it."""
+    configs = _tiles(m, n, k, mode)
+    if not group:
+        return configs
+    cap = group & -group
+    grouped = [dataclasses.replace(c, block_k=min(c.block_k, cap)) for c in configs]
+    return [c for i, c in enumerate(grouped) if c not in grouped[:i]]
+
+
+def _tiles(m: int, n: int, k: int, mode: str):
     if interpreting():
         bm, bn = interpreter_tile(m, n)
         bk = max(32, min(128, triton.next_power_of_2(k)))
@@ -200,9 +226,9 @@ def _launch(a, a_scale, w: Fp8Weight, bias, out, cfg: GemmConfig, a_fp8: bool) -
     _fp8_gemm_kernel[(tiles, split)](
         a, b, a_scale if a_fp8 else w.scale, w.scale, bias if bias is not None else w.scale, dst,
         m, n, k, k_per_split,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), n, m * n,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), n, m * n, w.scale.stride(0),
         A_FP8=a_fp8, HAS_BIAS=bias is not None, SPLIT=split > 1, DOT_F32=interpreting(),
-        NATIVE_FP8=not a_fp8 and native_fp8(a.device),
+        NATIVE_FP8=not a_fp8 and native_fp8(a.device), GROUP_K=w.group_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -214,6 +240,7 @@ def _launch(a, a_scale, w: Fp8Weight, bias, out, cfg: GemmConfig, a_fp8: bool) -
 def fp8_matmul_triton(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None, *,
                       mode: Optional[str] = None, config: Optional[GemmConfig] = None) -> torch.Tensor:
     """y = x @ (w.weight * w.scale)^T (+ bias) for bf16/fp16 x [..., K]; returns x.dtype.
+    Channel or group scales (`Fp8Weight.group_size`) alike.
 
     mode: "fp8" (per-token e4m3 activations, FP8 tensor cores) or "w8a16"; default by
     device capability (see module doc).
@@ -231,10 +258,13 @@ def fp8_matmul_triton(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
+    if config is not None and w.group_size and (config is SCALED_MM or w.group_size % config.block_k):
+        raise ValueError(f"a weight with group scales of {w.group_size} columns needs our kernel with a BLOCK_K "
+                         f"dividing {w.group_size}, got {config}")
     if config is None:
-        key = ("fp8", x.device, bucket_m(m), n, k, x.dtype, mode, bias is not None)
-        candidates = _candidates(m, n, k, mode)
-        if mode == "fp8" and x.is_cuda and hasattr(torch, "_scaled_mm"):
+        key = ("fp8", x.device, bucket_m(m), n, k, x.dtype, mode, bias is not None, w.group_size)
+        candidates = _candidates(m, n, k, mode, w.group_size)
+        if mode == "fp8" and x.is_cuda and hasattr(torch, "_scaled_mm") and not w.group_size:
             candidates.append(SCALED_MM)
         config = timed_choice(key, candidates, lambda c: _run(x2, w, bias, out, c, mode))
     return _run(x2, w, bias, out, config, mode).view(*lead, n)

@@ -14,10 +14,11 @@ ones on sm_89 (attention and cache write only: the quantized GEMMs and MoE take 
 activations; float32 tiles are the largest in shared memory, and sm_89 has the least of it),
 thinned by `aot.representative`: of GEMM configs differing only in BLOCK_K the largest is
 compiled (it bounds the smaller K tiles of INT4 group sizes 32 / 64 in shared memory and
-registers), of attention configs differing only in NUM_SPLITS > 1 the largest (the value
+registers), of FP8 GEMM configs differing only in per-channel vs group scales the grouped one
+(it bounds the other), of attention configs differing only in NUM_SPLITS > 1 the largest (the value
 enters scalar arithmetic only), of the reductions' split counts the largest. That is every
 tile shape, warp / stage count, split-K / split-KV / fp8 / window / soft-cap branch of every
-kernel, ~105 compiles per target and ~37 more on sm_89, shared out among child processes, one
+kernel, ~125 compiles per target and ~37 more on sm_89, shared out among child processes, one
 per CPU core (PAGEDSERVE_AOT_JOBS overrides). float16 (the same code as bfloat16 but for
 the type), float32 on the other targets and the unthinned set: `python benchmarks/kernels.py --static`.
 

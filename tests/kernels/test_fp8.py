@@ -12,6 +12,9 @@ Stated bounds (checked below):
     < 5e-4 (fp16). "fp8" vs the W8A16 reference (activation quantization error
     included): < 0.04.
   * Triton per-token activation quantizer == `quantize_per_token_fp8`, bit for bit.
+  * Block-wise weights (one scale per rows x columns tile, as DeepSeek-style checkpoints
+    store them) read back exactly as the grouped form; the grouped products obey the
+    bounds above.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from pagedserve.kernels.fp8 import (
     Fp8Weight,
     dequantize_fp8,
     fp8_matmul_ref,
+    fp8_from_blocks,
     fp8_w8a8_matmul_ref,
     quantize_fp8,
+    quantize_fp8_blocks,
     quantize_per_token_fp8,
 )
 from pagedserve.kernels.numerics import FP8_DTYPE
@@ -108,6 +113,29 @@ def test_fp8_weight_validation():
         Fp8Weight(torch.zeros(4, 8), torch.ones(4))
     with pytest.raises(ValueError):
         Fp8Weight(torch.zeros(4, 8).to(FP8_DTYPE), torch.ones(5))
+    with pytest.raises(ValueError, match=r"scale must be fp32 \[4, 3\]"):
+        Fp8Weight(torch.zeros(4, 40).to(FP8_DTYPE), torch.ones(4), group_size=16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Fp8Weight(torch.zeros(4, 40).to(FP8_DTYPE), torch.ones(4, 2), group_size=20)
+
+
+def test_block_wise_weights_read_back_as_their_blocks_say():
+    """Codes and one scale per 16 x 32 tile (partial tiles at both edges): the grouped weight
+    dequantizes to codes * its block's scale, exactly, and the quantizer's error is e4m3's."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(40, 100, generator=gen) * torch.logspace(-3, 0, 40).unsqueeze(1)
+    codes, block_scale = quantize_fp8_blocks(w, (16, 32))
+    assert codes.dtype == FP8_DTYPE and codes.shape == (40, 100) and block_scale.shape == (3, 4)
+    grouped = fp8_from_blocks(codes, block_scale, (16, 32))
+    assert grouped.group_size == 32 and grouped.scale.shape == (40, 4)
+    expected = codes.float() * block_scale.repeat_interleave(16, 0)[:40].repeat_interleave(32, 1)[:, :100]
+    assert torch.equal(dequantize_fp8(grouped), expected)
+    assert rel_err(dequantize_fp8(grouped), w) < 0.03
+    with pytest.raises(ValueError, match=r"\[3, 4\] scales"):
+        fp8_from_blocks(codes, block_scale[:2], (16, 32))
+    x = torch.randn(5, 100, generator=gen)
+    assert rel_err(fp8_matmul_ref(x, grouped), x.double() @ expected.double().t()) < REF_TOL[torch.float32]
+    assert 0 < rel_err(fp8_w8a8_matmul_ref(x, grouped), fp8_matmul_ref(x, grouped)) < ACT_QUANT_TOL
 
 
 # ----------------------------------------------------------------- Triton kernels
@@ -133,15 +161,19 @@ def test_triton_per_token_quant_bit_exact():
 
 
 CASES = [(1, 1, True), (3, 2, False), (40, 1, True)]
+GROUPS = [0, 64, 128]
+"""Per-channel scales, and block-wise ones whose groups hold one or two 64-wide K tiles."""
 
 
-def _triton_case(seed, dtype, m, split, bias, mode):
+def _triton_case(seed, dtype, m, split, bias, mode, group=0):
     """Seeded w [80, 200] (N and K both leave partial tiles), x [m, 200], optional bias,
-    and their Triton product in `mode` with 16x64x64 tiles and `split` K-slices."""
+    and their Triton product in `mode` with 16x64x64 tiles and `split` K-slices; with
+    `group`, w in 32 x `group` blocks."""
     ft = _triton()
     gen = torch.Generator().manual_seed(seed)
     n, k = 80, 200
-    w = quantize_fp8(torch.randn(n, k, generator=gen) * 0.05).to(DEVICE)
+    dense = torch.randn(n, k, generator=gen) * 0.05
+    w = (fp8_from_blocks(*quantize_fp8_blocks(dense, (32, group)), (32, group)) if group else quantize_fp8(dense)).to(DEVICE)
     x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
     y = ft.fp8_matmul_triton(x, w, b, mode=mode, config=ft.GemmConfig(16, 64, 64, split_k=split))
@@ -151,8 +183,9 @@ def _triton_case(seed, dtype, m, split, bias, mode):
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,split,bias", CASES)
-def test_triton_w8a16(dtype, m, split, bias):
-    w, x, b, y = _triton_case(10 + m, dtype, m, split, bias, "w8a16")
+@pytest.mark.parametrize("group", GROUPS)
+def test_triton_w8a16(dtype, m, split, bias, group):
+    w, x, b, y = _triton_case(10 + m, dtype, m, split, bias, "w8a16", group)
     assert y.dtype == dtype and y.shape == (m, 80)
     truth = x.double() @ dequantize_fp8(w).double().t() + (b.double() if bias else 0)
     assert rel_err(y, truth) < TRITON_TOL[dtype]
@@ -162,8 +195,9 @@ def test_triton_w8a16(dtype, m, split, bias):
 @needs_fp8_tc
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,split,bias", CASES)
-def test_triton_fp8_tensor_core_path(dtype, m, split, bias):
-    w, x, b, y = _triton_case(20 + m, dtype, m, split, bias, "fp8")
+@pytest.mark.parametrize("group", GROUPS)
+def test_triton_fp8_tensor_core_path(dtype, m, split, bias, group):
+    w, x, b, y = _triton_case(20 + m, dtype, m, split, bias, "fp8", group)
     xq, xs = quantize_per_token_fp8(x)
     truth = (xq.double() * xs.double().unsqueeze(1)) @ dequantize_fp8(w).double().t()
     truth = truth + (b.double() if bias else 0)
@@ -201,11 +235,26 @@ def test_fp8_linear_dispatch(monkeypatch):
 
 # ----------------------------------------------------------------- GPU, real shapes
 
+@needs_triton
+def test_group_scales_cap_the_k_tile():
+    """With 128-column groups no candidate tile straddles two (BLOCK_K divides 128), no candidate
+    is cuBLAS's channel-scaled GEMM, and a given tile that would straddle is refused by name."""
+    ft = _triton()
+    for m in (1, 32, 512):
+        for mode in ("fp8", "w8a16"):
+            assert all(128 % c.block_k == 0 for c in ft._candidates(m, 4096, 4096, mode, 128))
+    w = fp8_from_blocks(*quantize_fp8_blocks(torch.randn(32, 64), (32, 32)), (32, 32)).to(DEVICE)
+    x = torch.randn(1, 64).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(ValueError, match="BLOCK_K dividing 32"):
+        ft.fp8_matmul_triton(x, w, mode="w8a16", config=ft.GemmConfig(16, 64, 64))
+
+
 @llama_shapes
-def test_gpu_llama_shapes(shape, m):
+@pytest.mark.parametrize("group", [0, 128])
+def test_gpu_llama_shapes(shape, m, group):
     ft = _triton()
     w, x, b = llama_case(shape, m)
-    w = quantize_fp8(w)
+    w = fp8_from_blocks(*quantize_fp8_blocks(w.cpu(), (128, 128)), (128, 128)).to(w.device) if group else quantize_fp8(w)
     y = ft.fp8_matmul_triton(x, w, b)  # mode chosen by device capability
     mode = ft.default_mode(x.device)
     ref = fp8_w8a8_matmul_ref(x, w, b) if mode == "fp8" else fp8_matmul_ref(x, w, b)
