@@ -75,10 +75,12 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = N
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [..., K] @ (weight * scale)^T (+ bias) with an e4m3 weight; returns x.dtype [..., N].
+    """x [..., K] @ (weight * scale)^T (+ bias) with an e4m3 (or int8: Int8Weight) weight; returns
+    x.dtype [..., N].
 
     On GPUs with compute capability >= 8.9 the activations are quantized per token to
-    e4m3 (FP8 tensor cores); elsewhere the weight is upconverted (W8A16, as the reference).
+    e4m3 (FP8 tensor cores); elsewhere, and for int8 codes, the weight is upconverted (W8A16,
+    as the reference).
     """
     if use_triton(x):
         from .triton.fp8 import fp8_matmul_triton

@@ -1,4 +1,6 @@
-"""FP8 (e4m3fn) weights with per-output-channel or block-wise scales, torch reference.
+"""FP8 (e4m3fn) weights with per-output-channel or block-wise scales, torch reference; and int8
+weights with the same scales (`Int8Weight`, W8A16 checkpoints), which share the FP8 GEMM's
+16-bit-activation path.
 
 Layout: weight float8_e4m3fn [N, K] (row n = output channel, K contiguous, which is
 the K-major B operand FP8 tensor cores want) and fp32 scales, either
@@ -20,7 +22,7 @@ No triton import here: this module is the CPU path and the test oracle.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 import torch
 
@@ -39,10 +41,11 @@ class Fp8Weight:
     weight: torch.Tensor
     scale: torch.Tensor
     group_size: int = 0
+    CODES: ClassVar[torch.dtype] = FP8_DTYPE
 
     def __post_init__(self) -> None:
-        if self.weight.dtype != FP8_DTYPE or self.weight.dim() != 2:
-            raise ValueError(f"weight must be a 2-D {FP8_DTYPE} tensor, got {self.weight.dtype}")
+        if self.weight.dtype != self.CODES or self.weight.dim() != 2:
+            raise ValueError(f"weight must be a 2-D {self.CODES} tensor, got {self.weight.dtype}")
         rows, cols = self.weight.shape
         if self.group_size and (self.group_size < 0 or self.group_size % GROUP_MULTIPLE):
             raise ValueError(f"group_size must be a positive multiple of {GROUP_MULTIPLE}, got {self.group_size}")
@@ -67,6 +70,15 @@ class Fp8Weight:
         if not self.group_size:
             return self.scale.unsqueeze(1)
         return self.scale.repeat_interleave(self.group_size, dim=1)[:, : self.weight.shape[1]]
+
+
+@dataclass
+class Int8Weight(Fp8Weight):
+    """int8 codes [N, K] with Fp8Weight's scales, W = code * scale (llm-compressor's W8A16 and int8
+    W8A8 checkpoints). Multiplied by the 16-bit activations as they are (the codes are exact in
+    bf16), never quantized per token: W8A8 checkpoints run as W8A16."""
+
+    CODES: ClassVar[torch.dtype] = torch.int8
 
 
 def quantize_rows(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

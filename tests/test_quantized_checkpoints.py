@@ -189,6 +189,43 @@ def test_fp8_checkpoint_matches_transformers_on_the_dense_weights(fmt, kind, tmp
     assert qkv.weight.group_size == (BLOCK[1] if scales == "block" else 0)
 
 
+def int8_spec(fmt: str, strategy: str, activations: bool) -> dict:
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy}
+    scheme = {"targets": ["Linear"], "weights": weights | ({"group_size": GROUP} if strategy == "group" else {})}
+    if activations:  # W8A8: dynamic per-token int8 activations (read, then run as W8A16)
+        scheme["input_activations"] = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"], "config_groups": {"group_0": scheme}}
+
+
+@pytest.mark.parametrize("fmt, strategy, activations", [
+    ("pack-quantized", "channel", False), ("pack-quantized", "group", False), ("int-quantized", "channel", True)])
+def test_int8_checkpoint_matches_transformers_on_the_dense_weights(fmt, strategy, activations, tmp_path, tokenizer):
+    """llm-compressor's W8A16 (8-bit codes packed four to an int32, per channel or per group of 32) and
+    W8A8 (int8 weights as stored, run with 16-bit activations): the codes run as they are through the
+    8-bit GEMM and generate transformers' tokens on the same weights dense."""
+    from pagedserve.kernels.fp8 import Int8Weight
+
+    rng = np.random.default_rng(1)
+    reference = llama_reference()
+    quantized = {}
+    for prefix, linear in projections(reference):
+        n, k = linear.weight.shape
+        codes = torch.from_numpy(rng.integers(-127, 128, (n, k))).to(torch.int8)
+        scale = torch.from_numpy(rng.uniform(1e-3, 3e-3, (n, k // GROUP if strategy == "group" else 1))).bfloat16()
+        linear.weight.data.copy_(codes.float() * scale.float().repeat_interleave(k // scale.shape[1], 1))
+        if fmt == "int-quantized":
+            quantized |= {f"{prefix}.weight": codes, f"{prefix}.weight_scale": scale}
+            continue
+        stored = (codes.to(torch.int32) + 128).view(n, k // 4, 4) << (8 * torch.arange(4, dtype=torch.int32))
+        quantized |= {f"{prefix}.weight_packed": stored.sum(-1, dtype=torch.int64).to(torch.uint32).view(torch.int32),
+                      f"{prefix}.weight_scale": scale, f"{prefix}.weight_shape": torch.tensor([n, k])}
+    directory = write_checkpoint(reference, quantized, int8_spec(fmt, strategy, activations), tmp_path, tokenizer)
+
+    engine = assert_serves_reference(directory, reference)
+    qkv = engine.runner.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.weight, Int8Weight) and qkv.weight.group_size == (GROUP if strategy == "group" else 0)
+
+
 @pytest.mark.parametrize("spec, message", [
     ({"quant_method": "fp8", "weight_block_size": [128, 100]}, "100-column blocks"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "in e5m2"),
@@ -196,7 +233,9 @@ def test_fp8_checkpoint_matches_transformers_on_the_dense_weights(fmt, kind, tmp
      "unquantized"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "ModelOpt NVFP4"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {"weights": {
-        "num_bits": 8, "type": "int", "strategy": "channel"}}}}, "format 'int-quantized'"),
+        "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": False}}}}, "symmetric False"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "channel"}}}}, "format 'int-quantized' with 4-bit"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", "model.layers.0.mlp.down_proj"],
       "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}, "unquantized"),
     ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),

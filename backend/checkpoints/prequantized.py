@@ -8,7 +8,10 @@
   compressed-tensors' block strategy), whose block scales become group scales repeated over each
   block's rows (kernels/fp8.py). Activation scales are not read: our FP8 GEMM quantizes the
   activations per token as they come (sm_89+; W8A16 before it and on CPU), which needs no
-  calibrated scale.
+  calibrated scale;
+- int8: compressed-tensors' symmetric 8-bit weights (W8A16 pack-quantized, or int-quantized as W8A8
+  checkpoints store them), per channel or group, run by the FP8 GEMM's W8A16 path (`Int8Weight`):
+  W8A8 checkpoints run with their activations unquantized.
 
 A format's projections are collected while the tensors stream in, then fused per the model's
 `packed_modules` table (q/k/v into qkv_proj, gate/up into gate_up_proj) into QuantizedLinears.
@@ -24,7 +27,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.dispatch import fp8_linear, int4_linear
-from pagedserve.kernels.fp8 import Fp8Weight, fp8_from_blocks
+from pagedserve.kernels.fp8 import Fp8Weight, Int8Weight, fp8_from_blocks
 from pagedserve.kernels.int4 import Int4Weight
 from pagedserve.kernels.int4_checkpoints import int4_from_awq, int4_from_compressed_tensors, int4_from_gptq
 from pagedserve.kernels.numerics import FP8_DTYPE
@@ -49,8 +52,8 @@ def concat_out_features(parts: list[Int4Weight]) -> Int4Weight:
 
 
 def concat_fp8(parts: list[Fp8Weight]) -> Fp8Weight:
-    """Fuse e4m3 linears that share their input: rows and their channel (or group) scales stacked."""
-    return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), parts[0].group_size)
+    """Fuse 8-bit linears that share their input: rows and their channel (or group) scales stacked."""
+    return type(parts[0])(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), parts[0].group_size)
 
 
 def fp8_blocks_from_checkpoint(tensors: dict[str, torch.Tensor], config: ModelConfig) -> Fp8Weight:
@@ -61,6 +64,25 @@ def fp8_blocks_from_checkpoint(tensors: dict[str, torch.Tensor], config: ModelCo
         raise KeyError("weight_scale_inv")
     assert config.fp8_block is not None  # set with packed_weights "fp8-block"
     return fp8_from_blocks(_e4m3(tensors["weight"]), scale, config.fp8_block)
+
+
+def int8_from_compressed_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> Int8Weight:
+    """compressed-tensors' symmetric 8-bit weights: int-quantized (`weight`, int8 [N, K]) or pack-quantized
+    (`weight_packed`, int32 [N, ceil(K / 4)], byte i of word c holding input 4c + i offset by 128), with
+    `weight_scale` [N, 1] per channel or [N, ceil(K / G)] per group. W = code * scale."""
+    scale = tensors["weight_scale"].to(torch.float32)
+    if "weight_packed" in tensors:
+        packed = tensors["weight_packed"].to(torch.int32)
+        shifts = torch.arange(0, 32, 8, dtype=torch.int32)
+        codes = (((packed.unsqueeze(-1) >> shifts) & 0xFF) - 128).to(torch.int8).flatten(1)
+        codes = codes[:, : int(tensors["weight_shape"][1])] if "weight_shape" in tensors else codes
+    else:
+        codes = tensors["weight"]
+        if codes.dtype != torch.int8:
+            raise ValueError(f"an int8 checkpoint's weight is {codes.dtype}, expected torch.int8")
+    if scale.dim() == 2 and scale.shape[1] == 1:
+        return Int8Weight(codes.contiguous(), scale.reshape(-1).contiguous())
+    return Int8Weight(codes.contiguous(), scale.contiguous(), group_size=_group(config))
 
 
 def _e4m3(weight: torch.Tensor) -> torch.Tensor:
@@ -123,6 +145,7 @@ FORMATS: dict[str, PrequantizedFormat] = {
         lambda t, c: int4_from_compressed_tensors(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"))),
     "fp8": _fp8(("weight", "weight_scale"), lambda t, c: fp8_from_checkpoint(t["weight"], t["weight_scale"])),
     "fp8-block": _fp8(("weight", "weight_scale", "weight_scale_inv"), fp8_blocks_from_checkpoint),
+    "compressed-int8": _fp8(("weight", "weight_packed", "weight_shape", "weight_scale"), int8_from_compressed_tensors),
 }
 """ModelConfig.packed_weights -> its format."""
 

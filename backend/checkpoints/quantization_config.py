@@ -16,8 +16,9 @@ from pagedserve.kernels.fp8 import GROUP_MULTIPLE
 from ..errors import ConfigError
 
 MODELOPT_FILE = "hf_quant_config.json"
-SERVED = ("AWQ and GPTQ 4-bit, compressed-tensors FP8 (float-quantized, per tensor, channel or block) and W4A16 "
-          "(pack-quantized), ModelOpt FP8, block-wise FP8 (weight_block_size), AutoFP8")
+SERVED = ("AWQ and GPTQ 4-bit, compressed-tensors FP8 (float-quantized, per tensor, channel or block), W4A16 and "
+          "W8A16 (pack-quantized) and int8 W8A8 (int-quantized, run as W8A16), ModelOpt FP8, block-wise FP8 "
+          "(weight_block_size), AutoFP8")
 
 
 def checkpoint_quantization(path: str, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -93,9 +94,10 @@ def _block(block: Any, key: str) -> tuple[int, int]:
 
 
 def _compressed_tensors(spec: dict[str, Any]) -> dict[str, Any]:
-    """llm-compressor's schemes: FP8 (float-quantized, per tensor or channel; activations static or
-    dynamic) and W4A16 (pack-quantized, per group or channel, symmetric or not), one scheme for every
-    Linear, the LM head alone left out."""
+    """llm-compressor's schemes: FP8 (float-quantized, per tensor, channel or block; activations static
+    or dynamic), W4A16 (pack-quantized, per group or channel, symmetric or not) and symmetric 8-bit
+    integers (W8A16 pack-quantized, W8A8 int-quantized: run as W8A16), one scheme for every Linear,
+    the LM head alone left out."""
     fmt = spec.get("format")
     if spec.get("sparsity_config"):
         raise _refuse("sparse compressed-tensors checkpoints are not supported")
@@ -113,6 +115,15 @@ def _compressed_tensors(spec: dict[str, Any]) -> dict[str, Any]:
             raise _refuse(f"compressed-tensors FP8 with {strategy!r} scales is not supported (tensor, channel and "
                           "block are)")
         return {"packed_weights": "fp8"}
+    if fmt in ("pack-quantized", "int-quantized") and kind == "int" and bits == 8:
+        if strategy not in ("group", "channel") or not weights.get("symmetric", True):
+            raise _refuse(f"compressed-tensors 8-bit weights with strategy {strategy!r}, symmetric "
+                          f"{weights.get('symmetric')!r} are not supported (symmetric group and channel scales are)")
+        group = weights.get("group_size") if strategy == "group" else None
+        if group is not None and group % GROUP_MULTIPLE:
+            raise _refuse(f"compressed-tensors 8-bit weights in groups of {group} are not supported (a multiple of "
+                          f"{GROUP_MULTIPLE} is)")
+        return {"packed_weights": "compressed-int8", "source_group_size": group}
     if fmt == "pack-quantized" and kind == "int" and bits == 4:
         if strategy not in ("group", "channel") or weights.get("actorder") not in (None, False, "static"):
             raise _refuse(f"compressed-tensors W4A16 with strategy {strategy!r} / actorder {weights.get('actorder')!r} "

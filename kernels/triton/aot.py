@@ -30,7 +30,8 @@ quantized linear (`LlamaForCausalLM.packed_modules`: qkv, o, gate_up, down; the 
 head is never quantized, so the vocabulary size is no GEMM shape here). INT4
 group sizes: what `int4_group_size` picks for K, and 32 (GGUF Q4_1 checkpoints).
 FP8 GEMM: the mode `default_mode` picks on the target ("w8a16" before sm_89), with
-per-channel scales and with block-wise checkpoints' 128-column group scales.
+per-channel scales and with block-wise checkpoints' 128-column group scales; int8 weights
+(W8A16 checkpoints) in "w8a16" with group scales (they bound the channel form).
 The fused MoE kernels: Mixtral-8x7B's and Qwen3-30B-A3B's experts (`MOE_MODELS`) at 1..2048
 tokens, both row tiles. The batched LoRA kernels on Llama-3-8B's linears at both row tiles and
 every rank tile. Sliding-window attention (a constexpr): Mistral-7B (Llama-3-8B's shapes
@@ -407,6 +408,7 @@ def _record_gemms(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -
         groups = sorted({int4_group_size(k), GGUF_GROUP_SIZE}, reverse=True)
         w8 = m.fp8.Fp8Weight(torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n))
         w8_blocks = m.fp8.Fp8Weight(w8.weight, torch.empty(n, math.ceil(k / FP8_BLOCK)), FP8_BLOCK)
+        int8 = m.fp8.Int8Weight(torch.empty(n, k, dtype=torch.int8), w8_blocks.scale, FP8_BLOCK)
         for mm in GEMM_MS:
             x = torch.empty(mm, k, dtype=dtype)
             out_t = torch.empty(mm, n, dtype=dtype)
@@ -421,11 +423,12 @@ def _record_gemms(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -
                     else:
                         it._launch(x, w4, None, out_t, cfg)
                     out += [(f"{label} group={g}" + _TIMED * (i > 0), launch) for launch in log]
-            for weight, scales in ((w8, ""), (w8_blocks, f" {FP8_BLOCK}x{FP8_BLOCK} blocks")):
-                for i, cfg in enumerate(ft._candidates(mm, n, k, mode, weight.group_size)):
+            for weight, kind, wmode in ((w8, "fp8", mode), (w8_blocks, f"fp8 {FP8_BLOCK}x{FP8_BLOCK} blocks", mode),
+                                        (int8, f"int8 group={FP8_BLOCK}", "w8a16")):
+                for i, cfg in enumerate(ft._candidates(mm, n, k, wmode, weight.group_size)):
                     log.clear()
-                    ft._run(x, weight, None, out_t, cfg, mode)  # the per-token quantization too, where cfg takes it
-                    out += [(f"{label} fp8{scales} {mode}{' ' + cfg.variant if cfg.variant else ''}" + _TIMED * (i > 0),
+                    ft._run(x, weight, None, out_t, cfg, wmode)  # the per-token quantization too, where cfg takes it
+                    out += [(f"{label} {kind} {wmode}{' ' + cfg.variant if cfg.variant else ''}" + _TIMED * (i > 0),
                              launch) for launch in log]
     return out
 
@@ -538,7 +541,8 @@ def _drop_superseded(configs: Sequence[KernelConfig]) -> List[KernelConfig]:
     """The FP8 GEMM with per-channel scales (GROUP_K 0) is dropped where the same launch with group
     scales is compiled: the grouped form is the channel form plus a second fp32 accumulator tile and
     a scale load per K tile, so it bounds the channel form's registers and shared memory (so it
-    measured for every tile on sm_80 and sm_90); the channel form's scenarios are merged in."""
+    measured for every tile on sm_80 and sm_90); the channel form's scenarios are merged in. Of the
+    int8 weights' launches only the untimed first candidates are kept."""
     def twin(cfg: KernelConfig) -> Tuple:
         name = _SUPERSEDED[cfg.kernel]
         return cfg.kernel, tuple(p for p in cfg.key[1] if p[0] != name), cfg.key[2], cfg.timed_only
@@ -546,6 +550,8 @@ def _drop_superseded(configs: Sequence[KernelConfig]) -> List[KernelConfig]:
     grouped = {twin(c): c for c in configs if c.kernel in _SUPERSEDED and dict(c.key[1]).get(_SUPERSEDED[c.kernel])}
     out: List[KernelConfig] = []
     for cfg in configs:
+        if cfg.timed_only and dict(cfg.key[1]).get("INT_CODES"):
+            continue  # int8 weights: the first candidate of each regime only (`timed_choice` skips a failed launch)
         bound = grouped.get(twin(cfg)) if cfg.kernel in _SUPERSEDED else None
         if bound is None or bound is cfg:
             out.append(cfg)

@@ -11,6 +11,9 @@
           mode for decode-sized M (`GemmConfig.variant`): no per-token quantization
           kernel before it.
 
+int8 weights (`Int8Weight`: W8A16 checkpoints) take the "w8a16" path with INT_CODES set: the
+codes convert to float exactly, the scales are applied as for e4m3.
+
 Weights with group scales (block-wise checkpoints, `Fp8Weight.group_size`) run the same
 kernel with GROUP_K set: each K tile's product is scaled by its group's scale per column
 before it joins the fp32 accumulator (the channel form scales once, in the epilogue); the
@@ -42,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8 import Fp8Weight
+from ..fp8 import Fp8Weight, Int8Weight
 from ..numerics import AMAX_EPS, FP8_DTYPE, FP8_MAX
 from .e4m3 import decode_e4m3, e4m3_bits, native_fp8
 from .gemm import (
@@ -85,7 +88,7 @@ def _fp8_gemm_kernel(
     stride_am, stride_ak, stride_bn, stride_bk, stride_om, stride_os, stride_sn,
     A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NATIVE_FP8: tl.constexpr = False, GROUP_K: tl.constexpr = 0,
+    NATIVE_FP8: tl.constexpr = False, GROUP_K: tl.constexpr = 0, INT_CODES: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -111,7 +114,9 @@ def _fp8_gemm_kernel(
             # per K tile, added to acc in float32, keeps the error within fp16's
             part = tl.dot(a, b, part, max_num_imprecise_acc=BLOCK_K)
         else:
-            if NATIVE_FP8:  # e4m3 hardware (sm_89+): a conversion instruction, exact
+            if INT_CODES:  # int8 weights (Int8Weight)
+                bf = b.to(tl.float32)
+            elif NATIVE_FP8:  # e4m3 hardware (sm_89+): a conversion instruction, exact
                 bf = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 bf = decode_e4m3(b)
@@ -222,13 +227,14 @@ def _launch(a, a_scale, w: Fp8Weight, bias, out, cfg: GemmConfig, a_fp8: bool) -
     m, k = a.shape
     n = w.weight.shape[0]
     tiles, split, k_per_split, dst = plan_split(cfg, m, n, k, out)
-    b = w.weight if a_fp8 else w.weight.view(torch.uint8)
+    int_codes = isinstance(w, Int8Weight)
+    b = w.weight if a_fp8 or int_codes else w.weight.view(torch.uint8)
     _fp8_gemm_kernel[(tiles, split)](
         a, b, a_scale if a_fp8 else w.scale, w.scale, bias if bias is not None else w.scale, dst,
         m, n, k, k_per_split,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), n, m * n, w.scale.stride(0),
         A_FP8=a_fp8, HAS_BIAS=bias is not None, SPLIT=split > 1, DOT_F32=interpreting(),
-        NATIVE_FP8=not a_fp8 and native_fp8(a.device), GROUP_K=w.group_size,
+        NATIVE_FP8=not a_fp8 and not int_codes and native_fp8(a.device), GROUP_K=w.group_size, INT_CODES=int_codes,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -240,16 +246,18 @@ def _launch(a, a_scale, w: Fp8Weight, bias, out, cfg: GemmConfig, a_fp8: bool) -
 def fp8_matmul_triton(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None, *,
                       mode: Optional[str] = None, config: Optional[GemmConfig] = None) -> torch.Tensor:
     """y = x @ (w.weight * w.scale)^T (+ bias) for bf16/fp16 x [..., K]; returns x.dtype.
-    Channel or group scales (`Fp8Weight.group_size`) alike.
+    Channel or group scales (`Fp8Weight.group_size`) alike; an Int8Weight runs in "w8a16" mode.
 
     mode: "fp8" (per-token e4m3 activations, FP8 tensor cores) or "w8a16"; default by
     device capability (see module doc).
     """
     n, k = w.shape
     check_activations(x, k, "fp8_matmul_triton")
-    mode = mode or default_mode(x.device)
+    mode = mode or ("w8a16" if isinstance(w, Int8Weight) else default_mode(x.device))
     if mode not in ("fp8", "w8a16"):
         raise ValueError(f"mode must be 'fp8' or 'w8a16', got {mode!r}")
+    if mode == "fp8" and isinstance(w, Int8Weight):
+        raise ValueError("int8 weights run in mode 'w8a16' (16-bit activations as they are)")
     if mode == "fp8" and not native_fp8(x.device):
         raise ValueError("mode 'fp8' needs FP8 tensor cores (compute capability >= 8.9); use 'w8a16'")
     lead = x.shape[:-1]
@@ -262,7 +270,7 @@ def fp8_matmul_triton(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor
         raise ValueError(f"a weight with group scales of {w.group_size} columns needs our kernel with a BLOCK_K "
                          f"dividing {w.group_size}, got {config}")
     if config is None:
-        key = ("fp8", x.device, bucket_m(m), n, k, x.dtype, mode, bias is not None, w.group_size)
+        key = ("fp8", x.device, bucket_m(m), n, k, x.dtype, mode, bias is not None, w.group_size, w.CODES)
         candidates = _candidates(m, n, k, mode, w.group_size)
         if mode == "fp8" and x.is_cuda and hasattr(torch, "_scaled_mm") and not w.group_size:
             candidates.append(SCALED_MM)

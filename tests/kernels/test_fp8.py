@@ -31,6 +31,7 @@ from .gemm_checks import (  # first: sets TRITON_INTERPRET=1 without CUDA
 from pagedserve.kernels.dispatch import fp8_linear
 from pagedserve.kernels.fp8 import (
     Fp8Weight,
+    Int8Weight,
     dequantize_fp8,
     fp8_matmul_ref,
     fp8_from_blocks,
@@ -117,6 +118,8 @@ def test_fp8_weight_validation():
         Fp8Weight(torch.zeros(4, 40).to(FP8_DTYPE), torch.ones(4), group_size=16)
     with pytest.raises(ValueError, match="multiple of 16"):
         Fp8Weight(torch.zeros(4, 40).to(FP8_DTYPE), torch.ones(4, 2), group_size=20)
+    with pytest.raises(ValueError, match="torch.int8 tensor"):
+        Int8Weight(torch.zeros(4, 8).to(FP8_DTYPE), torch.ones(4))
 
 
 def test_block_wise_weights_read_back_as_their_blocks_say():
@@ -204,6 +207,27 @@ def test_triton_fp8_tensor_core_path(dtype, m, split, bias, group):
     assert rel_err(y, truth) < TRITON_TOL[dtype]
     assert rel_err(y, fp8_w8a8_matmul_ref(x, w, b)) < TRITON_TOL[dtype]
     assert rel_err(y, fp8_matmul_ref(x, w, b)) < ACT_QUANT_TOL
+
+
+@needs_triton
+@pytest.mark.parametrize("m,split,bias", CASES)
+@pytest.mark.parametrize("group", [0, 64])
+def test_triton_int8_weights(m, split, bias, group):
+    """int8 codes (W8A16 checkpoints) with channel or group scales: the "w8a16" path, exact codes;
+    mode "fp8" is refused for them."""
+    ft = _triton()
+    gen = torch.Generator().manual_seed(50 + m)
+    codes = torch.randint(-127, 128, (80, 200), generator=gen, dtype=torch.int8)
+    scale = torch.rand((80, 4) if group else (80,), generator=gen) * 1e-3
+    w = Int8Weight(codes, scale, group).to(DEVICE)
+    x = torch.randn(m, 200, generator=gen).to(torch.bfloat16).to(DEVICE)
+    b = torch.randn(80, generator=gen).to(torch.bfloat16).to(DEVICE) if bias else None
+    y = ft.fp8_matmul_triton(x, w, b, config=ft.GemmConfig(16, 64, 64, split_k=split))
+    truth = x.double() @ dequantize_fp8(w).double().t() + (b.double() if bias else 0)
+    assert rel_err(y, truth) < TRITON_TOL[torch.bfloat16]
+    assert rel_err(fp8_matmul_ref(x, w, b), truth) < REF_TOL[torch.bfloat16]
+    with pytest.raises(ValueError, match="int8 weights run in mode 'w8a16'"):
+        ft.fp8_matmul_triton(x, w, mode="fp8")
 
 
 @needs_triton
