@@ -68,11 +68,13 @@ def attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows past the step's tokens (the compiled step pads rows to a bucket) are neither
     written to the cache nor attended; their output rows are zeros. window: a sliding-window
     layer's (each query sees the last `window` positions), None for the whole context; softcap:
-    the scores' soft cap (Gemma 2), None for none."""
+    the scores' soft cap (Gemma 2), None for none; sinks: each query head's sink logit (gpt-oss),
+    None for none."""
     tokens, rows = meta.slot_mapping.shape[0], query.shape[0]
     if rows > tokens:
         query, key, value = query[:tokens], key[:tokens], value[:tokens]
@@ -80,6 +82,6 @@ def attention(
     kernels.write_cache(key, value, kv_cache.key, kv_cache.value, meta.slot_mapping, **scales)
     out = kernels.attend(
         query, kv_cache.key, kv_cache.value, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-        max_seq_len=meta.max_seq_len, window=window, softcap=softcap, **scales,
+        max_seq_len=meta.max_seq_len, window=window, softcap=softcap, sinks=sinks, **scales,
     )
     return F.pad(out, (0, 0, 0, 0, 0, rows - tokens)) if rows > tokens else out

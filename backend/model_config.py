@@ -90,6 +90,19 @@ class ModelConfig:
     expert_weights_rounded: bool = False
     """The routing weights are rounded to the model dtype before they scale the experts' outputs
     (Qwen3-MoE); Mixtral's scale them in float32."""
+    softmax_after_topk: bool = False
+    """gpt-oss: the routing weights are the softmax of the top-k router logits, in the logits' dtype,
+    where Mixtral and Qwen3-MoE take the top k of the float32 softmax."""
+    router_bias: bool = False
+    """The router's linear has a bias (gpt-oss)."""
+    expert_bias: bool = False
+    """Each expert's gate / up and down projections have biases (gpt-oss)."""
+    clamped_swiglu: tuple[float, float] | None = None
+    """gpt-oss's expert activation, (alpha, limit): gate clamped above at limit, up to +-limit, then
+    (up + 1) * gate * sigmoid(alpha * gate); None for Llama's silu(gate) * up."""
+    attention_sinks: bool = False
+    """gpt-oss: each attention head has a learned sink logit (`self_attn.sinks`) that joins its
+    softmax's denominator with no value."""
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     checkpoint_dtype: str = "float32"

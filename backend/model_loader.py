@@ -104,7 +104,7 @@ def build_empty_model(
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(\w+)\.(weight|bias)")
 _TOP_LEVEL = {
     "model.embed_tokens.weight": "embed_tokens.weight",
     "model.norm.weight": "norm.weight",
@@ -142,7 +142,7 @@ def load_weights(
             layer, (module, _, kind) = match.group(1), match.group(2).rpartition(".")
             expert = _EXPERT.fullmatch(match.group(2))
             if expert is not None and f"layers.{layer}.mlp" in experts:
-                experts[f"layers.{layer}.mlp"].load_expert(int(expert.group(1)), expert.group(2), tensor)
+                experts[f"layers.{layer}.mlp"].load_expert(int(expert.group(1)), expert.group(2), tensor, expert.group(3))
                 continue
             if packed is not None and packed.accepts(module, kind):
                 packed.add(int(layer), module, kind, tensor)

@@ -17,6 +17,10 @@ mask), so Mistral and Gemma's local layers run past the window exactly.
 Soft-capping (keyword-only `softcap`, Gemma 2): each score s (after the softmax scale) becomes
 softcap * tanh(s / softcap) before the softmax.
 
+Attention sinks (keyword-only `sinks`, gpt-oss: float [num_heads]): each head's softmax has one
+more logit, its sink, in the denominator and no value: out = sum_k e^(s_k) v_k / (e^(sink) +
+sum_k e^(s_k)), so a head may attend to nothing in particular.
+
 FP8 KV cache: key_cache/value_cache may be torch.float8_e4m3fn with per-tensor
 scales (keyword-only k_scale, v_scale; dequantized = stored * scale; scales are
 ignored for other cache dtypes, and default to 1.0).
@@ -48,6 +52,7 @@ def paged_attention_ref(
     max_seq_len: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decodes are batched (one gather, one padded SDPA with GQA folded into the
     query axis); prefill chunks run one sequence at a time.
@@ -79,7 +84,8 @@ def paged_attention_ref(
         if window is not None:
             mask &= positions[None, :] >= context[:, None] - window
         mask = mask[:, None, None, :]
-        attn = _attend(q, keys, values, mask, scale, softcap)
+        sink = None if sinks is None else sinks.view(num_kv_heads, -1, 1)  # the heads as q folds them
+        attn = _attend(q, keys, values, mask, scale, softcap, sink)
         out[tokens] = attn.reshape(len(decodes), -1, head_dim)
     for i in range(len(lens)):
         q_len = starts[i + 1] - starts[i]
@@ -93,25 +99,35 @@ def paged_attention_ref(
         if fp8:
             keys, values = _dequant(keys, ks, query.dtype), _dequant(values, vs, query.dtype)
         q = query[starts[i] : starts[i + 1]].transpose(0, 1)  # [h, q, d]
-        if seq_len == q_len and (window is None or window >= seq_len) and softcap is None:
+        if seq_len == q_len and (window is None or window >= seq_len) and softcap is None and sinks is None:
             attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            attn = _attend(q, keys, values, visible_keys(q_len, seq_len, window, query.device), scale, softcap)
+            sink = None if sinks is None else sinks.view(-1, 1, 1)
+            attn = _attend(q, keys, values, visible_keys(q_len, seq_len, window, query.device), scale, softcap, sink)
         out[starts[i] : starts[i + 1]] = attn.transpose(0, 1)
     return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-            softcap: float | None) -> torch.Tensor:
-    """SDPA (GQA: q's heads a multiple of k's); with `softcap` the same in plain ops, in transformers'
-    eager order (SDPA has no soft-capping): scores in the query dtype, capped, softmax in float32."""
-    if softcap is None:
+            softcap: float | None, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA (GQA: q's heads a multiple of k's); with `softcap` or `sink` (the sink logits, shaped
+    to broadcast against the scores' [..., rows, 1]) the same in plain ops, in transformers' eager
+    order (SDPA has neither): scores in the query dtype, capped, softmax in float32 (over the
+    sink's logit too, which then drops out)."""
+    if softcap is None and sink is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sink is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:  # a column of its own
+        column = sink.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
     return torch.matmul(probs.to(q.dtype), v)
 
 

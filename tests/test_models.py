@@ -19,7 +19,8 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, initializer_range=0.3)
 
 
-WINDOWED = {"mistral": (0, 1), "mixtral": (0, 1), "gemma2": (0,), "qwen2-window": (1,), "phi3": (0, 1), "gemma3": (0,)}
+WINDOWED = {"mistral": (0, 1), "mixtral": (0, 1), "gemma2": (0,), "qwen2-window": (1,), "phi3": (0, 1), "gemma3": (0,),
+            "gpt-oss": (0,)}
 """The kinds with sliding-window layers, and which."""
 
 
@@ -27,7 +28,8 @@ def build(kind: str):
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                               LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                               Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, GptOssConfig,
+                              GptOssForCausalLM)
 
     if kind == "llama3":
         config = LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500000.0,
@@ -83,27 +85,21 @@ def build(kind: str):
                                                                       "rope_theta": 10000.0}},
                                   pad_token_id=None, bos_token_id=1, eos_token_id=2)
         return Gemma3ForCausalLM(config)
+    if kind == "gpt-oss":  # sinks, biased experts (8, 2 a token) with the clamped SwiGLU, window 24 then global, YaRN
+        config = GptOssConfig(**{**COMMON, "initializer_range": 0.1}, head_dim=16, num_local_experts=8,
+                              num_experts_per_tok=2, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+        return GptOssForCausalLM(config)
     raise ValueError(kind)
 
 
 @pytest.mark.parametrize("kind", ["llama3", "mistral", "mixtral", "qwen2", "qwen2-window", "qwen3", "qwen3-moe",
-                                  "llama-tied", "llama-yarn", "granite", "olmo2", "phi3", "phi4-mini", "gemma2", "gemma3"])
+                                  "llama-tied", "llama-yarn", "granite", "olmo2", "phi3", "phi4-mini", "gemma2", "gemma3",
+                                  "gpt-oss"])
 def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     torch.manual_seed(0)
-    reference = build(kind).eval()
-    if kind in ("qwen2", "qwen2-window", "llama-tied"):  # make the biases matter: Qwen2's on q/k/v, attention_bias's on o too
-        for layer in reference.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
-                if proj.bias is not None:
-                    torch.nn.init.normal_(proj.bias, std=0.5)
-    if kind in ("qwen3", "qwen3-moe"):  # and the per-head norms' weights
-        for layer in reference.model.layers:
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
-    if kind in ("olmo2", "gemma2", "gemma3"):  # every norm's: around attention and MLP, over q / k, the final one (Gemma: offsets)
-        for name, weight in reference.named_parameters():
-            if name.endswith("norm.weight"):
-                torch.nn.init.normal_(weight, mean=1.0, std=0.5)
+    reference = make_biases_and_norms_matter(build(kind).eval(), kind)
     reference.save_pretrained(tmp_path, max_shard_size="2MB")  # several shards + index
     tokenizer.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors.index.json").exists()
@@ -120,10 +116,35 @@ def test_random_checkpoint_matches_transformers(kind, tmp_path, tokenizer):
     assert again[0].logprobs[0].logprob == pytest.approx(expected[again[0].token_ids[0]].item(), abs=1e-4)
     if kind in WINDOWED:  # the whole context is served, each window where the checkpoint puts it
         assert engine.max_model_len == 512 and engine.model_config.sliding_layers == WINDOWED[kind]
-    if kind in ("mixtral", "qwen3-moe"):
-        assert engine.model_config.moe_layers == ((0, 1) if kind == "mixtral" else (0,))
+    if kind in ("mixtral", "qwen3-moe", "gpt-oss"):
+        assert engine.model_config.moe_layers == ((0,) if kind == "qwen3-moe" else (0, 1))
     if kind == "phi4-mini":  # LongRoPE's context: the original one, where its short factors are exact
         assert engine.max_model_len == 128 and engine.model_config.rotary_dim == 12
+
+
+def make_biases_and_norms_matter(reference, kind: str):
+    """`reference` with the weights its kind initializes to zero or one drawn at random, so that a
+    loader dropping them shows."""
+    if kind in ("qwen2", "qwen2-window", "llama-tied"):  # make the biases matter: Qwen2's on q/k/v, attention_bias's on o too
+        for layer in reference.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
+                if proj.bias is not None:
+                    torch.nn.init.normal_(proj.bias, std=0.5)
+    if kind in ("qwen3", "qwen3-moe"):  # and the per-head norms' weights
+        for layer in reference.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
+    if kind == "gpt-oss":  # its sinks, attention and expert biases (zero as initialized) and norms
+        for name, weight in reference.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                torch.nn.init.normal_(weight, std=0.5)
+            elif name.endswith("norm.weight"):
+                torch.nn.init.normal_(weight, mean=1.0, std=0.3)
+    if kind in ("olmo2", "gemma2", "gemma3"):  # every norm's: around attention and MLP, over q / k, the final one (Gemma: offsets)
+        for name, weight in reference.named_parameters():
+            if name.endswith("norm.weight"):
+                torch.nn.init.normal_(weight, mean=1.0, std=0.5)
+    return reference
 
 
 @pytest.mark.parametrize("scaling", [

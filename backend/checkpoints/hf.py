@@ -12,6 +12,7 @@ import torch
 from ..errors import ConfigError
 from ..model_config import ModelConfig
 from . import Checkpoint
+from .gpt_oss import gpt_oss_fields, gpt_oss_tensors
 from .quantization_config import checkpoint_quantization, prequantized
 
 SUPPORTED_ARCHITECTURES = {
@@ -26,6 +27,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 FUSED_IN_CHECKPOINT = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -41,6 +43,8 @@ def read_hf_checkpoint(path: str) -> Checkpoint:
     tensors, count = _safetensors_tensors(files), _count_safetensors(files)
     if config.architecture == "mixtral":
         tensors = _mixtral_names(tensors)
+    if config.architecture == "gpt_oss":
+        tensors = gpt_oss_tensors(tensors)
     fused = FUSED_IN_CHECKPOINT.get(config.architecture)
     if fused:
         tensors = _split_fused(tensors, fused, config)
@@ -146,17 +150,17 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         qk_norm=family in ("qwen3", "qwen3_moe", "olmo2", "gemma3"),
         qk_norm_across_heads=family == "olmo2",
         sublayer_output_norms=family == "olmo2",
-        norm_rounds_once=family in ("olmo2", "gemma2", "gemma3"),
+        norm_rounds_once=family in ("olmo2", "gemma2", "gemma3", "gpt_oss"),
         **(_granite_multipliers(config) if family == "granite" else {}),
         **gemma,
         rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
         partial_rotary_factor=partial,
         **_sliding_window(config, family),
-        **_experts(config, family),
+        **(gpt_oss_fields(config) if family == "gpt_oss" else _experts(config, family)),
         eos_token_ids=_eos_ids(config, generation_config),
         bos_token_id=config.get("bos_token_id"),
         checkpoint_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
-        **prequantized(config.get("quantization_config")),
+        **prequantized(config.get("quantization_config") if family != "gpt_oss" else None),  # its MXFP4: gpt_oss.py
     )
 
 

@@ -102,8 +102,8 @@ def computes_layers_of(config: ModelConfig) -> bool:
     sublayers or OLMo 2's rounding, Granite's residual multiplier, partial rotary (Phi-4-mini),
     Gemma 3's norms around each sublayer, weight offsets, GELU and per-layer rotary tables; a
     sliding window only where every layer has it (Mistral: the step's plan is windowed once); no
-    mixture of experts."""
-    return not (config.qk_norm or config.sublayer_output_norms or config.norm_rounds_once
+    mixture of experts, no attention sinks."""
+    return not (config.attention_sinks or config.qk_norm or config.sublayer_output_norms or config.norm_rounds_once
                 or config.residual_multiplier != 1.0 or config.rotary_dim != config.head_dim
                 or config.sandwich_norms or config.norm_weight_offset or config.activation != "silu"
                 or 0 < len(config.sliding_layers) < config.num_layers or config.moe_layers)

@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, SmolLM, Granite, OLMo 2, Phi-3,
-Gemma 3) in plain torch over a flat batch.
+Gemma 2 / 3, gpt-oss) in plain torch over a flat batch.
 
 Every token of every sequence in the step is one row; attention is the only
 place sequences meet, through the paged KV cache. q/k/v and gate/up are fused
@@ -7,7 +7,8 @@ into single matmuls; numerics otherwise follow Hugging Face's implementation. Th
 families are variations of Llama's layer, each switched on by its ModelConfig fields: Qwen3's
 per-head query / key norms, Granite's multipliers, OLMo 2's norms after each sublayer, Phi-3's
 partial rotary, Gemma 3's norms around each sublayer, GELU and per-layer rotary bases, sliding-window
-layers, Gemma 2's soft-capped attention scores, and the mixture-of-experts MLP (models/moe.py) in place of the dense one.
+layers, Gemma 2's soft-capped attention scores, gpt-oss's attention sinks, and the mixture-of-experts MLP
+(models/moe.py) in place of the dense one.
 Split over ranks (tensor parallelism), each rank builds its share of every layer
 from models/parallel.py; with one rank those are the plain layers.
 """
@@ -172,6 +173,8 @@ class LlamaAttention(nn.Module):
         """The softmax scale, which every attention kernel takes as an argument."""
         self.softcap = config.attn_logit_softcapping
         """Gemma 2: scores become softcap * tanh(score / softcap) before the softmax; None for none."""
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
+        """gpt-oss: each query head's sink logit, one more term of its softmax's denominator; None for none."""
         # queries and keys RMS-normed before rotary: each head over head_dim with one weight (Qwen3),
         # or the whole projection with a weight as wide (OLMo 2)
         q_width, k_width = (self.q_size, self.kv_size) if config.qk_norm_across_heads else (self.head_dim, self.head_dim)
@@ -322,7 +325,7 @@ class LlamaForCausalLM(nn.Module):
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches)):
             attn = attention(kernels, q, k, v, kv_cache, meta, layer.self_attn.scale, layer.self_attn.window,
-                             layer.self_attn.softcap)
+                             layer.self_attn.softcap, layer.self_attn.sinks)
             if i == last:
                 if output_rows is None or output_rows.numel() == h.shape[0]:
                     return pieces.last(self, layer, h, attn)

@@ -1,9 +1,10 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's experts, and the
-experts' MLPs run as one fused call (kernels/dispatch.py's `fused_moe`).
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): a router picks each token's experts, and
+the experts' MLPs run as one fused call (kernels/dispatch.py's `fused_moe`).
 
 The experts' weights are held stacked, as the fused kernels read them: `w13` [experts, 2 * inter,
-hidden] (each expert's gate rows, then its up rows) and `w2` [experts, hidden, inter]. The loader
-hands each checkpoint tensor (experts.E.gate_proj / up_proj / down_proj) to `load_expert`.
+hidden] (each expert's gate rows, then its up rows) and `w2` [experts, hidden, inter], with gpt-oss's
+biases `w13_bias` / `w2_bias` beside. The loader hands each checkpoint tensor (experts.E.gate_proj /
+up_proj / down_proj, .weight or .bias) to `load_expert`.
 Tensor parallelism splits every expert's intermediate width over the ranks, as the dense MLP's:
 gate / up rows and down columns, then the ranks' partial sums are all-reduced.
 """
@@ -31,9 +32,13 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         experts, hidden = config.num_experts, config.hidden_size
         inter = config.expert_intermediate_size // parallel.size
-        self.gate = Linear(hidden, experts, bias=False)
+        self.gate = Linear(hidden, experts, bias=config.router_bias)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.w13_bias = nn.Parameter(torch.empty(experts, 2 * inter)) if config.expert_bias else None
+        self.w2_bias = nn.Parameter(torch.empty(experts, hidden)) if config.expert_bias else None
+        self.clamped_swiglu = config.clamped_swiglu
+        self.softmax_after_topk = config.softmax_after_topk
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
         """Each output channel's scale once the experts are e4m3 (`quantize_fp8`)."""
@@ -45,13 +50,14 @@ class SparseMoeBlock(nn.Module):
         """The (expert, projection) tensors the loader has copied in."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.rounded)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.rounded, self.softmax_after_topk)
         out = fused_moe(x, self.experts, weights, ids)
         return out if self.collectives is None else self.collectives.all_reduce(out)
 
     @property
     def experts(self) -> ExpertWeights:
-        return ExpertWeights(self.w13, self.w2, self.w13_scale, self.w2_scale)
+        return ExpertWeights(self.w13, self.w2, self.w13_scale, self.w2_scale, self.w13_bias, self.w2_bias,
+                             self.clamped_swiglu)
 
     @torch.no_grad()
     def quantize_fp8(self) -> None:
@@ -63,26 +69,33 @@ class SparseMoeBlock(nn.Module):
         self.w2_scale = nn.Parameter(q.w2_scale, requires_grad=False)
 
     @torch.no_grad()
-    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor) -> None:
-        """Copy checkpoint tensor experts.<expert>.<projection>.weight (the whole of it; this rank's
-        slice is taken here) into the stacked weights."""
+    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor, kind: str = "weight") -> None:
+        """Copy checkpoint tensor experts.<expert>.<projection>.<kind> (weight, or bias where the experts
+        have biases; the whole of it: this rank's slice is taken here) into the stacked tensors."""
         experts, hidden, inter = self.w2.shape
-        if not 0 <= expert < experts or projection not in EXPERT_PROJECTIONS:
-            raise ConfigError("model", f"checkpoint tensor experts.{expert}.{projection} does not fit a layer of "
-                                       f"{experts} experts")
+        if not 0 <= expert < experts or projection not in EXPERT_PROJECTIONS or kind not in self._kinds():
+            raise ConfigError("model", f"checkpoint tensor experts.{expert}.{projection}.{kind} does not fit a layer "
+                                       f"of {experts} experts{'' if self.w13_bias is not None else ' without biases'}")
         down = projection == "down_proj"
-        full = (hidden, inter * self.shard.count) if down else (inter * self.shard.count, hidden)
+        full: tuple[int, ...] = (hidden, inter * self.shard.count) if down else (inter * self.shard.count, hidden)
+        full = full if kind == "weight" else full[:1]
         if tuple(tensor.shape) != full:
-            raise ConfigError("model", f"checkpoint tensor experts.{expert}.{projection}.weight has shape "
+            raise ConfigError("model", f"checkpoint tensor experts.{expert}.{projection}.{kind} has shape "
                                        f"{tuple(tensor.shape)}, expected {full}")
-        if down:
-            self.w2[expert].copy_(Shard(1, self.shard.index, self.shard.count).take(tensor))
+        stacked = {("weight", False): self.w13, ("weight", True): self.w2, ("bias", False): self.w13_bias,
+                   ("bias", True): self.w2_bias}[(kind, down)]
+        assert stacked is not None  # biases are in _kinds() only where the layer has them
+        if down:  # a bias of the summed output: whole on every rank (tensor parallelism is refused with it)
+            stacked[expert].copy_(Shard(1, self.shard.index, self.shard.count).take(tensor) if kind == "weight" else tensor)
         else:
             rows = slice(0, inter) if projection == "gate_proj" else slice(inter, 2 * inter)
-            self.w13[expert, rows].copy_(self.shard.take(tensor))
-        self.loaded.add((expert, projection))
+            stacked[expert, rows].copy_(self.shard.take(tensor))
+        self.loaded.add((expert, f"{projection}.{kind}"))
+
+    def _kinds(self) -> tuple[str, ...]:
+        return ("weight", "bias") if self.w13_bias is not None else ("weight",)
 
     def missing(self) -> list[str]:
         """The expert tensors the checkpoint has not given (empty once loaded)."""
-        return [f"experts.{e}.{p}" for e in range(self.w13.shape[0]) for p in EXPERT_PROJECTIONS
-                if (e, p) not in self.loaded]
+        return [f"experts.{e}.{p}.{k}" for e in range(self.w13.shape[0]) for p in EXPERT_PROJECTIONS
+                for k in self._kinds() if (e, f"{p}.{k}") not in self.loaded]

@@ -103,6 +103,11 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
             f"{config.packed_weights} checkpoints are not sharded; serve them with tensor_parallel_size=1 "
             "or use the bf16/fp32 checkpoint",
         )
+    if config.attention_sinks or config.expert_bias:
+        raise ConfigError(
+            "tensor_parallel_size",
+            "gpt-oss's attention sinks and biased experts are not sharded yet; serve it with tensor_parallel_size=1",
+        )
     if config.o_bias:
         raise ConfigError(
             "tensor_parallel_size",

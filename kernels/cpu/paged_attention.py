@@ -223,10 +223,11 @@ def paged_attention_cpu(
     native: bool = True,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CPU twin of `paged_attention_ref` (same arguments, the sliding window included; max_seq_len
-    is not needed). Soft-capped scores (Gemma 2) take the reference itself: neither the C loops nor
-    torch's flash kernel cap scores.
+    is not needed). Soft-capped scores (Gemma 2) and attention sinks (gpt-oss) take the reference
+    itself: neither the C loops nor torch's flash kernel have them.
 
     Keyword-only, for tests and benchmarks: chunk_keys forces the torch-op decode's split
     size (capped at the longest context rounded up to CHUNK_KEYS, which means no split);
@@ -234,9 +235,9 @@ def paged_attention_cpu(
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     if query.shape[1] % num_kv_heads or query.shape[2] != head_dim:
         raise ValueError(f"query {tuple(query.shape)} does not match cache {tuple(key_cache.shape)}")
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                                   k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap)
+                                   k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap, sinks=sinks)
     out = query.new_empty(query.shape)  # contiguous even when the query is a view
     if query.shape[0] == 0:
         return out

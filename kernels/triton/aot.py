@@ -32,12 +32,14 @@ group sizes: what `int4_group_size` picks for K, and 32 (GGUF Q4_1 checkpoints).
 FP8 GEMM: the mode `default_mode` picks on the target ("w8a16" before sm_89), with
 per-channel scales and with block-wise checkpoints' 128-column group scales; int8 weights
 (W8A16 checkpoints) in "w8a16" with group scales (they bound the channel form).
-The fused MoE kernels: Mixtral-8x7B's and Qwen3-30B-A3B's experts (`MOE_MODELS`) at 1..2048
-tokens, both row tiles. The batched LoRA kernels on Llama-3-8B's linears at both row tiles and
-every rank tile. Sliding-window attention (a constexpr): Mistral-7B (Llama-3-8B's shapes
-with a window of 4,096) on a split decode, unsplit decodes and a prompt chunk past the window;
-Gemma-2-9B (head dim 256, soft-capped scores) on the same; its global layers' variant (no window)
-is the windowed one less a mask, whose registers and shared memory the windowed one bounds.
+The fused MoE kernels: Mixtral-8x7B's, Qwen3-30B-A3B's and gpt-oss-20b's (biased, clamped SwiGLU)
+experts (`MOE_MODELS`) at 1..2048 tokens, both row tiles. gpt-oss-20b's attention sinks on its
+128-key window (its global layers' variant is the windowed one less a mask). The batched
+LoRA kernels on Llama-3-8B's linears at both row tiles and every rank tile. Sliding-window
+attention (a constexpr): Mistral-7B (Llama-3-8B's shapes with a window of 4,096) on a split
+decode, unsplit decodes and a prompt chunk past the window; Gemma-2-9B (head dim 256,
+soft-capped scores) on the same; its global layers' variant (no window) is the windowed one
+less a mask, whose registers and shared memory the windowed one bounds.
 
 One compile per configuration: launches that differ only in runtime integers
 (Triton also specialises integers on == 1 and % 16 == 0, e.g. M = 1 vs M = 16)
@@ -145,6 +147,7 @@ class ModelShape:
     vocab: int  # for completeness: the LM head is not quantized, so no kernel here sees it
     window: Optional[int] = None  # sliding-window attention (its attention scenarios: `_attention_scenarios`)
     softcap: Optional[float] = None  # attention scores soft-capped (Gemma 2)
+    sinks: bool = False  # attention sinks (gpt-oss)
 
     def linears(self) -> Dict[str, Tuple[int, int]]:
         """(N, K) of the quantized linears, as `LlamaForCausalLM.packed_modules` stacks them."""
@@ -161,6 +164,7 @@ MODELS: Tuple[ModelShape, ...] = (
     ModelShape("SmolLM2-135M", 576, 9, 3, 64, 1536, 49152),
     ModelShape("Mistral-7B", 4096, 32, 8, 128, 14336, 32000, window=4096),
     ModelShape("Gemma-2-9B", 3584, 16, 8, 256, 14336, 256000, window=4096, softcap=50.0),
+    ModelShape("gpt-oss-20b", 2880, 64, 8, 64, 2880, 201088, window=128, sinks=True),
 )
 @dataclass(frozen=True)
 class MoeShape:
@@ -169,11 +173,13 @@ class MoeShape:
     inter: int  # each expert's
     experts: int
     top_k: int
+    gpt_oss: bool = False  # biased experts and the clamped SwiGLU
 
 
 MOE_MODELS: Tuple[MoeShape, ...] = (
     MoeShape("Mixtral-8x7B", 4096, 14336, 8, 2),
     MoeShape("Qwen3-30B-A3B", 2048, 768, 128, 8),
+    MoeShape("gpt-oss-20b", 2880, 2880, 32, 4, gpt_oss=True),
 )
 MOE_TOKENS = (1, 16, 256, 2048)  # decode batches to a prompt chunk: both row tiles
 LORA_TOKENS = (1, 2048)  # both row tiles of the LoRA kernels
@@ -349,8 +355,9 @@ def _record_attention(m, log: List[Launch], model: ModelShape, dtype: torch.dtyp
     for label, q_lens, seq_lens in _attention_scenarios(model.window):
         log.clear()
         query, tables, lens, starts = _attention_batch(model, dtype, q_lens, seq_lens)
+        sinks = torch.empty(model.heads) if model.sinks else None
         m.paged_attention.paged_attention_triton(query, cache, cache, tables, lens, starts, model.head_dim ** -0.5,
-                                                 window=model.window, softcap=model.softcap, **scales)
+                                                 window=model.window, softcap=model.softcap, sinks=sinks, **scales)
         out += [(f"{model.name} {label}, {kv}", launch) for launch in log]
     return out
 
@@ -361,11 +368,14 @@ def _record_moe(m, log: List[Launch], moe: MoeShape, dtype: torch.dtype) -> List
     from ..moe import ExpertWeights  # read by attribute: the private kernel copy takes it as its own
 
     experts = {}
+    gpt_oss = dict(w13_bias=torch.empty(moe.experts, 2 * moe.inter, dtype=dtype),
+                   w2_bias=torch.empty(moe.experts, moe.hidden, dtype=dtype), clamped_swiglu=(1.702, 7.0))
     for kind, weight_dtype in (("", dtype), (" fp8 experts", torch.float8_e4m3fn)):
         scales = (torch.empty(moe.experts, 2 * moe.inter), torch.empty(moe.experts, moe.hidden)) if kind else (None, None)
         experts[kind] = ExpertWeights(
             torch.empty(moe.experts, 2 * moe.inter, moe.hidden, dtype=weight_dtype),
-            torch.empty(moe.experts, moe.hidden, moe.inter, dtype=weight_dtype), *scales)
+            torch.empty(moe.experts, moe.hidden, moe.inter, dtype=weight_dtype), *scales,
+            **(gpt_oss if moe.gpt_oss else {}))  # type: ignore[arg-type]  # the dict's values: its fields' types
     out = []
     for kind, weights in experts.items():
         for tokens in MOE_TOKENS:
@@ -533,26 +543,31 @@ _DOMINATED = {  # kernel -> the constexpr whose largest value stands for the oth
 }
 
 
-_SUPERSEDED = {"_fp8_gemm_kernel": "GROUP_K"}
-"""kernel -> a constexpr whose nonzero form bounds its zero form (`representative`)."""
+_SUPERSEDED = {"_fp8_gemm_kernel": ("GROUP_K",), "_moe_gate_up_kernel": ("HAS_BIAS", "CLAMPED_SWIGLU")}
+"""kernel -> constexprs whose nonzero form bounds their zero form (`representative`)."""
 
 
 def _drop_superseded(configs: Sequence[KernelConfig]) -> List[KernelConfig]:
-    """The FP8 GEMM with per-channel scales (GROUP_K 0) is dropped where the same launch with group
-    scales is compiled: the grouped form is the channel form plus a second fp32 accumulator tile and
-    a scale load per K tile, so it bounds the channel form's registers and shared memory (so it
-    measured for every tile on sm_80 and sm_90); the channel form's scenarios are merged in. Of the
-    int8 weights' launches only the untimed first candidates are kept."""
+    """A configuration is dropped where the same launch with `_SUPERSEDED`'s constexprs set is
+    compiled, its scenarios merged in: the FP8 GEMM with per-channel scales (GROUP_K 0) by the one
+    with group scales (a second fp32 accumulator tile and a scale load per K tile more), the MoE
+    gate / up kernel by its biased, clamped-SwiGLU form (two bias loads and the clamps more). Each
+    bounds the other's registers and shared memory, as measured for every tile on sm_80 and sm_90
+    (the MoE down kernel's biased form does not: it sometimes takes fewer registers, and both are
+    compiled). Of the int8 weights' launches only the untimed first candidates are kept."""
     def twin(cfg: KernelConfig) -> Tuple:
-        name = _SUPERSEDED[cfg.kernel]
-        return cfg.kernel, tuple(p for p in cfg.key[1] if p[0] != name), cfg.key[2], cfg.timed_only
+        names = _SUPERSEDED[cfg.kernel]
+        return cfg.kernel, tuple(p for p in cfg.key[1] if p[0] not in names), cfg.key[2], cfg.timed_only
 
-    grouped = {twin(c): c for c in configs if c.kernel in _SUPERSEDED and dict(c.key[1]).get(_SUPERSEDED[c.kernel])}
+    def bounding(cfg: KernelConfig) -> bool:
+        return cfg.kernel in _SUPERSEDED and all(dict(cfg.key[1]).get(name) for name in _SUPERSEDED[cfg.kernel])
+
+    bounds = {twin(c): c for c in configs if bounding(c)}
     out: List[KernelConfig] = []
     for cfg in configs:
         if cfg.timed_only and dict(cfg.key[1]).get("INT_CODES"):
             continue  # int8 weights: the first candidate of each regime only (`timed_choice` skips a failed launch)
-        bound = grouped.get(twin(cfg)) if cfg.kernel in _SUPERSEDED else None
+        bound = bounds.get(twin(cfg)) if cfg.kernel in _SUPERSEDED else None
         if bound is None or bound is cfg:
             out.append(cfg)
         else:

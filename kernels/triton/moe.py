@@ -16,6 +16,10 @@ Same layout and result as `fused_moe_ref` (kernels/moe.py), within rounding.
    into [num_pairs, hidden] in the model dtype.
 4. The k slots of each token are summed in float32 and rounded once (torch).
 
+Biased experts with gpt-oss's clamped SwiGLU (constexprs HAS_BIAS, CLAMPED_SWIGLU; alpha and limit
+runtime floats): each projection's bias is added in the model dtype to its rounded product, before
+the activation (gate / up) or the routing weight (down), as the reference adds them.
+
 FP8 experts (W8A16, constexpr W_FP8: 1 the hardware's e4m3 conversion from sm_89, 2 decoded
 with integer ops before it, as the attention kernel's fp8 KV): the e4m3 tiles are converted
 exactly to the activations' dtype for the dot, and each output channel's scale multiplies the
@@ -59,12 +63,20 @@ def _weight_tile(ptr, W_FP8: tl.constexpr, dtype):
 
 
 @triton.jit
+def _plus_bias(acc, bias, dtype):
+    """acc rounded to `dtype`, plus the bias, rounded to `dtype` (one rounding of the sum of two
+    `dtype` values: the model dtype's add, done in float32, which the interpreter also computes
+    right), back in float32."""
+    return (acc.to(dtype).to(tl.float32) + bias.to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w13_ptr, scale_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr,
-    num_pairs, inter, hidden, top_k,
-    stride_xm, stride_we, stride_wn, stride_am, stride_se,
+    x_ptr, w13_ptr, scale_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, bias_ptr,
+    num_pairs, inter, hidden, top_k, alpha, limit,
+    stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-    W_FP8: tl.constexpr,
+    W_FP8: tl.constexpr, HAS_BIAS: tl.constexpr = False, CLAMPED_SWIGLU: tl.constexpr = False,
 ):
     expert, pairs, row_ok, n = _block_of_expert(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M, BLOCK_N)
     if expert < 0:
@@ -93,18 +105,27 @@ def _moe_gate_up_kernel(
         scales = scale_ptr + expert.to(tl.int64) * stride_se
         gate = gate * tl.load(scales + n, mask=n_ok, other=0.0)[None, :]
         up = up * tl.load(scales + inter + n, mask=n_ok, other=0.0)[None, :]
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    if HAS_BIAS:  # as the reference: the product rounded to the model dtype, + bias, rounded again
+        biases = bias_ptr + expert.to(tl.int64) * stride_be
+        gate = _plus_bias(gate, tl.load(biases + n, mask=n_ok, other=0.0), act_ptr.dtype.element_ty)
+        up = _plus_bias(up, tl.load(biases + inter + n, mask=n_ok, other=0.0), act_ptr.dtype.element_ty)
+    if CLAMPED_SWIGLU:  # gpt-oss: (clamp(up) + 1) * gate' * sigmoid(alpha * gate'), gate' = min(gate, limit)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    else:
+        act = gate / (1.0 + tl.exp(-gate)) * up
     out = act_ptr + pairs.to(tl.int64)[:, None] * stride_am + n[None, :]
     tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, w2_ptr, scale_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr,
+    act_ptr, w2_ptr, scale_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, bias_ptr,
     num_pairs, hidden, inter,
-    stride_am, stride_we, stride_wn, stride_om, stride_se,
+    stride_am, stride_we, stride_wn, stride_om, stride_se, stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-    W_FP8: tl.constexpr,
+    W_FP8: tl.constexpr, HAS_BIAS: tl.constexpr = False,
 ):
     expert, pairs, row_ok, n = _block_of_expert(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M, BLOCK_N)
     if expert < 0:
@@ -123,10 +144,13 @@ def _moe_down_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
-    weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-    acc = acc * weight[:, None]
     if W_FP8:
         acc = acc * tl.load(scale_ptr + expert.to(tl.int64) * stride_se + n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:  # before the routing weight, as the reference
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0)
+        acc = _plus_bias(acc, bias, out_ptr.dtype.element_ty)
+    weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
     tl.store(out_ptr + rows[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
 
@@ -196,18 +220,23 @@ def fused_moe_triton(
     partial = x.new_empty((num_pairs, hidden))
     blocks = block_experts.numel()
     dot_fp32 = interpreting() or x.dtype == torch.float32
+    has_bias = experts.w13_bias is not None
+    b13 = experts.w13_bias.to(x.dtype).contiguous() if experts.w13_bias is not None else x  # x: unread placeholder
+    b2 = experts.w2_bias.to(x.dtype).contiguous() if experts.w2_bias is not None else x
+    alpha, limit = experts.clamped_swiglu or (1.0, 0.0)
     _moe_gate_up_kernel[(blocks, cdiv(inter, block_n))](
-        x, w13, s13, act, sorted_pairs, block_experts,
-        num_pairs, inter, hidden, top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), s13.stride(0),
+        x, w13, s13, act, sorted_pairs, block_experts, b13,
+        num_pairs, inter, hidden, top_k, alpha, limit,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), s13.stride(0), b13.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, W_FP8=w_fp8,
+        HAS_BIAS=has_bias, CLAMPED_SWIGLU=experts.clamped_swiglu is not None,
         num_warps=4, num_stages=2,
     )
     _moe_down_kernel[(blocks, cdiv(hidden, block_n))](
-        act, w2, s2, partial, weights, sorted_pairs, block_experts,
+        act, w2, s2, partial, weights, sorted_pairs, block_experts, b2,
         num_pairs, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), partial.stride(0), s2.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, W_FP8=w_fp8,
+        act.stride(0), w2.stride(0), w2.stride(1), partial.stride(0), s2.stride(0), b2.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, W_FP8=w_fp8, HAS_BIAS=has_bias,
         num_warps=4, num_stages=2,
     )
     return partial.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)

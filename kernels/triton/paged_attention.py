@@ -23,6 +23,10 @@ Softmax is online (running max / sum) in float32 in the log2 domain.
 Soft-capping (constexpr SOFTCAP, Gemma 2): a score in the log2 domain, s * log2(e), is capped at
 softcap * log2(e) with the same tanh, which is softcap * tanh(s / softcap) * log2(e).
 
+Attention sinks (constexpr SINKS, gpt-oss): the running max and sum of every row start at its
+head's sink logit (log2 domain) and 1 instead of -inf and 0: the sink is a key with no value,
+seen first. With split-KV only split 0 starts so, so the merge counts it once.
+
 Sliding window (constexpr SLIDING; the window a runtime int, so one compiled variant serves
 every window size): a q-block's key range starts at its first token's window, and each row
 masks the keys before its own (query at p sees p - window < n <= p).
@@ -96,6 +100,7 @@ def _paged_attention_kernel(
     v_scale,
     window,  # keys a query sees, its own included (SLIDING)
     softcap,  # the soft cap times log2(e) (SOFTCAP), the scores being in the log2 domain
+    sinks_ptr,  # float [num_heads]: each head's sink logit (SINKS)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -109,6 +114,7 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr,  # 0: cache in the query dtype; 1: e4m3, hardware conversion; 2: e4m3 in software
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    SINKS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -157,6 +163,10 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:
+        if split == 0:  # the sink is one more logit with no value, counted in the first split only
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = l_i + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -294,9 +304,10 @@ def paged_attention_triton(
     block_n: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of `paged_attention_ref` (window: its sliding window, None for full causal;
-    softcap: its score soft cap).
+    softcap: its score soft cap; sinks: each head's sink logit).
 
     Tuning overrides (keyword-only, for tests/benchmarks): num_splits forces the
     split-KV path (1 = off, a power of two); max_seq_len spares the one host
@@ -369,6 +380,7 @@ def paged_attention_triton(
         scale * ks * LOG2E, vs,
         window or 0,
         (softcap or 0.0) * LOG2E,
+        sinks if sinks is not None else seq_lens,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -379,7 +391,7 @@ def paged_attention_triton(
         KV_BLOCK_SIZE=kv_block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         NUM_SPLITS=num_splits,
-        SLIDING=window is not None, SOFTCAP=softcap is not None,
+        SLIDING=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
         KV_FP8=(1 if native_fp8(query.device) else 2) if fp8 else 0, DOT_FP32=dot_fp32,
         PRECISION="ieee" if query.dtype == torch.float32 else None,
         num_warps=4 if block_m * head_dim_pad <= 64 * 128 else 8,

@@ -8,17 +8,17 @@ registers or shared memory; this is the check a GPU-less CI can make of those.
 
 What is compiled (budget: a few minutes on a 2-core CPU, cold Triton cache): the
 configurations the launchers choose for `aot.MODELS` (Llama-3-8B, SmolLM2-135M, Mistral-7B's
-sliding window, Gemma-2-9B's head dim 256 and soft cap) and `aot.MOE_MODELS` (the fused MoE
-kernels), with bfloat16 activations (the engine's CUDA default) on every target and float32
+sliding window, Gemma-2-9B's head dim 256 and soft cap, gpt-oss-20b's attention sinks) and
+`aot.MOE_MODELS` (the fused MoE kernels, gpt-oss's biased experts among them), with bfloat16 activations (the engine's CUDA default) on every target and float32
 ones on sm_89 (attention and cache write only: the quantized GEMMs and MoE take 16-bit
 activations; float32 tiles are the largest in shared memory, and sm_89 has the least of it),
 thinned by `aot.representative`: of GEMM configs differing only in BLOCK_K the largest is
 compiled (it bounds the smaller K tiles of INT4 group sizes 32 / 64 in shared memory and
 registers), of FP8 GEMM configs differing only in per-channel vs group scales the grouped one
-(it bounds the other), of attention configs differing only in NUM_SPLITS > 1 the largest (the value
+(it bounds the other; so does the MoE gate / up kernel's biased form its plain one), of attention configs differing only in NUM_SPLITS > 1 the largest (the value
 enters scalar arithmetic only), of the reductions' split counts the largest. That is every
 tile shape, warp / stage count, split-K / split-KV / fp8 / window / soft-cap branch of every
-kernel, ~125 compiles per target and ~37 more on sm_89, shared out among child processes, one
+kernel, ~140 compiles per target and ~43 more on sm_89, shared out among child processes, one
 per CPU core (PAGEDSERVE_AOT_JOBS overrides). float16 (the same code as bfloat16 but for
 the type), float32 on the other targets and the unthinned set: `python benchmarks/kernels.py --static`.
 
@@ -90,8 +90,11 @@ def test_enumeration_follows_the_launchers(results):
     """The recorded configurations show the launchers' choices per target: fp8 KV decoded in
     software only before sm_89, FP8 activations (per-token quant, fp8 x fp8 dot) only from
     sm_89 (and from there the fp8 weight against 16-bit activations at decode sizes, converted
-    by the hardware), split-KV and split-K both taken and not, the sliding window and the whole context, soft-capped scores at head dim 256 (Gemma 2), both models' head groups, the MoE kernels' two row tiles and fp8 experts (decoded in software before sm_89),
-    the INT4 weight dequantized for prompt-sized M."""
+    by the hardware), split-KV and split-K both taken and not, the sliding window and the whole
+    context, soft-capped scores at head dim 256 (Gemma 2), attention sinks (gpt-oss), every model's
+    head group, the MoE kernels' two row tiles, fp8 experts (decoded in software before sm_89) and
+    biased ones with the clamped SwiGLU, block-wise FP8 and int8 weights, the INT4 weight
+    dequantized for prompt-sized M."""
     by_target = {t: [cfg for cfg, r in results if r.target == t] for t in TARGETS}
 
     def values(target, kernel, name):
@@ -107,7 +110,12 @@ def test_enumeration_follows_the_launchers(results):
     assert values("sm_90", "_fp8_gemm_kernel", "NATIVE_FP8") == {True, False}
     assert not any(cfg.kernel == "_per_token_quant_kernel" for cfg in by_target["sm_80"])
     for t in TARGETS:
-        assert values(t, "_paged_attention_kernel", "GROUP") == {2, 3, 4}
+        assert values(t, "_paged_attention_kernel", "GROUP") == {2, 3, 4, 8}
+        assert values(t, "_paged_attention_kernel", "SINKS") == {False, True}
+        assert values(t, "_moe_down_kernel", "HAS_BIAS") == {False, True}
+        assert values(t, "_moe_gate_up_kernel", "CLAMPED_SWIGLU") == {True}  # it bounds the plain form
+        assert values(t, "_fp8_gemm_kernel", "GROUP_K") == {0, 128}
+        assert values(t, "_fp8_gemm_kernel", "INT_CODES") == {False, True}
         assert len(values(t, "_paged_attention_kernel", "NUM_SPLITS")) >= 2
         assert values(t, "_paged_attention_kernel", "SLIDING") == {False, True}
         assert values(t, "_paged_attention_kernel", "SOFTCAP") == {False, True}

@@ -1,5 +1,5 @@
 """The mixture-of-experts MLP: the torch reference (kernels/moe.py) against transformers' own
-experts and routers, to the bit; the fused Triton kernel (kernels/triton/moe.py) against the
+experts and routers, to the bit (gpt-oss's within rounding); the fused Triton kernel (kernels/triton/moe.py) against the
 reference on random routings (interpreter on CPU, compiled on CUDA).
 
 Bounds for the Triton kernel, max |out - ref| / max |ref|: bfloat16 2e-2, float16 5e-3 (the kernel
@@ -56,6 +56,43 @@ def test_reference_is_transformers_sparse_moe_block_to_the_bit(family, dtype):
     assert torch.equal(ours, expected)
 
 
+GPT_OSS_SWIGLU = (1.702, 7.0)
+
+
+def gpt_oss_experts(block) -> ExpertWeights:
+    """transformers' GptOssExperts as our layout: [E, H, 2I] with gate / up interleaved in its
+    columns -> w13 [E, 2I, H] gate rows then up rows; down [E, I, H] -> w2 [E, H, I]."""
+    e = block.experts
+    w13 = torch.cat((e.gate_up_proj[..., ::2], e.gate_up_proj[..., 1::2]), dim=-1).transpose(1, 2)
+    b13 = torch.cat((e.gate_up_proj_bias[..., ::2], e.gate_up_proj_bias[..., 1::2]), dim=-1)
+    return ExpertWeights(w13.contiguous(), e.down_proj.transpose(1, 2).contiguous(), w13_bias=b13,
+                         w2_bias=e.down_proj_bias, clamped_swiglu=(e.alpha, e.limit))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reference_is_transformers_gpt_oss_mlp(dtype):
+    """gpt-oss's router (a bias; softmax of the top 4 logits) and biased experts with the clamped
+    SwiGLU (gate capped at 7, up within +-7: scaled weights drive some values past the limit):
+    transformers' GptOssMLP within rounding (it multiplies x by [H, 2I] tensors, we by [2I, H])."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    torch.manual_seed(0)
+    block = GptOssMLP(GptOssConfig(hidden_size=64, intermediate_size=48, num_local_experts=8, num_experts_per_tok=4))
+    for parameter in block.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    block = block.to(dtype).eval()
+    x = torch.randn(1, 37, 64, dtype=dtype)
+    with torch.inference_mode():
+        expected = block(x)[0][0]
+        logits = torch.nn.functional.linear(x[0], block.router.weight, block.router.bias)
+        weights, ids = route(logits, 4, renormalize=False, rounded=False, softmax_after_topk=True)
+        ours = fused_moe_ref(x[0], gpt_oss_experts(block), weights, ids)
+        gate_up = x[0] @ block.experts.gate_up_proj[0] + block.experts.gate_up_proj_bias[0]
+    assert (gate_up.abs() > 7).float().mean() > 0.05  # the clamps matter
+    assert _rel_err(ours, expected) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def test_reference_of_no_tokens_is_empty():
     x = torch.zeros(0, 32)
     out = fused_moe_ref(x, experts(4, 32, 16, torch.float32, device=torch.device("cpu")), torch.zeros(0, 2),
@@ -95,6 +132,25 @@ def test_triton_kernel_matches_the_reference(dtype, tokens, num_experts, k, hidd
     weights, ids = _routing(tokens, num_experts, k, seed=tokens, skewed=skewed)
     ref = fused_moe_ref(x, layer, weights, ids)
     assert _rel_err(triton_moe.fused_moe_triton(x, layer, weights, ids), ref) < TOL[dtype]
+
+
+@pytest.mark.skipif(triton_moe is None, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_triton_kernel_with_biased_experts_and_the_clamped_swiglu(tokens):
+    """gpt-oss's experts (biases on both projections, the clamped SwiGLU, values past its limit)."""
+    layer = experts(16, 64, 80, torch.bfloat16, seed=3)
+    g = torch.Generator().manual_seed(4)
+    layer.w13 = layer.w13 * 4  # gate / up of std ~4: the clamps at 7 cut some
+    layer.w13_bias = (torch.randn(16, 160, generator=g) * 0.5).to(DEVICE, torch.bfloat16)
+    layer.w2_bias = (torch.randn(16, 64, generator=g) * 0.5).to(DEVICE, torch.bfloat16)
+    layer.clamped_swiglu = GPT_OSS_SWIGLU
+    x = torch.randn(tokens, 64, generator=g).to(DEVICE, torch.bfloat16)
+    weights, ids = _routing(tokens, 16, 4, seed=tokens)
+    ref = fused_moe_ref(x, layer, weights, ids)
+    # activations of 10-50 and outputs of ~10 round to bf16 in steps of 1/16-1/4 at each bias add and
+    # (the reference) at each of the SwiGLU's steps: 3e-2 here (measured 2.3e-2; both the kernel and
+    # the reference are ~2e-2 from the float32 result of the same weights)
+    assert _rel_err(triton_moe.fused_moe_triton(x, layer, weights, ids), ref) < 3e-2
 
 
 def test_fp8_experts_stay_near_the_model_dtype_ones():

@@ -154,6 +154,47 @@ def test_soft_capped_scores(num_splits, dtype):
         assert rel_err(ref, paged_attention_ref(*b.ref_args(), window=window)) > 0.05  # the cap changed the answer
 
 
+def _sinks(num_heads: int, seed: int) -> torch.Tensor:
+    """Sink logits of std 2 around 1: on a par with the scores, so they take a real share."""
+    return (torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2 + 1).to(DEVICE)
+
+
+def test_attention_sinks_join_each_heads_softmax():
+    """The reference with sinks (gpt-oss) against the definition, written out densely per sequence:
+    softmax over [scores, sink], the sink's share dropped; a sink at -inf changes nothing."""
+    b = Batch([1, 1, 6], [50, 17, 30], 8, 2, 32, seed=5)
+    sinks = _sinks(8, 5)
+    out = paged_attention_ref(*b.ref_args(), sinks=sinks)
+    for i, (start, q_len, seq_len) in enumerate([(0, 1, 50), (1, 1, 17), (2, 6, 30)]):
+        blocks = b.ref_block_tables[i, : cdiv(seq_len, 16)].long()
+        keys = b.kf[blocks].reshape(-1, 2, 32)[:seq_len].repeat_interleave(4, dim=1)  # [L, heads, d]
+        values = b.vf[blocks].reshape(-1, 2, 32)[:seq_len].repeat_interleave(4, dim=1)
+        q = b.query[start : start + q_len]
+        scores = torch.einsum("qhd,lhd->hql", q, keys) * b.scale
+        causal = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(~causal.to(DEVICE), float("-inf"))
+        logits = torch.cat((scores, sinks.view(8, 1, 1).expand(8, q_len, 1)), dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        assert rel_err(out[start : start + q_len], torch.einsum("hql,lhd->qhd", probs, values)) < 1e-5
+    no_sink = torch.full((8,), float("-inf"), device=DEVICE)
+    assert rel_err(paged_attention_ref(*b.ref_args(), sinks=no_sink), b.reference()) < 1e-6
+    assert rel_err(out, b.reference()) > 0.05
+
+
+@pytest.mark.parametrize("num_splits,dtype", [(1, torch.bfloat16), (4, torch.float32)], ids=str)
+def test_attention_sinks(num_splits, dtype):
+    """gpt-oss's sinks in the Triton kernel and the CPU attention (which takes the reference: the
+    poisoned cache is the Triton kernel's test), with its 128-key sliding window and without, split
+    (the sink counted once over the splits) and unsplit."""
+    b = Batch([1, 1, 20], [700, 40, 300], 8, 2, 64, dtype=dtype, seed=12)
+    sinks = _sinks(8, 12)
+    for window in (None, 128):
+        ref = paged_attention_ref(*b.ref_args(), window=window, sinks=sinks)
+        assert rel_err(b.triton(num_splits=num_splits, window=window, sinks=sinks), ref) < TOL[dtype]
+        assert rel_err(paged_attention_cpu(*b.ref_args(), window=window, sinks=sinks), ref) < TOL[dtype]  # the reference
+        assert rel_err(ref, paged_attention_ref(*b.ref_args(), window=window)) > 0.05
+
+
 def test_split_heuristic():
     """Small batch + long context splits; a full grid or a short context does not."""
     assert choose_num_splits(num_programs=8, max_seq_len=4096, num_sms=132, block_n=64) > 1
