@@ -104,6 +104,10 @@ class ModelConfig:
     """gpt-oss: each attention head has a learned sink logit (`self_attn.sinks`) that joins its
     softmax's denominator with no value."""
     eos_token_ids: list[int] = field(default_factory=list)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    """The sampling fields generation_config.json sets away from transformers' defaults (temperature,
+    top_p, top_k, min_p, repetition_penalty: vLLM's `get_diff_sampling_param`): what a request that
+    asks for the model's defaults (`use_model_defaults`, the OpenAI gateway's) gets where it is silent."""
     bos_token_id: int | None = None
     checkpoint_dtype: str = "float32"
     source_group_size: int | None = None

@@ -119,6 +119,9 @@ def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
     openai.add_argument(FLAGS["tool_call_parser"], dest="tool_call_parser", default=default("tool_call_parser"),
                         choices=PARSERS, help="how tool_choice auto reads the model's tool calls: hermes (Hermes, "
                                               "Qwen), mistral, llama3_json, or auto: each by its markers (default: %(default)s)")
+    openai.add_argument(FLAGS["generation_config"], dest="generation_config", default=default("generation_config"),
+                        choices=("auto", "vllm"), help="sampling fields a request leaves out: auto, the served model's "
+                                                       "generation_config.json; vllm, vLLM's defaults (default: %(default)s)")
     limits = openai.add_argument_group("limits", "What one request or connection may take; the errors past the "
                                                  "body, choices and time limits name their flag.")
     helps = {

@@ -177,6 +177,22 @@ def test_rope_scalings_give_the_frequencies_transformers_computes(scaling):
     assert attention_factor == expected_factor
 
 
+def test_generation_config_gives_eos_lists_and_the_sampling_defaults_vllm_takes():
+    """Llama 3.1's generation_config.json: its EOS list joins config.json's id; temperature and top_p
+    become the model's defaults (what `use_model_defaults` requests get), top_k 50 and do_sample do
+    not (transformers' default and no sampling field: vLLM's get_diff_sampling_param drops them)."""
+    from transformers import LlamaConfig
+
+    from pagedserve.backend.checkpoints.hf import hf_model_config
+
+    config = LlamaConfig(**COMMON, eos_token_id=128001).to_dict() | {"architectures": ["LlamaForCausalLM"]}
+    generation = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 50, "eos_token_id": [128001, 128008, 128009]}
+    model = hf_model_config(config, generation)
+    assert model.eos_token_ids == [128001, 128008, 128009]
+    assert model.generation_defaults == {"temperature": 0.6, "top_p": 0.9}
+    assert hf_model_config(config).generation_defaults == {}
+
+
 def test_olmo2_norms_round_as_transformers_does_in_bf16():
     """OLMo 2's RMSNorm multiplies by its weight before rounding to bf16, Llama's after (hundreds
     of the values below differ): norm_rounds_once gives OLMo 2's to the bit, beside an add too."""

@@ -30,6 +30,19 @@ def test_chat_fields_become_vllm_sampling_parameters():
     assert json.loads(chat_request(chat(), 16).inputs()["sampling_parameters"]) == {"max_tokens": 16, "n": 1}
 
 
+def test_generation_config_auto_asks_for_the_models_defaults():
+    """vLLM's --generation-config: auto (the default) sends `use_model_defaults`, so the served
+    model's generation_config.json fills the fields a request leaves out; vllm sends nothing more."""
+    assert GatewayConfig().generation_config == "auto"
+    with pytest.raises(GatewayConfigError, match="generation_config.*'model'"):
+        GatewayConfig(generation_config="model")
+    sent = json.loads(chat_request(chat(temperature=0.3), 16, model_defaults=True).inputs()["sampling_parameters"])
+    assert sent == {"max_tokens": 16, "n": 1, "temperature": 0.3, "use_model_defaults": True}
+    prompts = completion_requests(CompletionRequest(model="llm", prompt=["a", "b"]), 16, model_defaults=True)
+    assert all(json.loads(r.inputs()["sampling_parameters"])["use_model_defaults"] for r in prompts)
+    assert "use_model_defaults" not in json.loads(chat_request(chat(), 16).inputs()["sampling_parameters"])
+
+
 def test_vllms_stream_interval_is_passed_on_and_checked():
     sent = chat_request(chat(stream=True, stream_interval=4), 16).inputs()
     assert json.loads(sent["sampling_parameters"])["stream_interval"] == 4

@@ -158,6 +158,7 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         **_sliding_window(config, family),
         **(gpt_oss_fields(config) if family == "gpt_oss" else _experts(config, family)),
         eos_token_ids=_eos_ids(config, generation_config),
+        generation_defaults=generation_defaults(generation_config or {}),
         bos_token_id=config.get("bos_token_id"),
         checkpoint_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
         **prequantized(config.get("quantization_config") if family != "gpt_oss" else None),  # its MXFP4: gpt_oss.py
@@ -263,6 +264,18 @@ def _eos_ids(config: dict[str, Any], generation: dict[str, Any] | None) -> list[
             if token is not None and token not in ids:
                 ids.append(int(token))
     return ids
+
+
+GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+"""The sampling fields a generation_config.json may set, with transformers' GenerationConfig defaults."""
+
+
+def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields `generation_config` sets to other than transformers' defaults, as vLLM reads
+    them (`to_diff_dict`): Llama 3.1's {"temperature": 0.6, "top_p": 0.9}; a top_k of 50 is
+    transformers' default, so it is not taken."""
+    return {key: generation_config[key] for key, default in GENERATION_DEFAULTS.items()
+            if generation_config.get(key) is not None and generation_config[key] != default}
 
 
 def _safetensors_files(path: str) -> list[str]:

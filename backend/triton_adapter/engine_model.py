@@ -101,8 +101,11 @@ class EngineModel:
         tokenizer: Any,
         stats: Callable[[], EngineStats],
         metrics: EngineMetrics | None = None,
+        model_defaults: Mapping[str, Any] | None = None,
     ):
         self.pb_utils = pb_utils
+        self.model_defaults = dict(model_defaults or {})
+        """The checkpoint's generation_config sampling fields (requests' `use_model_defaults`)."""
         self.final_flag = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self.engine_thread = engine_thread
         self.tokenizer = tokenizer
@@ -140,7 +143,7 @@ class EngineModel:
                 if "metrics not supported" not in str(error):
                     raise
                 log_info(pb_utils, "metrics are off in this server (--allow-metrics=false); serving without them")
-        return cls(pb_utils, engine_thread, engine.tokenizer, engine.stats, metrics)
+        return cls(pb_utils, engine_thread, engine.tokenizer, engine.stats, metrics, engine.model_config.generation_defaults)
 
     # -- requests in -------------------------------------------------------------
     def execute(self, requests: list[Any]) -> None:
@@ -164,7 +167,7 @@ class EngineModel:
                 plan = self.contract.plan(inputs, set(requested), self.tokenizer)
                 inputs, requested, reply = plan.engine_inputs, plan.engine_outputs, plan.reply
                 rendered_reply = plan.rendered_reply
-            parsed = parse_engine_request(inputs, self.tokenizer, request.parameters(), requested)
+            parsed = parse_engine_request(inputs, self.tokenizer, request.parameters(), requested, self.model_defaults)
             parsed.bls_caller = bls_caller
             request_id = request.request_id()
             if request_id and bls_caller and self.cancelled_early.take(request_id):

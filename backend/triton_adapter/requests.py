@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -102,13 +102,18 @@ def _json_input(name: str, value: str) -> Any:
 
 
 def parse_engine_request(
-    inputs: Arrays, tokenizer: Any, request_parameters: str | None = None, requested_outputs: Iterable[str] = ()
+    inputs: Arrays, tokenizer: Any, request_parameters: str | None = None, requested_outputs: Iterable[str] = (),
+    model_defaults: Mapping[str, Any] | None = None,
 ) -> EngineRequest:
     """Parse a token-level engine request (`request_parameters`: Triton's request parameters
     as JSON, read as sampling parameters when `sampling_parameters` is absent;
-    `requested_outputs`: the request's requested output names)."""
+    `requested_outputs`: the request's requested output names; `model_defaults`: the model's
+    generation_config sampling fields, which fill those a request with `use_model_defaults`
+    leaves out)."""
     prompt = token_ids(inputs, "input_ids")
     values = _sampling_json(inputs, request_parameters)
+    if _cast_flag(values.pop(USE_MODEL_DEFAULTS, False)):
+        values = {**(model_defaults or {}), **values}
     for name, key in TRTLLM_SCALARS.items():
         value = scalar(inputs, name)
         if value is not None:
@@ -162,6 +167,20 @@ def select_outputs(requested: Iterable[str], returns: set[str], always: Iterable
     the stub released the GIL (freeing its numpy array unsafely)."""
     allowed = set(always) | {RETURN_OUTPUTS[name] for name in returns}
     return frozenset(name for name in requested if name in allowed)
+
+
+USE_MODEL_DEFAULTS = "use_model_defaults"
+"""Our one sampling key beyond vLLM's: true fills the fields the request leaves out from the model's
+generation_config.json (ModelConfig.generation_defaults), as vLLM's OpenAI server does for every
+request; the vLLM backend's contract (vLLM's own defaults) is kept without it."""
+
+
+def _cast_flag(value: Any) -> bool:
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if isinstance(value, (bool, int)) and value in (0, 1):
+        return bool(value)
+    raise InvalidRequestError(USE_MODEL_DEFAULTS, f"must be true or false, got {value!r}")
 
 
 def _sampling_json(inputs: Arrays, request_parameters: str | None) -> dict[str, Any]:

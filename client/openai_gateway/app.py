@@ -116,7 +116,7 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         model = triton_model(body.model)
         llm_request = translate.chat_request(body, config.default_max_tokens, config.max_choices_per_request,
-                                             config.tool_call_parser)
+                                             config.tool_call_parser, model_defaults=config.generation_config == "auto")
         with_adapter([llm_request], body.model)
         header = responses.ResponseHeader.new("chatcmpl", body.model)
         result = responses.Accumulator(n=body.n)
@@ -142,7 +142,8 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         model = triton_model(body.model)
-        llm_requests = translate.completion_requests(body, config.default_max_tokens, config.max_choices_per_request)
+        llm_requests = translate.completion_requests(body, config.default_max_tokens, config.max_choices_per_request,
+                                                     model_defaults=config.generation_config == "auto")
         with_adapter(llm_requests, body.model)
         prompts = [r.text or "" for r in llm_requests]
         header = responses.ResponseHeader.new("cmpl", body.model)

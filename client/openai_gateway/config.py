@@ -30,7 +30,9 @@ FLAGS = {
     "keep_alive_timeout_s": "--keep-alive-timeout",
     "request_timeout_s": "--request-timeout",
     "tool_call_parser": "--tool-call-parser",
+    "generation_config": "--generation-config",
 }
+GENERATION_CONFIGS = ("auto", "vllm")
 
 
 def knob(name: str) -> str:
@@ -69,6 +71,10 @@ class GatewayConfig:
     """Serve a non-loopback `host` without an API key (anyone who reaches it can use it)."""
     default_max_tokens: int = 16
     """max_tokens when a request gives none (vLLM's and Triton's frontend's default)."""
+    generation_config: str = "auto"
+    """Where a request's unset sampling fields come from (vLLM's --generation-config): auto, the served
+    model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, where it sets
+    them), as vLLM's OpenAI server; vllm, vLLM's own defaults (temperature 1, no top-p / top-k cut)."""
     tool_call_parser: str = "auto"
     """How `tool_choice: auto` reads a model's tool calls (vLLM's --tool-call-parser): hermes
     (Hermes, Qwen), mistral, llama3_json, or auto (each family known by its own markers)."""
@@ -103,6 +109,9 @@ class GatewayConfig:
         self.adapters()
         if self.default_max_tokens < 1:
             raise GatewayConfigError(f"default_max_tokens: {self.default_max_tokens} must be at least 1")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise GatewayConfigError(f"generation_config (--generation-config): {self.generation_config!r} is not one of "
+                                     f"{', '.join(GENERATION_CONFIGS)}")
         if self.tool_call_parser not in PARSERS:
             raise GatewayConfigError(f"tool_call_parser (--tool-call-parser): {self.tool_call_parser!r} is not one of "
                                      f"{', '.join(PARSERS)}")

@@ -35,6 +35,9 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "use_beam_search": (None, False),
 }
+USE_MODEL_DEFAULTS = "use_model_defaults"
+"""The `llm` model's sampling key asking for the served model's generation_config defaults where the
+request is silent (the gateway's generation_config auto)."""
 _GRAMMAR_KEYS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "guided_decoding_backend")
 """vLLM's structured-output fields (an extension OpenAI-speaking tools send to vLLM): passed to
@@ -77,9 +80,11 @@ class LLMRequest:
 
 
 def chat_request(request: ChatCompletionRequest, default_max_tokens: int, max_choices: int | None = None,
-                 tool_call_parser: str = "auto") -> LLMRequest:
+                 tool_call_parser: str = "auto", *, model_defaults: bool = False) -> LLMRequest:
     """`max_choices`: the gateway's max_choices_per_request (None: no cap); `tool_call_parser`:
-    how `tool_choice: auto` reads the model's calls (tools.PARSERS)."""
+    how `tool_choice: auto` reads the model's calls (tools.PARSERS); `model_defaults`: the served
+    model's generation_config fills the sampling fields the request leaves out (the gateway's
+    generation_config auto)."""
     _refuse_unsupported(request)
     _check_choices(1, request.n, max_choices)
     if request.top_logprobs is not None and not request.logprobs:
@@ -87,7 +92,7 @@ def chat_request(request: ChatCompletionRequest, default_max_tokens: int, max_ch
     top = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
     tools = tool_plan(request.model_extra or {}, tool_call_parser)
-    sampling = _sampling(request, max_tokens, top)
+    sampling = _sampling(request, max_tokens, top, model_defaults)
     if tools is not None and tools.grammar() is not None:
         if any(name in sampling for name in _GRAMMAR_KEYS):
             raise OpenAIError(400, f"`tool_choice` {tools.choice} is enforced by a grammar; `response_format` and "
@@ -105,9 +110,10 @@ def chat_request(request: ChatCompletionRequest, default_max_tokens: int, max_ch
 
 
 def completion_requests(request: CompletionRequest, default_max_tokens: int,
-                        max_choices: int | None = None) -> list[LLMRequest]:
+                        max_choices: int | None = None, *, model_defaults: bool = False) -> list[LLMRequest]:
     """One `llm` request per prompt (a list of prompts fans out; choices follow prompt order).
-    `max_choices`: the gateway's max_choices_per_request, prompts x `n` (None: no cap)."""
+    `max_choices`: the gateway's max_choices_per_request, prompts x `n` (None: no cap);
+    `model_defaults` as chat_request's."""
     _refuse_unsupported(request)
     prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
     if not prompts or not all(isinstance(p, str) for p in prompts):
@@ -117,7 +123,7 @@ def completion_requests(request: CompletionRequest, default_max_tokens: int,
     if best_of not in (None, request.n):
         raise unsupported("best_of", f"must equal `n` ({request.n}) here; best-of ranking is not supported")
     max_tokens = request.max_tokens or default_max_tokens
-    sampling = _sampling(request, max_tokens, request.logprobs)
+    sampling = _sampling(request, max_tokens, request.logprobs, model_defaults)
     texts = [p for p in prompts if isinstance(p, str)]  # every one of them, as checked above
     return [
         LLMRequest(text=p, sampling=sampling, stream=request.stream, echo=request.echo, top_logprobs=request.logprobs)
@@ -136,8 +142,10 @@ def _check_choices(prompts: int, n: int, max_choices: int | None) -> None:
                       param="prompt" if prompts > max_choices else "n", code="too_many_choices")
 
 
-def _sampling(request: SamplingFields, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+def _sampling(request: SamplingFields, max_tokens: int, logprobs: int | None, model_defaults: bool) -> dict[str, Any]:
     values: dict[str, Any] = {"max_tokens": max_tokens}
+    if model_defaults:
+        values[USE_MODEL_DEFAULTS] = True
     for name in _PASSED_THROUGH:
         value = getattr(request, name, None)
         if value is not None:

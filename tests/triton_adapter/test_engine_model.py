@@ -184,6 +184,25 @@ def test_triton_request_parameters_act_as_sampling_parameters(model, engine_thre
     assert np.array_equal(engine_thread.submitted["p"][0], [1])
 
 
+def test_the_models_generation_config_fills_what_a_request_asking_for_it_leaves_out(engine_thread):
+    """`use_model_defaults` (the OpenAI gateway's): the checkpoint's temperature and top_p where the
+    request is silent, its own values where it is not; without it vLLM's defaults, as Triton's vLLM
+    backend gives them."""
+    model = EngineModel(FakePbUtils(), engine_thread, CharTokenizer(), lambda: STATS,
+                        model_defaults={"temperature": 0.6, "top_p": 0.9})
+    for request_id, sampling in (("d", {"use_model_defaults": True, "top_p": 0.5}), ("v", {}),
+                                 ("s", {"use_model_defaults": "true"})):
+        model.execute([Request({"input_ids": [1], "sampling_parameters": json.dumps(sampling)}, request_id=request_id)])
+    wait_until(lambda: len(engine_thread.submitted) == 3)
+    got = {key: (params.temperature, params.top_p) for key, (_, params) in
+           ((key, engine_thread.submitted[key][:2]) for key in "dvs")}
+    assert got == {"d": (0.6, 0.5), "v": (1.0, 1.0), "s": (0.6, 0.9)}
+    bad = Request({"input_ids": [1], "sampling_parameters": json.dumps({"use_model_defaults": "maybe"})}, request_id="b")
+    model.execute([bad])
+    assert "'use_model_defaults': must be true or false" in bad.sender.wait_final()[-1][0].error().message()
+    model.finalize()
+
+
 def test_bls_callers_are_not_asked_whether_they_were_cancelled(model, engine_thread):
     request = submit(model, engine_thread, stream=True, bls_caller=True)
     request.sender.is_cancelled = lambda: pytest.fail("asked a BLS caller")  # `llm` sends cancel requests instead
