@@ -152,7 +152,8 @@ def load_weights(
         if target is None or target not in params:
             continue
         parts = pending.setdefault(target, [None] * count)
-        parts[index] = (name, take_shard(model.get_submodule(target.rpartition(".")[0]), index, tensor))
+        owner, _, kind = target.rpartition(".")
+        parts[index] = (name, take_shard(model.get_submodule(owner), index, tensor, kind))
         if all(part is not None for part in parts):
             rows = [part for part in pending.pop(target) if part is not None]  # all of them, as checked
             _copy_rows(params[target], rows)

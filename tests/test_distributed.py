@@ -105,14 +105,18 @@ def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path, sentencepiece_tokeni
     assert not new_workers()
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma3", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["phi3", "gemma3", "qwen3-moe", "gpt-oss"])
 def test_families_that_stack_or_sandwich_their_projections_split_across_ranks(family, tmp_path, sentencepiece_tokenizer,
                                                                                 small_prompts, new_workers):
     """Phi-3's stacked q/k/v and gate/up (read as their parts, then sharded as Llama's), Gemma 3's
     per-head q/k norms, norms around each sublayer and sliding-window layers (a window of 16), and
-    Qwen3-MoE's experts (each expert's width split, the router on every rank): 2 ranks give 1 rank's tokens."""
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    Qwen3-MoE's experts (each expert's width split, the router on every rank), gpt-oss's sinks (split
+    with their heads), biased attention and experts (the output projections' biases added by rank 0
+    alone): 2 ranks give 1 rank's tokens."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+    from .test_models import make_biases_and_norms_matter
 
     from .tensor_parallel_checks import SMALL_LLAMA
 
@@ -124,6 +128,10 @@ def test_families_that_stack_or_sandwich_their_projections_split_across_ranks(fa
     elif family == "gemma3":
         model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, head_dim=16, sliding_window=16,
                                                    layer_types=["sliding_attention", "full_attention"]))
+    elif family == "gpt-oss":
+        model = make_biases_and_norms_matter(GptOssForCausalLM(GptOssConfig(
+            **{**shape, "initializer_range": 0.1}, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"])), "gpt-oss")
     else:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                                    norm_topk_prob=True))

@@ -175,6 +175,8 @@ class LlamaAttention(nn.Module):
         """Gemma 2: scores become softcap * tanh(score / softcap) before the softmax; None for none."""
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
         """gpt-oss: each query head's sink logit, one more term of its softmax's denominator; None for none."""
+        self.shards = (parallel.shard(0),)
+        """This rank's query heads' share of the one tensor held here itself (the sinks)."""
         # queries and keys RMS-normed before rotary: each head over head_dim with one weight (Qwen3),
         # or the whole projection with a weight as wide (OLMo 2)
         q_width, k_width = (self.q_size, self.kv_size) if config.qk_norm_across_heads else (self.head_dim, self.head_dim)

@@ -85,8 +85,10 @@ class SparseMoeBlock(nn.Module):
         stacked = {("weight", False): self.w13, ("weight", True): self.w2, ("bias", False): self.w13_bias,
                    ("bias", True): self.w2_bias}[(kind, down)]
         assert stacked is not None  # biases are in _kinds() only where the layer has them
-        if down:  # a bias of the summed output: whole on every rank (tensor parallelism is refused with it)
-            stacked[expert].copy_(Shard(1, self.shard.index, self.shard.count).take(tensor) if kind == "weight" else tensor)
+        if down and kind == "bias":  # of the all-reduced sum: rank 0 adds it, the others zeros
+            stacked[expert].copy_(tensor if self.shard.index == 0 else torch.zeros_like(tensor))
+        elif down:
+            stacked[expert].copy_(Shard(1, self.shard.index, self.shard.count).take(tensor))
         else:
             rows = slice(0, inter) if projection == "gate_proj" else slice(inter, 2 * inter)
             stacked[expert, rows].copy_(self.shard.take(tensor))

@@ -4,7 +4,8 @@ and ranks meet through a collective only where a slice's result is partial.
 - column-parallel (q/k/v, gate/up): a rank holds some output rows, so its outputs are
   complete for its own heads / intermediate channels; no communication.
 - row-parallel (o_proj, down_proj): a rank holds the matching input columns, so its
-  output is a partial sum: all-reduced.
+  output is a partial sum: all-reduced. Its bias is added once: rank 0 holds it, the
+  others a bias of zeros (`take_shard`), so every rank's layer is the same Linear.
 - vocabulary-parallel embedding: a rank holds some vocabulary rows; tokens outside
   them get zeros and the all-reduce fills them in (exact: x + 0 = x).
 - vocabulary-parallel LM head: each rank's logits of its vocabulary rows, all-gathered,
@@ -103,17 +104,6 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
             f"{config.packed_weights} checkpoints are not sharded; serve them with tensor_parallel_size=1 "
             "or use the bf16/fp32 checkpoint",
         )
-    if config.attention_sinks or config.expert_bias:
-        raise ConfigError(
-            "tensor_parallel_size",
-            "gpt-oss's attention sinks and biased experts are not sharded yet; serve it with tensor_parallel_size=1",
-        )
-    if config.o_bias:
-        raise ConfigError(
-            "tensor_parallel_size",
-            "this model's attention output projection has a bias (attention_bias), which split ranks would each "
-            "add; serve it with tensor_parallel_size=1",
-        )
     if config.qk_norm_across_heads:
         raise ConfigError(
             "tensor_parallel_size",
@@ -156,7 +146,7 @@ class CombiningLinear(Linear):
     shard_dim: int
 
     def __init__(self, in_features: int, out_features: int, parallel: TensorParallel, bias: bool = False):
-        super().__init__(in_features, out_features, bias=bias)  # one rank only (`check_tensor_parallel` refuses more)
+        super().__init__(in_features, out_features, bias=bias)
         self.shards = (parallel.shard(self.shard_dim),)
         self.collectives = parallel.collectives
 
@@ -169,9 +159,10 @@ class CombiningLinear(Linear):
 
 
 class RowParallelLinear(CombiningLinear):
-    """This rank's input columns: its outputs are partial sums, all-reduced."""
+    """This rank's input columns: its outputs are partial sums, all-reduced (the bias rank 0's)."""
 
     shard_dim = 1
+    bias_on_first_rank_only = True
 
     def combine(self, out: torch.Tensor, collectives: Collectives) -> torch.Tensor:
         return collectives.all_reduce(out)
@@ -206,8 +197,13 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.collectives.all_reduce(out)
 
 
-def take_shard(module: nn.Module, index: int, tensor: torch.Tensor) -> torch.Tensor:
+def take_shard(module: nn.Module, index: int, tensor: torch.Tensor, kind: str = "weight") -> torch.Tensor:
     """This rank's slice of the `index`-th checkpoint tensor stacked into `module`
-    (the whole tensor for layers that are not split: norms)."""
+    (the whole tensor for layers that are not split: norms); a row-parallel layer's bias
+    on rank 0 only (zeros elsewhere: the all-reduce adds it once)."""
     shards = getattr(module, "shards", None)
-    return tensor if shards is None else shards[index].take(tensor)
+    if shards is None:
+        return tensor
+    if kind == "bias" and getattr(module, "bias_on_first_rank_only", False) and shards[index].index != 0:
+        return torch.zeros_like(tensor)
+    return shards[index].take(tensor)
