@@ -216,7 +216,7 @@ class LLMEngine:
         """Queue a request (text or token ids). Raises InvalidRequestError or QueueFullError.
         final_only: only its finished output is wanted (`generate`): no text is rendered
         step by step (OutputRenderer)."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_admission(ids, params)  # its caps count the words the request gave, before they are tokenized
         params = self._with_bad_word_ids(params)
@@ -397,6 +397,12 @@ class LLMEngine:
         targets = torch.tensor(ids[1:], device=logprobs.device)
         return logprobs.gather(1, targets[:, None])[:, 0].tolist()
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling parameters runs with: vLLM's defaults, less what the
+        checkpoint's generation_config.json sets (ModelConfig.generation_defaults), as vLLM's
+        `LLM.get_default_sampling_params`."""
+        return SamplingParams.from_dict(self.model_config.generation_defaults)
+
     # -- offline ---------------------------------------------------------------
     def generate(
         self,
@@ -407,7 +413,7 @@ class LLMEngine:
         """Run prompts to completion in one continuous batch; results in prompt order."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params or self.default_sampling_params()] * len(prompts)
         completions: dict[str, Completion] = {}
         order = []
         for prompt, p in zip(prompts, params):

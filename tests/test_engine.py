@@ -19,6 +19,15 @@ def test_max_tokens_ends_with_length(engine):
     assert_engine_idle(engine)
 
 
+def test_a_request_without_sampling_parameters_takes_the_checkpoints_generation_config(engine, monkeypatch):
+    """vLLM's LLM.get_default_sampling_params: its own defaults where the checkpoint sets nothing (the
+    bundled GGUF), the generation_config.json's temperature and top_p where it does."""
+    assert engine.default_sampling_params() == SamplingParams()
+    monkeypatch.setattr(engine.model_config, "generation_defaults", {"temperature": 0.6, "top_p": 0.9})
+    defaults = engine.default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (0.6, 0.9, SamplingParams().max_tokens)
+
+
 def test_ignore_eos_and_min_tokens_run_past_the_end(engine):
     ids = engine.encode(messages=CAPITAL)
     [plain] = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0), use_tqdm=False)
