@@ -85,7 +85,13 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
     """`pagedserve openai`'s flags: GatewayConfig's fields (its defaults, shown here)."""
-    from .openai_gateway.config import API_KEY_ENV, API_KEY_FILE_ENV, FLAGS, GatewayConfig  # light: no server imports
+    from .openai_gateway.config import (  # light: no server imports
+        API_KEY_ENV,
+        API_KEY_FILE_ENV,
+        FLAGS,
+        GENERATION_CONFIGS,
+        GatewayConfig,
+    )
     from .openai_gateway.tool_parsers import PARSERS
 
     defaults = GatewayConfig.__dataclass_fields__
@@ -120,7 +126,7 @@ def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
                         choices=PARSERS, help="how tool_choice auto reads the model's tool calls: hermes (Hermes, "
                                               "Qwen), mistral, llama3_json, or auto: each by its markers (default: %(default)s)")
     openai.add_argument(FLAGS["generation_config"], dest="generation_config", default=default("generation_config"),
-                        choices=("auto", "vllm"), help="sampling fields a request leaves out: auto, the served model's "
+                        choices=GENERATION_CONFIGS, help="sampling fields a request leaves out: auto, the served model's "
                                                        "generation_config.json; vllm, vLLM's defaults (default: %(default)s)")
     limits = openai.add_argument_group("limits", "What one request or connection may take; the errors past the "
                                                  "body, choices and time limits name their flag.")

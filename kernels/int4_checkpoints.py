@@ -23,17 +23,20 @@ from .int4 import PACK, Int4Weight, pack_int4, unpack_int4
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def _unpack_along_last(packed: torch.Tensor, order=None) -> torch.Tensor:
-    """int32 [R, C] -> uint8 [R, 8C]: column 8c + order[i] <- nibble i of packed[:, c]."""
+def unpack_along_last(packed: torch.Tensor, order=None, bits: int = 4) -> torch.Tensor:
+    """int32 [R, C] words of `bits`-wide fields -> uint8 [R, (32 / bits) C]: column (32 / bits) c +
+    order[i] <- field i (bits i * bits upward) of packed[:, c]. 4-bit: every format here; 8-bit:
+    compressed-tensors' W8A16 (checkpoints/prequantized.py)."""
     r, c = packed.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    nib = ((packed.unsqueeze(-1) >> shifts) & 15).to(torch.uint8)  # [R, C, 8], by nibble i
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    fields = ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8)  # [R, C, per_word], by field i
     if order is not None:
-        inv = [0] * PACK
+        inv = [0] * per_word
         for i, col in enumerate(order):
-            inv[col] = i  # column col lives in nibble inv[col]
-        nib = nib[..., inv]
-    return nib.reshape(r, c * PACK)
+            inv[col] = i  # column col lives in field inv[col]
+        fields = fields[..., inv]
+    return fields.reshape(r, c * per_word)
 
 
 def offsets_from_zeros(zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -77,8 +80,8 @@ def int4_from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Ten
     if tuple(qzeros.shape) != (ng, n8) or tuple(scales.shape) != (ng, n):
         raise ValueError(f"AWQ shapes disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
                          f"scales {tuple(scales.shape)}, group_size {group_size}")
-    q = _unpack_along_last(qweight, AWQ_ORDER)  # [K, N]
-    z = _unpack_along_last(qzeros, AWQ_ORDER)  # [ng, N]
+    q = unpack_along_last(qweight, AWQ_ORDER)  # [K, N]
+    z = unpack_along_last(qzeros, AWQ_ORDER)  # [ng, N]
     return Int4Weight(qweight=pack_int4(q), scales=scales.contiguous(), offsets=offsets_from_zeros(z, scales),
                       group_size=group_size, shape=(n, k))
 
@@ -114,7 +117,7 @@ def int4_from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     if tuple(qzeros.shape) != (ng, n // PACK) or tuple(scales.shape) != (ng, n) or n % PACK:
         raise ValueError(f"GPTQ shapes disagree (4-bit expected): qweight {tuple(qweight.shape)}, "
                          f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group_size {group_size}")
-    z = _unpack_along_last(qzeros)
+    z = unpack_along_last(qzeros)
     if checkpoint_format == "gptq":
         z = z + 1  # uint8: 15 + 1 = 16 fits
     perm = None
@@ -145,7 +148,7 @@ def int4_from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torc
     `offsets_from_zeros`); codes and scales are kept bit for bit.
     """
     n, groups = weight_scale.shape
-    codes = _unpack_along_last(weight_packed.to(torch.int32))  # [N, 8 * ceil(K / 8)]
+    codes = unpack_along_last(weight_packed.to(torch.int32))  # [N, 8 * ceil(K / 8)]
     k = codes.shape[1]
     if n != weight_packed.shape[0] or k % groups or (k // groups) % PACK:
         raise ValueError(f"compressed-tensors shapes disagree: weight_packed {tuple(weight_packed.shape)}, "
@@ -154,6 +157,6 @@ def int4_from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torc
     if weight_zero_point is None:
         zeros = torch.full_like(scales, 8, dtype=torch.uint8)
     else:
-        zeros = _unpack_along_last(weight_zero_point.to(torch.int32).t().contiguous())[:, :n]  # [K // G, N]
+        zeros = unpack_along_last(weight_zero_point.to(torch.int32).t().contiguous())[:, :n]  # [K // G, N]
     return Int4Weight(qweight=pack_int4(codes.t()), scales=scales, offsets=offsets_from_zeros(zeros, scales),
                       group_size=k // groups, shape=(n, k))

@@ -29,7 +29,12 @@ from torch import nn
 from pagedserve.kernels.dispatch import fp8_linear, int4_linear
 from pagedserve.kernels.fp8 import Fp8Weight, Int8Weight, fp8_from_blocks
 from pagedserve.kernels.int4 import Int4Weight
-from pagedserve.kernels.int4_checkpoints import int4_from_awq, int4_from_compressed_tensors, int4_from_gptq
+from pagedserve.kernels.int4_checkpoints import (
+    int4_from_awq,
+    int4_from_compressed_tensors,
+    int4_from_gptq,
+    unpack_along_last,
+)
 from pagedserve.kernels.numerics import FP8_DTYPE
 
 from ..errors import ConfigError
@@ -72,9 +77,8 @@ def int8_from_compressed_tensors(tensors: dict[str, torch.Tensor], config: Model
     `weight_scale` [N, 1] per channel or [N, ceil(K / G)] per group. W = code * scale."""
     scale = tensors["weight_scale"].to(torch.float32)
     if "weight_packed" in tensors:
-        packed = tensors["weight_packed"].to(torch.int32)
-        shifts = torch.arange(0, 32, 8, dtype=torch.int32)
-        codes = (((packed.unsqueeze(-1) >> shifts) & 0xFF) - 128).to(torch.int8).flatten(1)
+        stored = unpack_along_last(tensors["weight_packed"].to(torch.int32), bits=8)
+        codes = (stored.to(torch.int16) - 128).to(torch.int8)
         codes = codes[:, : int(tensors["weight_shape"][1])] if "weight_shape" in tensors else codes
     else:
         codes = tensors["weight"]

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
 from ..tokenizer import apply_chat_template, encode_prompt, encode_words
+from ..values import to_bool
 from .tensors import Arrays, flag, scalar, strings, token_ids
 
 # TensorRT-LLM-style scalar inputs -> SamplingParams field
@@ -112,7 +113,7 @@ def parse_engine_request(
     leaves out)."""
     prompt = token_ids(inputs, "input_ids")
     values = _sampling_json(inputs, request_parameters)
-    if _cast_flag(values.pop(USE_MODEL_DEFAULTS, False)):
+    if _use_model_defaults(values.pop(USE_MODEL_DEFAULTS, False)):
         values = {**(model_defaults or {}), **values}
     for name, key in TRTLLM_SCALARS.items():
         value = scalar(inputs, name)
@@ -175,12 +176,11 @@ generation_config.json (ModelConfig.generation_defaults), as vLLM's OpenAI serve
 request; the vLLM backend's contract (vLLM's own defaults) is kept without it."""
 
 
-def _cast_flag(value: Any) -> bool:
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-        return value.lower() in ("true", "1")
-    if isinstance(value, (bool, int)) and value in (0, 1):
-        return bool(value)
-    raise InvalidRequestError(USE_MODEL_DEFAULTS, f"must be true or false, got {value!r}")
+def _use_model_defaults(value: Any) -> bool:
+    try:
+        return to_bool(value)
+    except ValueError:
+        raise InvalidRequestError(USE_MODEL_DEFAULTS, f"must be true or false, got {value!r}") from None
 
 
 def _sampling_json(inputs: Arrays, request_parameters: str | None) -> dict[str, Any]:

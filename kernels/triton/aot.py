@@ -586,7 +586,7 @@ def representative(configs: Sequence[KernelConfig]) -> List[KernelConfig]:
     rows of the partials tile; SPLIT_K: an unrolled loop) grow their register use with
     the value. Timed-only GEMM candidates and configurations launched untimed are thinned
     separately (`KernelConfig.timed_only` keeps its meaning). Every other configuration
-    is kept, less the FP8 GEMMs that `_drop_superseded` drops."""
+    is kept, less those `_drop_superseded` drops."""
     out: List[KernelConfig] = []
     best: Dict[Tuple, KernelConfig] = {}
     for cfg in _drop_superseded(configs):
