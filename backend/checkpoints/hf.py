@@ -12,6 +12,7 @@ import torch
 from ..errors import ConfigError
 from ..model_config import ModelConfig
 from . import Checkpoint
+from .generation_config import eos_token_ids, generation_defaults, read_generation_config
 from .gpt_oss import gpt_oss_fields, gpt_oss_tensors
 from .quantization_config import checkpoint_quantization, prequantized
 
@@ -92,11 +93,7 @@ def hf_dir_config(path: str) -> ModelConfig:
         raise ConfigError("model", f"{path!r} has no config.json; is it a Hugging Face model directory?")
     with open(config_path) as f:
         config = json.load(f)
-    generation = None
-    generation_path = os.path.join(path, "generation_config.json")
-    if os.path.exists(generation_path):
-        with open(generation_path) as f:
-            generation = json.load(f)
+    generation = read_generation_config(path)
     quantization = checkpoint_quantization(path, config)
     if quantization:
         config["quantization_config"] = quantization
@@ -157,7 +154,7 @@ def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | 
         partial_rotary_factor=partial,
         **_sliding_window(config, family),
         **(gpt_oss_fields(config) if family == "gpt_oss" else _experts(config, family)),
-        eos_token_ids=_eos_ids(config, generation_config),
+        eos_token_ids=eos_token_ids(config, generation_config),
         generation_defaults=generation_defaults(generation_config or {}),
         bos_token_id=config.get("bos_token_id"),
         checkpoint_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
@@ -254,28 +251,6 @@ def _granite_multipliers(config: dict[str, Any]) -> dict[str, Any]:
     multiplier too, not 1/sqrt(head_dim))."""
     names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
     return {name: float(config.get(name, 1.0)) for name in names}
-
-
-def _eos_ids(config: dict[str, Any], generation: dict[str, Any] | None) -> list[int]:
-    ids: list[int] = []
-    for source in (config, generation or {}):
-        value = source.get("eos_token_id")
-        for token in value if isinstance(value, list) else [value]:
-            if token is not None and token not in ids:
-                ids.append(int(token))
-    return ids
-
-
-GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
-"""The sampling fields a generation_config.json may set, with transformers' GenerationConfig defaults."""
-
-
-def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
-    """The sampling fields `generation_config` sets to other than transformers' defaults, as vLLM reads
-    them (`to_diff_dict`): Llama 3.1's {"temperature": 0.6, "top_p": 0.9}; a top_k of 50 is
-    transformers' default, so it is not taken."""
-    return {key: generation_config[key] for key, default in GENERATION_DEFAULTS.items()
-            if generation_config.get(key) is not None and generation_config[key] != default}
 
 
 def _safetensors_files(path: str) -> list[str]:
