@@ -94,7 +94,8 @@ def build_empty_model(
         if config.packed_weights:  # filled from the quantized checkpoint tensors after loading
             for layer in model.layers:
                 for name in model.packed_modules:
-                    layer.set_submodule(name, torch.nn.Identity())
+                    if not (isinstance(layer.mlp, SparseMoeBlock) and name.startswith("mlp.")):  # experts: `install`
+                        layer.set_submodule(name, torch.nn.Identity())
     model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -104,7 +105,7 @@ def build_empty_model(
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(\w+)\.(weight|bias)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(\w+)\.(\w+)")
 _TOP_LEVEL = {
     "model.embed_tokens.weight": "embed_tokens.weight",
     "model.norm.weight": "norm.weight",
@@ -142,7 +143,11 @@ def load_weights(
             layer, (module, _, kind) = match.group(1), match.group(2).rpartition(".")
             expert = _EXPERT.fullmatch(match.group(2))
             if expert is not None and f"layers.{layer}.mlp" in experts:
-                experts[f"layers.{layer}.mlp"].load_expert(int(expert.group(1)), expert.group(2), tensor, expert.group(3))
+                number, projection, part = int(expert.group(1)), expert.group(2), expert.group(3)
+                if packed is not None and packed.accepts_expert(part):
+                    packed.add_expert(int(layer), number, projection, part, tensor)
+                elif part in ("weight", "bias"):
+                    experts[f"layers.{layer}.mlp"].load_expert(number, projection, tensor, part)
                 continue
             if packed is not None and packed.accepts(module, kind):
                 packed.add(int(layer), module, kind, tensor)

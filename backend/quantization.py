@@ -21,7 +21,6 @@ from pagedserve.kernels.dispatch import fp8_linear, int4_linear
 from pagedserve.kernels.fp8 import quantize_fp8
 from pagedserve.kernels.int4 import int4_group_size, quantize_int4
 
-from .errors import ConfigError
 from .models.llama import LlamaForCausalLM
 from .models.moe import SparseMoeBlock
 
@@ -51,15 +50,12 @@ def quantize_linear(linear: nn.Linear, method: str, source_group_size: int | Non
 @torch.inference_mode()
 def quantize_model(model: LlamaForCausalLM, method: str, keep_last_layers: int = 1) -> None:
     """Replace the decoder layers' linear layers in place (frees the dense weights); a mixture of
-    experts' experts become e4m3 (fp8 only)."""
-    if model.config.moe_layers and method != "fp8":
-        raise ConfigError("quantization", f"{method} for a mixture-of-experts model's experts is not built yet; "
-                                          "serve it with quantization fp8 or none")
+    experts' experts are quantized the same way, its router kept in the model dtype."""
     layers = list(model.decoder_layers)[: len(model.layers) - keep_last_layers]
     for layer in tqdm(layers, desc=f"Quantizing to {method}", unit="layer", leave=False):
         experts = layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None
         for name in model.packed_modules:
             if experts is None or not name.startswith("mlp."):
                 layer.set_submodule(name, quantize_linear(layer.get_submodule(name), method, model.config.source_group_size))
-        if experts is not None:  # its router stays in the model dtype
-            experts.quantize_fp8()
+        if experts is not None:
+            experts.quantize(method, model.config.source_group_size)

@@ -1,7 +1,9 @@
 """The fused MoE kernel (kernels/triton/moe.py) against the torch reference (kernels/moe.py, one pair
 of matmuls per expert with tokens) on one layer of real MoE models' experts, random weights in bf16,
-random routings, the experts in bf16 and in fp8 (e4m3, per-channel scales): time per call, and for the fused kernel the share of the device's copy bandwidth
-that reading the touched experts' weights once would take (decode sizes are bound by that read).
+random routings, the experts in bf16, in fp8 (e4m3, per-channel scales) and in 4-bit (group-wise
+scales and offsets): time per call, and for the fused kernel the share of the device's copy
+bandwidth that reading the touched experts' weights once would take (decode sizes are bound by
+that read).
 
 A section of benchmarks/gpu.py (`moe_rows`); alone: `python benchmarks/moe_kernel.py [--device cpu]`
 (on CPU only the reference runs, on tiny shapes: the dry run).
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.moe import ExpertWeights, fused_moe_ref, quantize_experts_fp8, route
+from pagedserve.kernels.moe import ExpertWeights, fused_moe_ref, quantize_experts_fp8, quantize_experts_int4, route
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,10 @@ def moe_rows(device: str, copy_gb_s: float | None = None, tokens: tuple[int, ...
         w2 = torch.randn(layer.experts, layer.hidden, layer.inter, device=device, dtype=torch.bfloat16,
                          generator=g) * layer.inter ** -0.5
         bf16 = ExpertWeights(w13, w2)
-        for form, experts in (("bf16", bf16), ("fp8", quantize_experts_fp8(bf16))):
-            expert_bytes = 3 * layer.hidden * layer.inter * experts.w13.element_size()
+        for form, quantize in (("bf16", None), ("fp8", quantize_experts_fp8), ("int4", quantize_experts_int4)):
+            experts = bf16 if quantize is None else quantize(bf16)
+            stored = (experts.w13, experts.w2, experts.w13_scale, experts.w2_scale, experts.w13_offset, experts.w2_offset)
+            expert_bytes = sum(t.nbytes for t in stored if t is not None) // layer.experts
             for count in tokens:
                 rows.append(_row(layer, form, experts, expert_bytes, count, device, g, fused, copy_gb_s))
             del experts

@@ -6,6 +6,7 @@ form."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -109,6 +110,21 @@ def assert_serves_reference(directory: str, reference) -> LLMEngine:
     return engine
 
 
+def int4_tensors(fmt: str, n: int, k: int, rng: np.random.Generator, group: int = GROUP) -> tuple[torch.Tensor, dict]:
+    """A random 4-bit weight [N, K] as `fmt` stores it ({kind: tensor}) and its dense value."""
+    codes = rng.integers(0, 16, (k, n))
+    zeros = np.full((k // group, n), 8) if fmt == "compressed-int4" else rng.integers(1, 16, (k // group, n))
+    scales = torch.from_numpy(rng.uniform(0.02, 0.08, (k // group, n))).half()
+    dense = (torch.from_numpy(codes - np.repeat(zeros, group, axis=0)).float() * scales.float().repeat_interleave(group, 0))
+    if fmt.startswith("compressed"):
+        return dense.t(), compressed(codes, None if fmt == "compressed-int4" else zeros) | {"weight_scale": scales.t().contiguous()}
+    qweight, qzeros = pack(fmt, codes, zeros)
+    tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+    if fmt == "gptq":
+        tensors["g_idx"] = torch.arange(k, dtype=torch.int32) // group
+    return dense.t(), tensors
+
+
 @pytest.mark.parametrize("fmt", list(INT4_CONFIGS))
 def test_packed_checkpoint_matches_transformers_on_the_dense_weights(fmt, tmp_path, tokenizer):
     """AWQ, GPTQ and compressed-tensors W4A16 (symmetric, and with zero points): the packed codes,
@@ -117,20 +133,9 @@ def test_packed_checkpoint_matches_transformers_on_the_dense_weights(fmt, tmp_pa
     reference = llama_reference()
     packed = {}
     for prefix, linear in projections(reference):
-        n, k = linear.weight.shape
-        codes = rng.integers(0, 16, (k, n))
-        zeros = np.full((k // GROUP, n), 8) if fmt == "compressed-int4" else rng.integers(1, 16, (k // GROUP, n))
-        scales = torch.from_numpy(rng.uniform(0.02, 0.08, (k // GROUP, n))).half()
-        dense = (torch.from_numpy(codes - np.repeat(zeros, GROUP, axis=0)).float() * scales.float().repeat_interleave(GROUP, 0))
-        linear.weight.data.copy_(dense.t())
-        if fmt.startswith("compressed"):
-            tensors = compressed(codes, None if fmt == "compressed-int4" else zeros) | {"weight_scale": scales.t().contiguous()}
-            packed |= {f"{prefix}.{kind}": tensor for kind, tensor in tensors.items()}
-            continue
-        qweight, qzeros = pack(fmt, codes, zeros)
-        packed |= {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
-        if fmt == "gptq":
-            packed[f"{prefix}.g_idx"] = torch.arange(k, dtype=torch.int32) // GROUP
+        dense, tensors = int4_tensors(fmt, *linear.weight.shape, rng)
+        linear.weight.data.copy_(dense)
+        packed |= {f"{prefix}.{kind}": tensor for kind, tensor in tensors.items()}
     directory = write_checkpoint(reference, packed, INT4_CONFIGS[fmt], tmp_path, tokenizer)
 
     engine = assert_serves_reference(directory, reference)
@@ -166,27 +171,79 @@ def fp8_codes(weight: torch.Tensor, scales: str) -> tuple[torch.Tensor, torch.Te
     return (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale.float()
 
 
+def fp8_tensors(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, dict]:
+    """`weight` as FP8 checkpoint format `fmt` stores it ({kind: tensor}) and the dense value of that."""
+    scales, _, _, scale_name = FP8_CONFIGS[fmt]
+    codes, scale = fp8_codes(weight.float(), scales)
+    dense = codes.float() * scale if scales != "block" else dequantize_fp8(fp8_from_blocks(codes, scale, tuple(BLOCK)))
+    return dense, {"weight": codes, scale_name: scale, "input_scale": torch.tensor([0.05])}
+
+
 @pytest.mark.parametrize("fmt, kind", [(fmt, "llama") for fmt in FP8_CONFIGS] + [("block-fp8", "qwen3")])
 def test_fp8_checkpoint_matches_transformers_on_the_dense_weights(fmt, kind, tmp_path, tokenizer):
     """llm-compressor's FP8 (per-channel scales with a static input scale; 24 x 32 blocks), ModelOpt's
     (per-tensor scales, hf_quant_config.json), block-wise FP8 as DeepSeek-V3 and Qwen3 ship it
     (weight_scale_inv per 24 x 32 block, partial blocks included) and AutoFP8's: the e4m3 weights
     run as they are (no bf16 copy) and generate transformers' tokens on the same weights dense."""
-    scales, spec, config_file, scale_name = FP8_CONFIGS[fmt]
+    scales, spec, config_file, _ = FP8_CONFIGS[fmt]
     reference = llama_reference(kind)
     quantized = {}
     for prefix, linear in projections(reference):
-        codes, scale = fp8_codes(linear.weight.data.float(), scales)
-        dense = codes.float() * scale if scales != "block" else dequantize_fp8(fp8_from_blocks(codes, scale, tuple(BLOCK)))
+        dense, tensors = fp8_tensors(linear.weight.data, fmt)
         linear.weight.data.copy_(dense)
-        quantized |= {f"{prefix}.weight": codes, f"{prefix}.{scale_name}": scale,
-                      f"{prefix}.input_scale": torch.tensor([0.05])}
+        quantized |= {f"{prefix}.{kind}": tensor for kind, tensor in tensors.items()}
     directory = write_checkpoint(reference, quantized, spec, tmp_path, tokenizer, config_file)
 
     engine = assert_serves_reference(directory, reference)
     qkv = engine.runner.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.weight, Fp8Weight) and qkv.weight.weight.dtype == torch.float8_e4m3fn
     assert qkv.weight.group_size == (BLOCK[1] if scales == "block" else 0)
+
+
+QUANTIZED_PROJECTION = re.compile(r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|experts\.\d+\.(gate_proj|up_proj|down_proj|w[123]))\.weight")
+"""The checkpoint tensors a quantized release quantizes: every decoder projection, experts included
+(the routers, embeddings, norms and LM head stay as they are)."""
+
+
+@pytest.mark.parametrize("fmt, kind", [("awq", "qwen3-moe"), ("gptq", "mixtral"), ("compressed-int4", "qwen3-moe"),
+                                       ("compressed-tensors", "mixtral"), ("block-fp8", "qwen3-moe")])
+def test_mixture_of_experts_checkpoint_matches_transformers_on_the_dense_weights(fmt, kind, tmp_path, tokenizer):
+    """Qwen3-MoE and Mixtral as their quantized releases ship (AWQ, GPTQ and compressed-tensors 4-bit;
+    FP8 per channel and block-wise): every projection, the experts' included, quantized, the router
+    not. The experts load stacked in their 4-bit or e4m3 form (never dense) and the model generates
+    transformers' tokens on the same weights dense."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(2)
+    build(kind).save_pretrained(tmp_path / "dense")
+    dense, quantized = {}, {}
+    for name, tensor in load_file(tmp_path / "dense" / "model.safetensors").items():
+        if not QUANTIZED_PROJECTION.search(name):
+            dense[name] = quantized[name] = tensor
+            continue
+        prefix = name.removesuffix(".weight")
+        value, parts = fp8_tensors(tensor, fmt) if fmt in FP8_CONFIGS else int4_tensors(fmt, *tensor.shape, rng, 16)
+        dense[name] = value.to(tensor.dtype).contiguous()
+        quantized |= {f"{prefix}.{part}": t for part, t in parts.items()}
+    save_file(dense, tmp_path / "dense" / "model.safetensors", metadata={"format": "pt"})
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    out = tmp_path / "quantized"
+    out.mkdir()
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "dense" / "config.json").read_text())
+    spec = FP8_CONFIGS[fmt][1] if fmt in FP8_CONFIGS else INT4_CONFIGS[fmt] | ({} if fmt.startswith("compressed") else {"group_size": 16})
+    if fmt.startswith("compressed-int4"):
+        spec = json.loads(json.dumps(spec))
+        spec["config_groups"]["group_0"]["weights"]["group_size"] = 16
+    (out / "config.json").write_text(json.dumps(config | {"quantization_config": spec}))
+    tokenizer.save_pretrained(out)
+
+    engine = assert_serves_reference(str(out), reference)
+    experts = engine.runner.model.decoder_layers[0].mlp.experts
+    assert experts.form == ("fp8" if fmt in FP8_CONFIGS else "int4")
+    assert engine.runner.model.decoder_layers[0].mlp.gate.weight.dtype == torch.float32
 
 
 def int8_spec(fmt: str, strategy: str, activations: bool) -> dict:

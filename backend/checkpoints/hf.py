@@ -228,10 +228,6 @@ def _experts(config: dict[str, Any], family: str) -> dict[str, Any]:
     """A mixture of experts' numbers (ModelConfig's fields), as transformers reads them."""
     if family not in ("mixtral", "qwen3_moe"):
         return {}
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method")
-        raise ConfigError("model", f"quantized mixture-of-experts checkpoints ({method}) are not supported yet; "
-                                   "load the bf16 checkpoint")
     if family == "mixtral":
         return dict(num_experts=config.get("num_local_experts", 8), experts_per_token=config.get("num_experts_per_tok", 2),
                     expert_intermediate_size=config["intermediate_size"],

@@ -15,7 +15,10 @@
 
 A format's projections are collected while the tensors stream in, then fused per the model's
 `packed_modules` table (q/k/v into qkv_proj, gate/up into gate_up_proj) into QuantizedLinears.
-Fusing needs every part of a module, so it waits until the stream has ended.
+Fusing needs every part of a module, so it waits until the stream has ended. A mixture of
+experts' experts (experts.E.gate_proj / up_proj / down_proj) are read the same way, each expert's
+gate / up fused, and stacked into its layer's SparseMoeBlock (the fused MoE kernels' fp8 and int4
+forms); the router stays as the checkpoint has it, unquantized.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from pagedserve.kernels.int4_checkpoints import (
     int4_from_gptq,
     unpack_along_last,
 )
+from pagedserve.kernels.moe import stack_experts
 from pagedserve.kernels.numerics import FP8_DTYPE
 
 from ..errors import ConfigError
 from ..model_config import ModelConfig
+from ..models.moe import EXPERT_PROJECTIONS, SparseMoeBlock
 from ..quantization import QuantizedLinear
 
 
@@ -172,19 +177,48 @@ class PrequantizedLoader:
     def add(self, layer: int, module: str, kind: str, tensor: torch.Tensor) -> None:
         self.parts.setdefault((layer, module), {})[kind] = tensor
 
+    def accepts_expert(self, kind: str) -> bool:
+        return kind in self.format.kinds and kind != "bias"  # biases are the layer's own (load_expert)
+
+    def add_expert(self, layer: int, expert: int, projection: str, kind: str, tensor: torch.Tensor) -> None:
+        self.parts.setdefault((layer, f"experts.{expert}.{projection}"), {})[kind] = tensor
+
     def install(self, layers: nn.ModuleList, device: torch.device, dtype: torch.dtype) -> None:
         for index, layer in enumerate(layers):
+            experts = layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None
             for target, names in self.packed_modules.items():
-                missing = [n for n in names if (index, n) not in self.parts]
-                if missing:
-                    raise ConfigError("model", f"checkpoint lacks the quantized weights of layer {index}'s {missing} "
-                                               f"({self.name}: a checkpoint that leaves decoder projections unquantized "
-                                               "is not supported)")
+                if experts is not None and target.startswith("mlp."):
+                    continue
+                weight = self._read(index, target, names)
                 tensors = [self.parts.pop((index, n)) for n in names]
-                try:
-                    weight = self.format.concat([self.format.read(t, self.config) for t in tensors]).to(device)
-                except (KeyError, ValueError) as error:
-                    raise ConfigError("model", f"layer {index}'s {target} ({self.name}): {error}") from None
                 biases = [t["bias"] for t in tensors if t.get("bias") is not None]
                 bias = torch.cat(biases).to(device, dtype) if len(biases) == len(tensors) else None
-                layer.set_submodule(target, QuantizedLinear(weight, bias, self.format.kernel))
+                layer.set_submodule(target, QuantizedLinear(weight.to(device), bias, self.format.kernel))
+            if experts is not None:
+                self._install_experts(index, experts, device)
+
+    def _read(self, index: int, target: str, names: tuple[str, ...]) -> Any:
+        """Layer `index`'s `target` in our layout: its parts (`names`) read and fused."""
+        missing = [n for n in names if (index, n) not in self.parts]
+        if missing:
+            raise ConfigError("model", f"checkpoint lacks the quantized weights of layer {index}'s {missing} "
+                                       f"({self.name}: a checkpoint that leaves decoder projections unquantized "
+                                       "is not supported)")
+        try:
+            return self.format.concat([self.format.read(self.parts[(index, n)], self.config) for n in names])
+        except (KeyError, ValueError) as error:
+            raise ConfigError("model", f"layer {index}'s {target} ({self.name}): {error}") from None
+
+    def _install_experts(self, index: int, block: SparseMoeBlock, device: torch.device) -> None:
+        """Layer `index`'s experts, each read and its gate / up fused, stacked into `block`."""
+        gate, up, down = (f"experts.{{}}.{p}" for p in EXPERT_PROJECTIONS)
+        w13 = [self._read(index, f"mlp.experts.{e}", (gate.format(e), up.format(e))).to(device)
+               for e in range(block.num_experts)]
+        w2 = [self._read(index, f"mlp.experts.{e}", (down.format(e),)).to(device) for e in range(block.num_experts)]
+        for e in range(block.num_experts):
+            for name in (gate, up, down):
+                del self.parts[(index, name.format(e))]
+        try:
+            block.install(stack_experts(w13, w2))
+        except ValueError as error:
+            raise ConfigError("model", f"layer {index}'s experts ({self.name}): {error}") from None

@@ -3,8 +3,10 @@ the experts' MLPs run as one fused call (kernels/dispatch.py's `fused_moe`).
 
 The experts' weights are held stacked, as the fused kernels read them: `w13` [experts, 2 * inter,
 hidden] (each expert's gate rows, then its up rows) and `w2` [experts, hidden, inter], with gpt-oss's
-biases `w13_bias` / `w2_bias` beside. The loader hands each checkpoint tensor (experts.E.gate_proj /
-up_proj / down_proj, .weight or .bias) to `load_expert`.
+biases `w13_bias` / `w2_bias` beside; quantized (fp8 or int4, on load or from a quantized
+checkpoint) in kernels/moe.py's layouts of those forms. The loader hands each checkpoint tensor
+(experts.E.gate_proj / up_proj / down_proj, .weight or .bias) to `load_expert`; a quantized
+checkpoint's experts are read by checkpoints/prequantized.py and stacked in by `install`.
 Tensor parallelism splits every expert's intermediate width over the ranks, as the dense MLP's:
 gate / up rows and down columns, then the ranks' partial sums are all-reduced.
 """
@@ -15,7 +17,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.dispatch import fused_moe
-from pagedserve.kernels.moe import ExpertWeights, quantize_experts_fp8, route
+from pagedserve.kernels.moe import ExpertWeights, quantize_experts_fp8, quantize_experts_int4, route
 
 from ..errors import ConfigError
 from ..model_config import ModelConfig
@@ -32,16 +34,23 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         experts, hidden = config.num_experts, config.hidden_size
         inter = config.expert_intermediate_size // parallel.size
+        self.num_experts, self.hidden, self.inter = experts, hidden, inter
         self.gate = Linear(hidden, experts, bias=config.router_bias)
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.prequantized = bool(config.packed_weights)
+        """A quantized checkpoint's experts arrive whole, already stacked (`install`): no dense ones."""
+        dense = not self.prequantized
+        self.w13 = nn.Parameter(torch.empty((experts, 2 * inter, hidden) if dense else (0,)))
+        self.w2 = nn.Parameter(torch.empty((experts, hidden, inter) if dense else (0,)))
         self.w13_bias = nn.Parameter(torch.empty(experts, 2 * inter)) if config.expert_bias else None
         self.w2_bias = nn.Parameter(torch.empty(experts, hidden)) if config.expert_bias else None
         self.clamped_swiglu = config.clamped_swiglu
         self.softmax_after_topk = config.softmax_after_topk
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
-        """Each output channel's scale once the experts are e4m3 (`quantize_fp8`)."""
+        self.w13_offset: nn.Parameter | None = None
+        self.w2_offset: nn.Parameter | None = None
+        self.group_size = 0
+        """Quantized experts' scales (and int4 offsets, group): kernels/moe.py's layouts."""
         self.top_k = config.experts_per_token
         self.renormalize, self.rounded = config.renormalize_expert_weights, config.expert_weights_rounded
         self.shard, self.collectives = parallel.shard(0), parallel.collectives
@@ -57,22 +66,38 @@ class SparseMoeBlock(nn.Module):
     @property
     def experts(self) -> ExpertWeights:
         return ExpertWeights(self.w13, self.w2, self.w13_scale, self.w2_scale, self.w13_bias, self.w2_bias,
-                             self.clamped_swiglu)
+                             self.clamped_swiglu, self.w13_offset, self.w2_offset, self.group_size)
 
     @torch.no_grad()
-    def quantize_fp8(self) -> None:
-        """The experts in e4m3 with per-channel scales (quantization fp8): half their bytes."""
-        q = quantize_experts_fp8(self.experts)
-        assert q.w13_scale is not None and q.w2_scale is not None  # e4m3 experts carry both
-        self.w13, self.w2 = nn.Parameter(q.w13, requires_grad=False), nn.Parameter(q.w2, requires_grad=False)
-        self.w13_scale = nn.Parameter(q.w13_scale, requires_grad=False)
-        self.w2_scale = nn.Parameter(q.w2_scale, requires_grad=False)
+    def quantize(self, method: str, source_group_size: int | None = None) -> None:
+        """The experts in e4m3 with per-channel scales (method fp8: half their bytes) or 4-bit
+        group-wise (int4: a quarter), quantized from the loaded weights."""
+        if method == "fp8":
+            self.install(quantize_experts_fp8(self.experts))
+        elif method == "int4":
+            try:
+                self.install(quantize_experts_int4(self.experts, source_group_size))
+            except ValueError as error:
+                raise ConfigError("quantization", f"int4 experts: {error}") from None
+        else:
+            raise ValueError(f"unknown quantization {method!r}")
+
+    def install(self, experts: ExpertWeights) -> None:
+        """Hold `experts` (quantized on load, or a quantized checkpoint's, stacked) in place of the
+        loaded ones; biases and the activation stay the layer's."""
+        def frozen(t: torch.Tensor | None) -> nn.Parameter | None:
+            return None if t is None else nn.Parameter(t, requires_grad=False)
+
+        self.w13, self.w2 = nn.Parameter(experts.w13, requires_grad=False), nn.Parameter(experts.w2, requires_grad=False)
+        self.w13_scale, self.w2_scale = frozen(experts.w13_scale), frozen(experts.w2_scale)
+        self.w13_offset, self.w2_offset = frozen(experts.w13_offset), frozen(experts.w2_offset)
+        self.group_size = experts.group_size
 
     @torch.no_grad()
     def load_expert(self, expert: int, projection: str, tensor: torch.Tensor, kind: str = "weight") -> None:
         """Copy checkpoint tensor experts.<expert>.<projection>.<kind> (weight, or bias where the experts
         have biases; the whole of it: this rank's slice is taken here) into the stacked tensors."""
-        experts, hidden, inter = self.w2.shape
+        experts, hidden, inter = self.num_experts, self.hidden, self.inter
         if not 0 <= expert < experts or projection not in EXPERT_PROJECTIONS or kind not in self._kinds():
             raise ConfigError("model", f"checkpoint tensor experts.{expert}.{projection}.{kind} does not fit a layer "
                                        f"of {experts} experts{'' if self.w13_bias is not None else ' without biases'}")
@@ -95,9 +120,12 @@ class SparseMoeBlock(nn.Module):
         self.loaded.add((expert, f"{projection}.{kind}"))
 
     def _kinds(self) -> tuple[str, ...]:
-        return ("weight", "bias") if self.w13_bias is not None else ("weight",)
+        """What load_expert takes: a quantized checkpoint's experts' biases alone (their weights come
+        through `install`)."""
+        kinds = ("weight", "bias") if self.w13_bias is not None else ("weight",)
+        return kinds[1:] if self.prequantized else kinds
 
     def missing(self) -> list[str]:
         """The expert tensors the checkpoint has not given (empty once loaded)."""
-        return [f"experts.{e}.{p}.{k}" for e in range(self.w13.shape[0]) for p in EXPERT_PROJECTIONS
+        return [f"experts.{e}.{p}.{k}" for e in range(self.num_experts) for p in EXPERT_PROJECTIONS
                 for k in self._kinds() if (e, f"{p}.{k}") not in self.loaded]

@@ -33,7 +33,8 @@ FP8 GEMM: the mode `default_mode` picks on the target ("w8a16" before sm_89), wi
 per-channel scales and with block-wise checkpoints' 128-column group scales; int8 weights
 (W8A16 checkpoints) in "w8a16" with group scales (they bound the channel form).
 The fused MoE kernels: Mixtral-8x7B's, Qwen3-30B-A3B's and gpt-oss-20b's (biased, clamped SwiGLU)
-experts (`MOE_MODELS`) at 1..2048 tokens, both row tiles. gpt-oss-20b's attention sinks on its
+experts (`MOE_MODELS`) at 1..2048 tokens, both row tiles, the experts in the model dtype, e4m3
+(per channel; block-wise but gpt-oss's) and 4-bit. gpt-oss-20b's attention sinks on its
 128-key window (its global layers' variant is the windowed one less a mask). The batched
 LoRA kernels on Llama-3-8B's linears at both row tiles and every rank tile. Sliding-window
 attention (a constexpr): Mistral-7B (Llama-3-8B's shapes with a window of 4,096) on a split
@@ -363,19 +364,33 @@ def _record_attention(m, log: List[Launch], model: ModelShape, dtype: torch.dtyp
 
 
 def _record_moe(m, log: List[Launch], moe: MoeShape, dtype: torch.dtype) -> List[Tuple[str, Launch]]:
-    """The fused MoE kernels' launches at each token count, experts in the model dtype and in e4m3
-    (weights allocated, never touched)."""
+    """The fused MoE kernels' launches at each token count, experts in the model dtype, in e4m3
+    (per-channel scales, and block-wise checkpoints' 128-column groups but for gpt-oss, which ships
+    none) and in 4-bit (`int4_group_size`'s group) (weights allocated, never touched)."""
+    from ..int4 import int4_group_size
     from ..moe import ExpertWeights  # read by attribute: the private kernel copy takes it as its own
 
-    experts = {}
-    gpt_oss = dict(w13_bias=torch.empty(moe.experts, 2 * moe.inter, dtype=dtype),
-                   w2_bias=torch.empty(moe.experts, moe.hidden, dtype=dtype), clamped_swiglu=(1.702, 7.0))
-    for kind, weight_dtype in (("", dtype), (" fp8 experts", torch.float8_e4m3fn)):
-        scales = (torch.empty(moe.experts, 2 * moe.inter), torch.empty(moe.experts, moe.hidden)) if kind else (None, None)
-        experts[kind] = ExpertWeights(
-            torch.empty(moe.experts, 2 * moe.inter, moe.hidden, dtype=weight_dtype),
-            torch.empty(moe.experts, moe.hidden, moe.inter, dtype=weight_dtype), *scales,
-            **(gpt_oss if moe.gpt_oss else {}))  # type: ignore[arg-type]  # the dict's values: its fields' types
+    e, h, i = moe.experts, moe.hidden, moe.inter
+    fp8 = torch.float8_e4m3fn
+    group = int4_group_size(math.gcd(h, i))
+    experts = {
+        "": ExpertWeights(torch.empty(e, 2 * i, h, dtype=dtype), torch.empty(e, h, i, dtype=dtype)),
+        " fp8 experts": ExpertWeights(torch.empty(e, 2 * i, h, dtype=fp8), torch.empty(e, h, i, dtype=fp8),
+                                      torch.empty(e, 2 * i), torch.empty(e, h)),
+        " int4 experts": ExpertWeights(
+            torch.empty(e, h // 8, 2 * i, dtype=torch.int32), torch.empty(e, i // 8, h, dtype=torch.int32),
+            torch.empty(e, h // group, 2 * i, dtype=dtype), torch.empty(e, i // group, h, dtype=dtype),
+            w13_offset=torch.empty(e, h // group, 2 * i, dtype=dtype), w2_offset=torch.empty(e, i // group, h, dtype=dtype),
+            group_size=group),
+    }
+    if moe.gpt_oss:
+        experts = {kind: dataclasses.replace(w, w13_bias=torch.empty(e, 2 * i, dtype=dtype),
+                                             w2_bias=torch.empty(e, h, dtype=dtype), clamped_swiglu=(1.702, 7.0))
+                   for kind, w in experts.items()}
+    else:
+        experts[" block fp8 experts"] = ExpertWeights(
+            torch.empty(e, 2 * i, h, dtype=fp8), torch.empty(e, h, i, dtype=fp8), torch.empty(e, 2 * i, math.ceil(h / 128)),
+            torch.empty(e, h, math.ceil(i / 128)), group_size=128)
     out = []
     for kind, weights in experts.items():
         for tokens in MOE_TOKENS:

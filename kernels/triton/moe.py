@@ -23,11 +23,20 @@ the activation (gate / up) or the routing weight (down), as the reference adds t
 FP8 experts (W8A16, constexpr W_FP8: 1 the hardware's e4m3 conversion from sm_89, 2 decoded
 with integer ops before it, as the attention kernel's fp8 KV): the e4m3 tiles are converted
 exactly to the activations' dtype for the dot, and each output channel's scale multiplies the
-float32 accumulator (a channel's scale factors out of its sum over k).
+float32 accumulator (a channel's scale factors out of its sum over k); with group scales
+(block-wise checkpoints, constexpr GROUPED) each K tile's product is scaled by its group's before
+it joins the accumulator.
+
+INT4 experts (W4A16, constexpr W_INT4; AWQ / GPTQ / compressed-tensors experts, or quantized on
+load): a K tile of packed rows is expanded to raw codes 0..15 (exact in 16 bits) for the dot, and,
+as in the dense W4A16 kernel (triton/int4.py), the product is scaled by the group's scales and the
+tile's row sums times the group's offsets added (W = code * scale + offset within a group).
+Grouped forms cut BLOCK_K to divide the group, so that a K tile lies in one group.
 
 Tiles: BLOCK_M 16 for decode-sized batches (few rows per expert), 64 once the average expert
-gets that many rows; BLOCK_N 64, BLOCK_K 64. Interpreter (TRITON_INTERPRET=1, CPU): big tiles,
-and the dot operands in float32 (its tl.dot multiplies bfloat16's raw bits).
+gets that many rows; BLOCK_N 64, BLOCK_K 64 (or the group's largest power-of-two divisor).
+Interpreter (TRITON_INTERPRET=1, CPU): big tiles, and the dot operands in float32 (its tl.dot
+multiplies bfloat16's raw bits).
 """
 
 from __future__ import annotations
@@ -71,12 +80,46 @@ def _plus_bias(acc, bias, dtype):
 
 
 @triton.jit
+def _accumulate(acc, a, w, s, o, n, n_ok, k0, k_ok, stride_wr, stride_sn, stride_sg, group_size,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr,
+                W_INT4: tl.constexpr, GROUPED: tl.constexpr):
+    """acc plus a (the K tile from k0) times the same K tile of one expert's weight `w` for output
+    channels n. A grouped form's tile product is scaled by its group's scales (int4: plus the tile's
+    row sums times the group's offsets, as the dense W4A16 kernel factors them), BLOCK_K dividing
+    the group; scales at s + n * stride_sn + group * stride_sg, int4 offsets likewise from o."""
+    if W_INT4:  # packed [K / 8, N]: nibble j of row r holds input 8r + j
+        rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        packed = tl.load(w + rows[:, None].to(tl.int64) * stride_wr + n[None, :], mask=n_ok[None, :], other=0)
+        codes = tl.reshape((packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        group = k0 // group_size
+        scale = tl.load(s + n * stride_sn + group * stride_sg, mask=n_ok, other=0.0).to(tl.float32)
+        offset = tl.load(o + n * stride_sn + group * stride_sg, mask=n_ok, other=0.0).to(tl.float32)
+        a32 = a.to(tl.float32)
+        if DOT_FP32:
+            part = tl.dot(a32, codes.to(tl.float32))
+        else:
+            part = tl.dot(a, codes.to(a.dtype))
+        return acc + part * scale[None, :] + tl.sum(a32, axis=1)[:, None] * offset[None, :]
+    k = k0 + tl.arange(0, BLOCK_K)
+    tile = _weight_tile(tl.load(w + n[None, :].to(tl.int64) * stride_wr + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                                other=0), W_FP8, a.dtype)
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        tile = tile.to(tl.float32)
+    if GROUPED:
+        scale = tl.load(s + n * stride_sn + (k0 // group_size) * stride_sg, mask=n_ok, other=0.0)
+        return acc + tl.dot(a, tile) * scale[None, :]
+    return tl.dot(a, tile, acc)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w13_ptr, scale_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, bias_ptr,
-    num_pairs, inter, hidden, top_k, alpha, limit,
-    stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_be,
+    x_ptr, w13_ptr, scale_ptr, offset_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, bias_ptr,
+    num_pairs, inter, hidden, top_k, alpha, limit, group_size,
+    stride_xm, stride_we, stride_wr, stride_am, stride_se, stride_sn, stride_sg, stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
     W_FP8: tl.constexpr, HAS_BIAS: tl.constexpr = False, CLAMPED_SWIGLU: tl.constexpr = False,
+    W_INT4: tl.constexpr = False, GROUPED: tl.constexpr = False,
 ):
     expert, pairs, row_ok, n = _block_of_expert(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M, BLOCK_N)
     if expert < 0:
@@ -84,27 +127,21 @@ def _moe_gate_up_kernel(
     tokens = (pairs // top_k).to(tl.int64)
     n_ok = n < inter
     w = w13_ptr + expert.to(tl.int64) * stride_we
+    s = scale_ptr + expert.to(tl.int64) * stride_se
+    o = offset_ptr + expert.to(tl.int64) * stride_se
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < hidden
         a = tl.load(x_ptr + tokens[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        wg = _weight_tile(tl.load(w + n[None, :].to(tl.int64) * stride_wn + k[:, None], mask=w_mask, other=0), W_FP8,
-                          a.dtype)
-        wu = _weight_tile(tl.load(w + (n + inter)[None, :].to(tl.int64) * stride_wn + k[:, None], mask=w_mask, other=0),
-                          W_FP8, a.dtype)
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            wg = wg.to(tl.float32)
-            wu = wu.to(tl.float32)
-        gate = tl.dot(a, wg, gate)
-        up = tl.dot(a, wu, up)
-    if W_FP8:  # per-channel scales factor out of the sum over k
-        scales = scale_ptr + expert.to(tl.int64) * stride_se
-        gate = gate * tl.load(scales + n, mask=n_ok, other=0.0)[None, :]
-        up = up * tl.load(scales + inter + n, mask=n_ok, other=0.0)[None, :]
+        gate = _accumulate(gate, a, w, s, o, n, n_ok, k0, k_ok, stride_wr, stride_sn, stride_sg, group_size,
+                           BLOCK_K, BLOCK_N, DOT_FP32, W_FP8, W_INT4, GROUPED)
+        up = _accumulate(up, a, w, s, o, n + inter, n_ok, k0, k_ok, stride_wr, stride_sn, stride_sg, group_size,
+                         BLOCK_K, BLOCK_N, DOT_FP32, W_FP8, W_INT4, GROUPED)
+    if W_FP8 and not GROUPED:  # per-channel scales factor out of the sum over k
+        gate = gate * tl.load(s + n * stride_sn, mask=n_ok, other=0.0)[None, :]
+        up = up * tl.load(s + (inter + n) * stride_sn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:  # as the reference: the product rounded to the model dtype, + bias, rounded again
         biases = bias_ptr + expert.to(tl.int64) * stride_be
         gate = _plus_bias(gate, tl.load(biases + n, mask=n_ok, other=0.0), act_ptr.dtype.element_ty)
@@ -121,11 +158,11 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, w2_ptr, scale_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, bias_ptr,
-    num_pairs, hidden, inter,
-    stride_am, stride_we, stride_wn, stride_om, stride_se, stride_be,
+    act_ptr, w2_ptr, scale_ptr, offset_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, bias_ptr,
+    num_pairs, hidden, inter, group_size,
+    stride_am, stride_we, stride_wr, stride_om, stride_se, stride_sn, stride_sg, stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-    W_FP8: tl.constexpr, HAS_BIAS: tl.constexpr = False,
+    W_FP8: tl.constexpr, HAS_BIAS: tl.constexpr = False, W_INT4: tl.constexpr = False, GROUPED: tl.constexpr = False,
 ):
     expert, pairs, row_ok, n = _block_of_expert(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M, BLOCK_N)
     if expert < 0:
@@ -133,19 +170,17 @@ def _moe_down_kernel(
     rows = pairs.to(tl.int64)
     n_ok = n < hidden
     w = w2_ptr + expert.to(tl.int64) * stride_we
+    s = scale_ptr + expert.to(tl.int64) * stride_se
+    o = offset_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < inter
         a = tl.load(act_ptr + rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = _weight_tile(tl.load(w + n[None, :].to(tl.int64) * stride_wn + k[:, None],
-                                 mask=k_ok[:, None] & n_ok[None, :], other=0), W_FP8, a.dtype)
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-    if W_FP8:
-        acc = acc * tl.load(scale_ptr + expert.to(tl.int64) * stride_se + n, mask=n_ok, other=0.0)[None, :]
+        acc = _accumulate(acc, a, w, s, o, n, n_ok, k0, k_ok, stride_wr, stride_sn, stride_sg, group_size,
+                          BLOCK_K, BLOCK_N, DOT_FP32, W_FP8, W_INT4, GROUPED)
+    if W_FP8 and not GROUPED:
+        acc = acc * tl.load(s + n * stride_sn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:  # before the routing weight, as the reference
         bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0)
         acc = _plus_bias(acc, bias, out_ptr.dtype.element_ty)
@@ -179,11 +214,34 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     return sorted_pairs, block_experts
 
 
-def _tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): see the module docstring."""
-    if interpreting():
-        return 32, 64, 64
-    return (16 if num_pairs < 64 * num_experts else 64), 64, 64
+def _tiles(num_pairs: int, num_experts: int, group_size: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): see the module docstring; with grouped weights (int4, block-wise
+    fp8) BLOCK_K is cut to divide the group."""
+    block_m, block_n, block_k = (32, 64, 64) if interpreting() else ((16 if num_pairs < 64 * num_experts else 64), 64, 64)
+    while group_size and group_size % block_k:
+        block_k //= 2
+    if block_k < 16:
+        raise ValueError(f"grouped expert weights need a group size that is a multiple of 16, got {group_size}")
+    return block_m, block_n, block_k
+
+
+class _Operands:
+    """One projection's weight, scale and offset tensors and their strides as the kernels take
+    them (see `_accumulate`); the unread ones are placeholders."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None,
+                 form: str, placeholder: torch.Tensor):
+        self.weight = weight.contiguous().view(torch.uint8) if form == "fp8" else weight.contiguous()
+        self.scale = placeholder if scale is None else scale.contiguous()
+        self.offset = placeholder if offset is None else offset.contiguous()
+        if form == "int4":  # [E, K / G, N]
+            self.strides = (self.scale.stride(0), 1, self.scale.stride(1))
+        elif scale is not None and scale.dim() == 3:  # fp8 grouped: [E, N, groups]
+            self.strides = (self.scale.stride(0), self.scale.stride(1), 1)
+        elif scale is not None:  # fp8 per channel: [E, N]
+            self.strides = (self.scale.stride(0), 1, 0)
+        else:
+            self.strides = (0, 0, 0)
 
 
 def fused_moe_triton(
@@ -195,24 +253,20 @@ def fused_moe_triton(
     block_m: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of `fused_moe_ref` (block_m: a row-tile override for tests)."""
-    w13, w2 = experts.w13, experts.w2
     tokens, hidden = x.shape
-    num_experts, inter = w13.shape[0], w2.shape[2]
+    num_experts, inter, form = experts.num_experts, experts.inter, experts.form
     top_k = topk_ids.shape[1]
-    if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape != (num_experts, hidden, inter):
-        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match hidden size {hidden}")
+    if experts.hidden != hidden:
+        raise ValueError(f"expert weights of hidden width {experts.hidden} do not match the activations' {hidden}")
     if tokens == 0:
         return torch.zeros_like(x)
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    w_fp8 = 0
-    s13 = s2 = topk_weights  # placeholders: the kernels read scales only with fp8 weights
-    if experts.fp8:
-        assert experts.w13_scale is not None and experts.w2_scale is not None  # fp8 means both
-        w_fp8 = 1 if native_fp8(x.device) else 2
-        w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
-        s13, s2 = experts.w13_scale.contiguous(), experts.w2_scale.contiguous()
+    x = x.contiguous()
+    w13 = _Operands(experts.w13, experts.w13_scale, experts.w13_offset, form, topk_weights)
+    w2 = _Operands(experts.w2, experts.w2_scale, experts.w2_offset, form, topk_weights)
+    w_fp8 = (1 if native_fp8(x.device) else 2) if form == "fp8" else 0
+    grouped = form == "fp8" and experts.group_size > 0
     num_pairs = tokens * top_k
-    auto_m, block_n, block_k = _tiles(num_pairs, num_experts)
+    auto_m, block_n, block_k = _tiles(num_pairs, num_experts, experts.group_size)
     block_m = block_m or auto_m
     sorted_pairs, block_experts = align_by_expert(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).contiguous()
@@ -224,19 +278,20 @@ def fused_moe_triton(
     b13 = experts.w13_bias.to(x.dtype).contiguous() if experts.w13_bias is not None else x  # x: unread placeholder
     b2 = experts.w2_bias.to(x.dtype).contiguous() if experts.w2_bias is not None else x
     alpha, limit = experts.clamped_swiglu or (1.0, 0.0)
+    forms = dict(W_FP8=w_fp8, W_INT4=form == "int4", GROUPED=grouped)
     _moe_gate_up_kernel[(blocks, cdiv(inter, block_n))](
-        x, w13, s13, act, sorted_pairs, block_experts, b13,
-        num_pairs, inter, hidden, top_k, alpha, limit,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), s13.stride(0), b13.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, W_FP8=w_fp8,
-        HAS_BIAS=has_bias, CLAMPED_SWIGLU=experts.clamped_swiglu is not None,
+        x, w13.weight, w13.scale, w13.offset, act, sorted_pairs, block_experts, b13,
+        num_pairs, inter, hidden, top_k, alpha, limit, experts.group_size,
+        x.stride(0), w13.weight.stride(0), w13.weight.stride(1), act.stride(0), *w13.strides, b13.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32,
+        HAS_BIAS=has_bias, CLAMPED_SWIGLU=experts.clamped_swiglu is not None, **forms,
         num_warps=4, num_stages=2,
     )
     _moe_down_kernel[(blocks, cdiv(hidden, block_n))](
-        act, w2, s2, partial, weights, sorted_pairs, block_experts, b2,
-        num_pairs, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), partial.stride(0), s2.stride(0), b2.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, W_FP8=w_fp8, HAS_BIAS=has_bias,
+        act, w2.weight, w2.scale, w2.offset, partial, weights, sorted_pairs, block_experts, b2,
+        num_pairs, hidden, inter, experts.group_size,
+        act.stride(0), w2.weight.stride(0), w2.weight.stride(1), partial.stride(0), *w2.strides, b2.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, HAS_BIAS=has_bias, **forms,
         num_warps=4, num_stages=2,
     )
     return partial.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)

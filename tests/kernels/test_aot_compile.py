@@ -96,8 +96,8 @@ def test_enumeration_follows_the_launchers(results):
     sm_89 (and from there the fp8 weight against 16-bit activations at decode sizes, converted
     by the hardware), split-KV and split-K both taken and not, the sliding window and the whole
     context, soft-capped scores at head dim 256 (Gemma 2), attention sinks (gpt-oss), every model's
-    head group, the MoE kernels' two row tiles, fp8 experts (decoded in software before sm_89) and
-    biased ones with the clamped SwiGLU, block-wise FP8 and int8 weights, the INT4 weight
+    head group, the MoE kernels' two row tiles, fp8 experts (decoded in software before sm_89, per
+    channel and block-wise), 4-bit experts and biased ones with the clamped SwiGLU, block-wise FP8 and int8 weights, the INT4 weight
     dequantized for prompt-sized M."""
     by_target = {t: [cfg for cfg, r in results if r.target == t] for t in TARGETS}
 
@@ -117,7 +117,10 @@ def test_enumeration_follows_the_launchers(results):
         assert values(t, "_paged_attention_kernel", "GROUP") == {2, 3, 4, 8}
         assert values(t, "_paged_attention_kernel", "SINKS") == {False, True}
         assert values(t, "_moe_down_kernel", "HAS_BIAS") == {False, True}
-        assert values(t, "_moe_gate_up_kernel", "CLAMPED_SWIGLU") == {True}  # it bounds the plain form
+        gate_up = [dict(cfg.key[1]) for cfg in by_target[t] if cfg.kernel == "_moe_gate_up_kernel"]
+        assert all(p["CLAMPED_SWIGLU"] for p in gate_up if not p["GROUPED"])  # it bounds the plain form (gpt-oss
+        # ships no block-wise fp8: that form has no biased twin)
+        assert values(t, "_moe_gate_up_kernel", "W_INT4") == values(t, "_moe_down_kernel", "GROUPED") == {False, True}
         assert values(t, "_fp8_gemm_kernel", "GROUP_K") >= {128}  # (and 0 where a timed K tile of 256 has no twin)
         assert values(t, "_fp8_gemm_kernel", "INT_CODES") == {False, True}
         assert len(values(t, "_paged_attention_kernel", "NUM_SPLITS")) >= 2
