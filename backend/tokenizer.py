@@ -72,12 +72,18 @@ def encode_words(tokenizer: Any, words: list[str]) -> list[list[int]]:
     return [list(tokenizer.encode(word, add_special_tokens=False)) for word in words if word]
 
 
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "return_dict",
+                                "continue_final_message"})
+"""Chat template arguments the server sets itself, which `chat_template_kwargs` may not."""
+
+
 def apply_chat_template(tokenizer: Any, messages: Any, add_generation_prompt: bool = True,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, template_kwargs: Any = None) -> list[int]:
     """Token ids of a chat in the model's template: a list of {"role", "content"} messages,
     where an assistant turn may carry `tool_calls` and a `tool` turn answers one; `tools`
     (function definitions, OpenAI's shape) are handed to the template, which decides how
-    the model sees them."""
+    the model sees them; `template_kwargs` (vLLM's chat_template_kwargs: Qwen3's
+    enable_thinking, gpt-oss's reasoning_effort, ...) are the template's own variables."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
     for index, message in enumerate(messages):
@@ -87,11 +93,18 @@ def apply_chat_template(tokenizer: Any, messages: Any, add_generation_prompt: bo
             raise InvalidRequestError(f"messages[{index}].tool_calls", "must be a list of tool calls")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
         raise InvalidRequestError("tools", "must be a JSON list of tool definitions (objects)")
+    template_kwargs = {} if template_kwargs is None else template_kwargs
+    if not isinstance(template_kwargs, dict) or not all(isinstance(key, str) for key in template_kwargs):
+        raise InvalidRequestError("chat_template_kwargs", "must be a JSON object of the chat template's variables")
+    reserved = sorted(TEMPLATE_ARGUMENTS & set(template_kwargs))
+    if reserved:
+        raise InvalidRequestError("chat_template_kwargs", f"may not set {reserved}: the server sets them (send "
+                                                          "`messages` and `tools` as their own inputs)")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages", "this model has no chat template; send plain text instead")
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, **template_kwargs)
     except Exception as error:  # noqa: BLE001 - the template's own refusal (jinja's raise_exception, a missing key)
         raise InvalidRequestError("messages", f"the model's chat template refused them: {error}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -92,6 +92,7 @@ def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
         GENERATION_CONFIGS,
         GatewayConfig,
     )
+    from .openai_gateway.reasoning_parsers import REASONING_PARSERS
     from .openai_gateway.tool_parsers import PARSERS
 
     defaults = GatewayConfig.__dataclass_fields__
@@ -124,7 +125,12 @@ def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
                         help="max_tokens of a request that gives none (default: %(default)s)")
     openai.add_argument(FLAGS["tool_call_parser"], dest="tool_call_parser", default=default("tool_call_parser"),
                         choices=PARSERS, help="how tool_choice auto reads the model's tool calls: hermes (Hermes, "
-                                              "Qwen), mistral, llama3_json, or auto: each by its markers (default: %(default)s)")
+                                              "Qwen), mistral, llama3_json, openai (gpt-oss's Harmony), or auto: each "
+                                              "by its markers (default: %(default)s)")
+    openai.add_argument(FLAGS["reasoning_parser"], dest="reasoning_parser", default=default("reasoning_parser"),
+                        choices=REASONING_PARSERS, help="tell a reasoning model's reasoning from its answer (the "
+                                                        "message's `reasoning`): deepseek_r1, qwen3 (<think> tags), "
+                                                        "openai_gptoss (gpt-oss's Harmony channels) (default: none)")
     openai.add_argument(FLAGS["generation_config"], dest="generation_config", default=default("generation_config"),
                         choices=GENERATION_CONFIGS, help="sampling fields a request leaves out: auto, the served model's "
                                                        "generation_config.json; vllm, vLLM's defaults (default: %(default)s)")

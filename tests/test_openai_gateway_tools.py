@@ -11,7 +11,8 @@ import pytest
 
 from pagedserve.client.openai_gateway import GatewayConfig, GatewayConfigError
 from pagedserve.client.openai_gateway.errors import OpenAIError
-from pagedserve.client.openai_gateway.responses import StreamedCalls
+from pagedserve.client.openai_gateway.replies import ReplyPlan
+from pagedserve.client.openai_gateway.responses import StreamedReplies
 from pagedserve.client.openai_gateway.schemas import ChatCompletionRequest
 from pagedserve.client.openai_gateway.tool_parsers import Emission, assemble
 from pagedserve.client.openai_gateway.tools import tool_plan
@@ -78,7 +79,7 @@ def test_a_named_function_is_its_arguments_streamed_as_they_come():
     sent = chat_request(request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}), 16)
     assert json.loads(sent.inputs()["sampling_parameters"])["structured_outputs"] == {"json": WEATHER,
                                                                                       "disable_any_whitespace": True}
-    calls = StreamedCalls(sent.tools)
+    calls = StreamedReplies(ReplyPlan(sent.tools))
     deltas = [calls.delta(0, SampleDelta(piece, reason, 1)) for piece, reason in
               (('{"city": ', None), ('"Oslo"', None), ("}", "stop"))]
     first = deltas[0][0].tool_calls[0]
@@ -116,7 +117,7 @@ def test_plain_answers_and_broken_calls_stay_content_and_no_marker_leaks():
                  '<tool_call>{"name": "unknown_tool", "arguments": {}}</tool_call>', "<tool_call>{broken"):
         for pieces in (None, 1, 4):
             assert read(plan, text, pieces) == (text.lstrip(), [])
-    calls = StreamedCalls(plan)
+    calls = StreamedReplies(ReplyPlan(plan))
     shown = [calls.delta(0, SampleDelta(piece, None, 1))[0].content for piece in ("Sure <", "tool_", "call>{")]
     assert shown == ["Sure ", None, None]  # what may be a marker is held back, never shown half
 

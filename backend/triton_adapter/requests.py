@@ -79,13 +79,16 @@ class EngineRequest:
 def parse_prompt(inputs: Arrays, tokenizer: Any) -> list[int]:
     """Token ids of `text_input` (raw, or chat-templated when `apply_chat_template`),
     or of `messages` (a JSON list of chat messages; `tools`, a JSON list of function
-    definitions, goes to the chat template with them)."""
+    definitions, and `chat_template_kwargs`, a JSON object of the template's own variables, go to
+    the chat template with them)."""
     messages = scalar(inputs, "messages")
     text = scalar(inputs, "text_input")
     if messages:
-        tools = scalar(inputs, "tools")
+        tools, template_kwargs = scalar(inputs, "tools"), scalar(inputs, "chat_template_kwargs")
         return apply_chat_template(tokenizer, _json_input("messages", messages),
-                                   tools=_json_input("tools", tools) if tools else None)
+                                   tools=_json_input("tools", tools) if tools else None,
+                                   template_kwargs=_json_input("chat_template_kwargs", template_kwargs)
+                                   if template_kwargs else None)
     if text is None:
         raise InvalidRequestError("text_input", "is required (or send `messages` as a JSON chat)")
     if not text:

@@ -116,15 +116,17 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         model = triton_model(body.model)
         llm_request = translate.chat_request(body, config.default_max_tokens, config.max_choices_per_request,
-                                             config.tool_call_parser, model_defaults=config.generation_config == "auto")
+                                             config.tool_call_parser, model_defaults=config.generation_config == "auto",
+                                             reasoning_parser=config.reasoning_parser)
         with_adapter([llm_request], body.model)
         header = responses.ResponseHeader.new("chatcmpl", body.model)
         result = responses.Accumulator(n=body.n)
         steps = bounded([app.state.triton.stream(model, llm_request)])
         if not body.stream:
             await until_disconnect(request, collect(steps, result))
-            return JSONResponse(responses.chat_completion(header, result, llm_request.tools).model_dump())
-        calls = responses.StreamedCalls(llm_request.tools) if llm_request.tools and llm_request.tools.parses else None
+            return JSONResponse(responses.chat_completion(header, result, llm_request.reply()).model_dump())
+        plan = llm_request.reply()
+        replies = responses.StreamedReplies(plan) if plan is not None else None
 
         async def chunks(first: tuple[int, LLMStep] | None) -> AsyncIterator[BaseModel]:
             if first is not None:  # the role chunk's running usage has the prompt (vLLM's does)
@@ -132,7 +134,7 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
             yield with_usage(responses.chat_role_chunk(header, body.n), result, body.continuous_usage)
             async for _, step in prepend(first, steps):
                 result.add(step)
-                for chunk in responses.chat_chunks(header, step, calls):
+                for chunk in responses.chat_chunks(header, step, replies):
                     yield with_usage(chunk, result, body.continuous_usage)
             if body.include_usage:
                 yield responses.usage_chunk(header, result, chat=True)

@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from .reasoning_parsers import REASONING_PARSERS
 from .tool_parsers import PARSERS
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -30,6 +31,7 @@ FLAGS = {
     "keep_alive_timeout_s": "--keep-alive-timeout",
     "request_timeout_s": "--request-timeout",
     "tool_call_parser": "--tool-call-parser",
+    "reasoning_parser": "--reasoning-parser",
     "generation_config": "--generation-config",
 }
 GENERATION_CONFIGS = ("auto", "vllm")
@@ -78,6 +80,11 @@ class GatewayConfig:
     tool_call_parser: str = "auto"
     """How `tool_choice: auto` reads a model's tool calls (vLLM's --tool-call-parser): hermes
     (Hermes, Qwen), mistral, llama3_json, or auto (each family known by its own markers)."""
+    reasoning_parser: str | None = None
+    """How a reasoning model's chat text is told apart into `reasoning` and the answer (vLLM's
+    --reasoning-parser): deepseek_r1 (`<think>`...`</think>`), qwen3 (the same; off where a request's
+    chat_template_kwargs turn enable_thinking off), openai_gptoss (gpt-oss's Harmony channels, its
+    tool calls included); None: the text is the answer."""
     # -- limits --------------------------------------------------------------------------
     max_body_bytes: int = 4 * 1024 * 1024
     """Largest request body (bytes); a larger one gets 413."""
@@ -115,6 +122,9 @@ class GatewayConfig:
         if self.tool_call_parser not in PARSERS:
             raise GatewayConfigError(f"tool_call_parser (--tool-call-parser): {self.tool_call_parser!r} is not one of "
                                      f"{', '.join(PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise GatewayConfigError(f"reasoning_parser (--reasoning-parser): {self.reasoning_parser!r} is not one of "
+                                     f"{', '.join(REASONING_PARSERS)}")
         if ":" not in self.triton_url:
             raise GatewayConfigError(f"triton_url: {self.triton_url!r} must be host:port (the gRPC port, e.g. localhost:8001)")
         for name in ("max_body_bytes", "max_choices_per_request", "max_connections", "max_header_bytes"):

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 from . import schemas
-from .tool_parsers import CallExtractor, Emission, assemble
-from .tools import ToolPlan
+from .replies import MessageReader, ReplyPlan
+from .tool_parsers import Emission, assemble
 from .triton_stream import LLMStep, SampleDelta, TokenLogprob
 
 try:
@@ -111,20 +111,27 @@ def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0) -> s
 
 
 # -- whole responses ------------------------------------------------------------------
-def chat_completion(header: ResponseHeader, result: Accumulator, tools: ToolPlan | None = None) -> schemas.ChatCompletion:
-    """`tools`: the request's, whose calls are read out of each choice's text."""
+def chat_completion(header: ResponseHeader, result: Accumulator, plan: ReplyPlan | None = None) -> schemas.ChatCompletion:
+    """`plan`: how each choice's text is read for tool calls and reasoning (None: it is the answer)."""
     choices = []
     for i, c in sorted(result.choices.items()):
         message, reason = schemas.AssistantMessage(content=c.text), c.finish_reason
-        if tools is not None and tools.parses:
-            reader = tools.extractor()
+        if plan is not None:
+            reader = plan.reader()
             emission = reader.feed(c.text)
             emission += reader.finish()
             content, calls = assemble(emission)
-            message = schemas.AssistantMessage(content=content, tool_calls=[schemas.ToolCall(**call) for call in calls] or None)
-            reason = tools.finish_reason(c.finish_reason, reader.called)
+            reasoning = _reasoning(plan, emission)
+            message = schemas.AssistantMessage(content=content, tool_calls=[schemas.ToolCall(**call) for call in calls] or None,
+                                               reasoning=reasoning, reasoning_content=reasoning)
+            reason = plan.finish_reason(c.finish_reason, reader.called)
         choices.append(schemas.ChatChoice(index=i, message=message, finish_reason=reason, logprobs=chat_logprobs(c.logprobs)))
     return schemas.ChatCompletion(**header.fields(), choices=choices, usage=result.usage())
+
+
+def _reasoning(plan: ReplyPlan, emission: Emission) -> str | None:
+    """A message's (or delta's) reasoning, where there is some to show (under both its names)."""
+    return emission.reasoning if plan.include_reasoning and emission.reasoning else None
 
 
 def completion(header: ResponseHeader, result: Accumulator, prompts: list[str], echo: bool) -> schemas.Completion:
@@ -145,37 +152,41 @@ def chat_role_chunk(header: ResponseHeader, n: int) -> schemas.ChatCompletionChu
     return schemas.ChatCompletionChunk(**header.fields(), choices=choices)
 
 
-def chat_chunks(header: ResponseHeader, step: LLMStep, tools: StreamedCalls | None = None) -> list[schemas.ChatCompletionChunk]:
-    """One chunk per choice that this response moved on (`tools`: the choices' text read
-    for tool calls; a choice whose text is held back, maybe a call's start, moves on later)."""
+def chat_chunks(header: ResponseHeader, step: LLMStep,
+                replies: StreamedReplies | None = None) -> list[schemas.ChatCompletionChunk]:
+    """One chunk per choice that this response moved on (`replies`: the choices' text read for
+    tool calls and reasoning; a choice whose text is held back, maybe a marker's start, moves on
+    later)."""
     chunks = []
     for i, d in moved(step):
         delta, reason = schemas.ChatDelta(content=d.text), d.finish_reason
-        if tools is not None:
-            delta, reason = tools.delta(i, d)
-            if not (delta.content or delta.tool_calls or reason or d.logprobs):
+        if replies is not None:
+            delta, reason = replies.delta(i, d)
+            if not (delta.content or delta.tool_calls or delta.reasoning or reason or d.logprobs):
                 continue
         chunks.append(schemas.ChatCompletionChunk(**header.fields(), choices=[schemas.ChatChunkChoice(
             index=i, delta=delta, finish_reason=reason, logprobs=chat_logprobs(d.logprobs))]))
     return chunks
 
 
-class StreamedCalls:
-    """The tool calls of a streamed chat: one reader per choice, its deltas as OpenAI's."""
+class StreamedReplies:
+    """A streamed chat's choices read as messages: one reader per choice, its deltas as OpenAI's."""
 
-    def __init__(self, plan: ToolPlan):
+    def __init__(self, plan: ReplyPlan):
         self.plan = plan
-        self.readers: dict[int, CallExtractor] = {}
+        self.readers: dict[int, MessageReader] = {}
 
     def delta(self, index: int, sample: SampleDelta) -> tuple[schemas.ChatDelta, str | None]:
-        reader = self.readers.setdefault(index, self.plan.extractor())
+        reader = self.readers.setdefault(index, self.plan.reader())
         emission: Emission = reader.feed(sample.text)
         if sample.finish_reason:
             emission += reader.finish()
         calls = [schemas.DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
                                        function=schemas.DeltaFunctionCall(name=c.name, arguments=c.arguments))
                  for c in emission.calls]
-        delta = schemas.ChatDelta(content=emission.content or None, tool_calls=calls or None)
+        reasoning = _reasoning(self.plan, emission)
+        delta = schemas.ChatDelta(content=emission.content or None, tool_calls=calls or None, reasoning=reasoning,
+                                  reasoning_content=reasoning)
         return delta, self.plan.finish_reason(sample.finish_reason, reader.called)
 
 

@@ -164,7 +164,23 @@ class DeltaToolCall(OmitsNone):
     function: DeltaFunctionCall
 
 
-class AssistantMessage(BaseModel):
+class Reasoning(BaseModel):
+    """A message's reasoning (the gateway's reasoning parser read it), absent where there is none."""
+
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    """The same text by vLLM's former name, which many clients still read."""
+
+    @model_serializer(mode="wrap")
+    def _without_absent_reasoning(self, handler: Any) -> Any:
+        data = handler(self)
+        for key in ("reasoning", "reasoning_content"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class AssistantMessage(Reasoning):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
@@ -192,7 +208,7 @@ class ChatCompletion(ResponseFields):
     choices: list[ChatChoice]
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(Reasoning):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None

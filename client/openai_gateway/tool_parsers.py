@@ -16,8 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-PARSERS = ("auto", "hermes", "mistral", "llama3_json")
-"""The gateway's `tool_call_parser` values."""
+PARSERS = ("auto", "hermes", "mistral", "llama3_json", "openai")
+"""The gateway's `tool_call_parser` values (openai: gpt-oss's Harmony messages, reasoning_parsers.py's)."""
 MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>"}
 HERMES_END = "</tool_call>"
 
@@ -34,14 +34,17 @@ class DeltaCall:
 
 @dataclass
 class Emission:
-    """What a choice's text adds to its message: content, and pieces of tool calls."""
+    """What a choice's text adds to its message: content, pieces of tool calls, and reasoning
+    (reasoning_parsers.py's)."""
 
     content: str = ""
     calls: list[DeltaCall] = field(default_factory=list)
+    reasoning: str = ""
 
     def __iadd__(self, other: Emission) -> Emission:
         self.content += other.content
         self.calls += other.calls
+        self.reasoning += other.reasoning
         return self
 
 
@@ -183,8 +186,7 @@ class ModelFormatCalls(CallExtractor):
             out.content += self.held[:at]
             self.held, self.family = self.held[at + len(MARKERS[family]):], family
             return True
-        keep = max((k for p in self.parsers for k in range(1, len(MARKERS[p])) if self.held.endswith(MARKERS[p][:k])),
-                   default=0)
+        keep = held_back(self.held, tuple(MARKERS[p] for p in self.parsers))
         out.content += self.held[:len(self.held) - keep]
         self.held = self.held[len(self.held) - keep:]
         return False
@@ -242,6 +244,11 @@ def _named(call: Any, key: str) -> tuple[str, Any]:
     if not isinstance(call["name"], str) or not isinstance(arguments, (dict, str)):
         raise TypeError
     return call["name"], arguments if isinstance(arguments, dict) else json.loads(arguments)
+
+
+def held_back(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` may begin one of `markers` (to be held back)."""
+    return max((k for marker in markers for k in range(1, len(marker)) if text.endswith(marker[:k])), default=0)
 
 
 def assemble(emission: Emission) -> tuple[str | None, list[dict]]:

@@ -7,8 +7,9 @@ them to the model as it was trained to see them. What comes back depends on `too
 - `auto`: the model decides; its text is read by the parser of its family (`hermes`:
   Hermes / Qwen `<tool_call>{...}</tool_call>`; `mistral`: `[TOOL_CALLS]` then a JSON list
   or `name[ARGS]{...}`; `llama3_json`: a JSON object `{"name", "parameters"}`, maybe after
-  `<|python_tag|>`). The gateway's `tool_call_parser` picks one; `auto` knows each family by
-  its own markers, so it needs no flag for any of them.
+  `<|python_tag|>`; `openai`: gpt-oss's Harmony messages to `functions.NAME`). The gateway's
+  `tool_call_parser` picks one; `auto` knows the first three by their own markers, so it needs
+  no flag for any of them.
 - `required` and a named function: enforced by grammar, not by hope. The model must write
   a JSON list of `{"name", "parameters"}` calls of the listed tools (a named function: its
   arguments object alone), as structured outputs, whatever the model's family.
@@ -29,7 +30,7 @@ from .errors import OpenAIError
 from .tool_parsers import CallExtractor, ModelFormatCalls, NamedCall, RequiredCalls
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-SPECIAL_MARKER_PARSERS = ("auto", "mistral", "llama3_json")
+SPECIAL_MARKER_PARSERS = ("auto", "mistral", "llama3_json", "openai")
 """Parsers whose markers are special tokens: the text must keep them (skip_special_tokens off)."""
 CHOICES = 'none, auto, required or {"type": "function", "function": {"name": ...}}'
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from .config import knob
 from .errors import OpenAIError, unsupported
+from .replies import HARMONY, ReplyPlan, reasoning_for
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from .tools import ToolPlan, tool_plan
 
@@ -58,6 +59,16 @@ class LLMRequest:
     """How many alternatives per token the client asked for; None: no logprobs."""
     tools: ToolPlan | None = None
     """The chat's tools (sent for the chat template) and how its text becomes tool calls."""
+    template_kwargs: dict[str, Any] | None = None
+    """The chat's `chat_template_kwargs` (the template's own variables), sent as they are."""
+    reasoning: str | None = None
+    """The reasoning parser its text is read with (replies.reasoning_for)."""
+    include_reasoning: bool = True
+
+    def reply(self) -> ReplyPlan | None:
+        """How each choice's text becomes a message (None: the text is the answer)."""
+        plan = ReplyPlan(self.tools, self.reasoning, self.include_reasoning)
+        return plan if plan.reads else None
 
     def inputs(self) -> dict[str, Any]:
         """Input name -> value (str, bool), for the `llm` model."""
@@ -66,6 +77,8 @@ class LLMRequest:
         )
         if self.tools is not None:
             values["tools"] = json.dumps(self.tools.tools)
+        if self.template_kwargs:
+            values["chat_template_kwargs"] = json.dumps(self.template_kwargs)
         values |= {
             "stream": self.stream,
             "exclude_input_in_output": not (self.echo and not self.stream),
@@ -80,11 +93,12 @@ class LLMRequest:
 
 
 def chat_request(request: ChatCompletionRequest, default_max_tokens: int, max_choices: int | None = None,
-                 tool_call_parser: str = "auto", *, model_defaults: bool = False) -> LLMRequest:
+                 tool_call_parser: str = "auto", *, model_defaults: bool = False,
+                 reasoning_parser: str | None = None) -> LLMRequest:
     """`max_choices`: the gateway's max_choices_per_request (None: no cap); `tool_call_parser`:
     how `tool_choice: auto` reads the model's calls (tools.PARSERS); `model_defaults`: the served
     model's generation_config fills the sampling fields the request leaves out (the gateway's
-    generation_config auto)."""
+    generation_config auto); `reasoning_parser`: the gateway's (reasoning_parsers.REASONING_PARSERS)."""
     _refuse_unsupported(request)
     _check_choices(1, request.n, max_choices)
     if request.top_logprobs is not None and not request.logprobs:
@@ -98,14 +112,27 @@ def chat_request(request: ChatCompletionRequest, default_max_tokens: int, max_ch
             raise OpenAIError(400, f"`tool_choice` {tools.choice} is enforced by a grammar; `response_format` and "
                                    "vLLM's grammar fields cannot be sent with it", param="tool_choice")
         sampling["structured_outputs"] = tools.grammar()
-    if tools is not None and tools.keeps_special_tokens() and request.skip_special_tokens is None:
-        sampling["skip_special_tokens"] = False  # Mistral's and Llama's call markers are special tokens
+    extra = request.model_extra or {}
+    template_kwargs = extra.get("chat_template_kwargs") or {}
+    if not isinstance(template_kwargs, dict):
+        raise OpenAIError(400, "`chat_template_kwargs`: must be an object of the chat template's variables",
+                          param="chat_template_kwargs")
+    include_reasoning = extra.get("include_reasoning", True)
+    if not isinstance(include_reasoning, bool):
+        raise OpenAIError(400, "`include_reasoning`: must be true or false", param="include_reasoning")
+    reasoning = reasoning_for(reasoning_parser, template_kwargs, tools)
+    keeps_markers = reasoning == HARMONY or (tools is not None and tools.keeps_special_tokens())
+    if keeps_markers and request.skip_special_tokens is None:
+        sampling["skip_special_tokens"] = False  # Mistral's, Llama's and Harmony's markers are special tokens
     return LLMRequest(
         messages=[_message(i, m) for i, m in enumerate(request.messages)],
         sampling=sampling,
         stream=request.stream,
         top_logprobs=top,
         tools=tools,
+        template_kwargs=template_kwargs,
+        reasoning=reasoning,
+        include_reasoning=include_reasoning,
     )
 
 

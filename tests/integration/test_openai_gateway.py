@@ -184,6 +184,11 @@ def test_refusals_are_openai_errors_naming_the_parameter(client):
     with pytest.raises(openai.BadRequestError) as streamed:  # refused before the stream starts: a status, not an event
         client.chat.completions.create(model="llm", messages=CHAT, stream=True, extra_body={"top_k": -5})
     assert streamed.value.body["param"] == "top_k"
+    with pytest.raises(openai.BadRequestError) as template:  # chat_template_kwargs reach the served model's template
+        client.chat.completions.create(model="llm", messages=CHAT, extra_body={"chat_template_kwargs": {"tools": []}})
+    assert "chat_template_kwargs" in template.value.message
+    assert client.chat.completions.create(model="llm", messages=CHAT, max_tokens=2, extra_body={
+        "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message.content
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4o", messages=CHAT)
     assert missing.value.body["code"] == "model_not_found"
