@@ -9,6 +9,7 @@ Layout (shared by every implementation):
                output channel (group_size 0), or [experts, rows, ceil(cols / group_size)] per channel
                and group of input features (block-wise checkpoints): an expert's slice is an
                Fp8Weight (kernels/fp8.py)
+    "int8"     the same with int8 codes (W8A16 checkpoints): an expert's slice is an Int8Weight
     "int4"     w13 int32 [experts, hidden / 8, 2 * inter], w2 int32 [experts, inter / 8, hidden],
                w13_scale / w13_offset [experts, hidden / group_size, 2 * inter] (w2's likewise):
                an expert's slice is an Int4Weight (kernels/int4.py: codes packed along K, N
@@ -41,7 +42,7 @@ from typing import Literal, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .fp8 import Fp8Weight, fp8_matmul_ref, quantize_rows
+from .fp8 import Fp8Weight, Int8Weight, fp8_matmul_ref, quantize_rows
 from .int4 import PACK, Int4Weight, int4_group_size, quantize_int4, w4a16_matmul_ref
 
 Projection = Union[torch.Tensor, Fp8Weight, Int4Weight]
@@ -65,9 +66,11 @@ class ExpertWeights:
     """int4: the group along K; fp8: 0 (per-channel scales) or the group of its grouped scales."""
 
     @property
-    def form(self) -> Literal["dense", "fp8", "int4"]:
+    def form(self) -> Literal["dense", "fp8", "int8", "int4"]:
         if self.w13.dtype == torch.int32:
             return "int4"
+        if self.w13.dtype == torch.int8:
+            return "int8"
         return "dense" if self.w13_scale is None else "fp8"
 
     @property
@@ -93,8 +96,9 @@ class ExpertWeights:
         if self.form == "dense":
             return weight[expert]
         assert scale is not None  # quantized forms carry scales
-        if self.form == "fp8":
-            return Fp8Weight(weight[expert], scale[expert], self.group_size)
+        if self.form in ("fp8", "int8"):
+            kind = Fp8Weight if self.form == "fp8" else Int8Weight
+            return kind(weight[expert], scale[expert], self.group_size)
         offset = self.w13_offset if which == "w13" else self.w2_offset
         assert offset is not None  # int4 carries offsets
         rows, cols = weight.shape[1:]
@@ -122,12 +126,12 @@ def stack_experts(w13: Sequence[Projection], w2: Sequence[Projection], **rest) -
             _stack(w.qweight for w in a), _stack(w.qweight for w in b), _stack(w.scales for w in a),
             _stack(w.scales for w in b), w13_offset=_stack(w.offsets for w in a),
             w2_offset=_stack(w.offsets for w in b), group_size=group, **rest)
-    if form is Fp8Weight:  # exactly: int8 codes (Int8Weight) have no expert kernel
+    if form in (Fp8Weight, Int8Weight):  # e4m3 or int8 codes, the same scales
         c = [w for w in w13 if isinstance(w, Fp8Weight)]
         d = [w for w in w2 if isinstance(w, Fp8Weight)]
         return ExpertWeights(_stack(w.weight for w in c), _stack(w.weight for w in d), _stack(w.scale for w in c),
                              _stack(w.scale for w in d), group_size=group, **rest)
-    raise ValueError(f"experts of form {form.__name__} are not supported (fp8 or 4-bit experts are)")
+    raise ValueError(f"experts of form {form.__name__} are not supported (fp8, int8 or 4-bit experts are)")
 
 
 def _stack(parts) -> torch.Tensor:

@@ -206,11 +206,13 @@ QUANTIZED_PROJECTION = re.compile(r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_
 
 
 @pytest.mark.parametrize("fmt, kind", [("awq", "qwen3-moe"), ("gptq", "mixtral"), ("compressed-int4", "qwen3-moe"),
-                                       ("compressed-tensors", "mixtral"), ("block-fp8", "qwen3-moe")])
+                                       ("compressed-tensors", "mixtral"), ("block-fp8", "qwen3-moe"),
+                                       ("compressed-int8", "qwen3-moe")])
 def test_mixture_of_experts_checkpoint_matches_transformers_on_the_dense_weights(fmt, kind, tmp_path, tokenizer):
     """Qwen3-MoE and Mixtral as their quantized releases ship (AWQ, GPTQ and compressed-tensors 4-bit;
-    FP8 per channel and block-wise): every projection, the experts' included, quantized, the router
-    not. The experts load stacked in their 4-bit or e4m3 form (never dense) and the model generates
+    FP8 per channel and block-wise; compressed-tensors W8A16): every projection, the experts'
+    included, quantized, the router not. The experts load stacked in their 4-bit, e4m3 or int8
+    form (never dense) and the model generates
     transformers' tokens on the same weights dense."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -224,7 +226,10 @@ def test_mixture_of_experts_checkpoint_matches_transformers_on_the_dense_weights
             dense[name] = quantized[name] = tensor
             continue
         prefix = name.removesuffix(".weight")
-        value, parts = fp8_tensors(tensor, fmt) if fmt in FP8_CONFIGS else int4_tensors(fmt, *tensor.shape, rng, 16)
+        if fmt == "compressed-int8":
+            value, parts = int8_tensors("pack-quantized", "channel", *tensor.shape, rng)
+        else:
+            value, parts = fp8_tensors(tensor, fmt) if fmt in FP8_CONFIGS else int4_tensors(fmt, *tensor.shape, rng, 16)
         dense[name] = value.to(tensor.dtype).contiguous()
         quantized |= {f"{prefix}.{part}": t for part, t in parts.items()}
     save_file(dense, tmp_path / "dense" / "model.safetensors", metadata={"format": "pt"})
@@ -233,7 +238,12 @@ def test_mixture_of_experts_checkpoint_matches_transformers_on_the_dense_weights
     out.mkdir()
     save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((tmp_path / "dense" / "config.json").read_text())
-    spec = FP8_CONFIGS[fmt][1] if fmt in FP8_CONFIGS else INT4_CONFIGS[fmt] | ({} if fmt.startswith("compressed") else {"group_size": 16})
+    if fmt == "compressed-int8":
+        spec = int8_spec("pack-quantized", "channel", False)
+    elif fmt in FP8_CONFIGS:
+        spec = FP8_CONFIGS[fmt][1]
+    else:
+        spec = INT4_CONFIGS[fmt] | ({} if fmt.startswith("compressed") else {"group_size": 16})
     if fmt.startswith("compressed-int4"):
         spec = json.loads(json.dumps(spec))
         spec["config_groups"]["group_0"]["weights"]["group_size"] = 16
@@ -242,7 +252,7 @@ def test_mixture_of_experts_checkpoint_matches_transformers_on_the_dense_weights
 
     engine = assert_serves_reference(str(out), reference)
     experts = engine.runner.model.decoder_layers[0].mlp.experts
-    assert experts.form == ("fp8" if fmt in FP8_CONFIGS else "int4")
+    assert experts.form == {"compressed-int8": "int8"}.get(fmt, "fp8" if fmt in FP8_CONFIGS else "int4")
     assert engine.runner.model.decoder_layers[0].mlp.gate.weight.dtype == torch.float32
 
 
@@ -252,6 +262,19 @@ def int8_spec(fmt: str, strategy: str, activations: bool) -> dict:
     if activations:  # W8A8: dynamic per-token int8 activations (read, then run as W8A16)
         scheme["input_activations"] = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
     return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"], "config_groups": {"group_0": scheme}}
+
+
+def int8_tensors(fmt: str, strategy: str, n: int, k: int, rng: np.random.Generator) -> tuple[torch.Tensor, dict]:
+    """A random int8 weight [N, K] as compressed-tensors' `fmt` stores it ({kind: tensor}), scales per
+    channel or group of GROUP, and its dense value."""
+    codes = torch.from_numpy(rng.integers(-127, 128, (n, k))).to(torch.int8)
+    scale = torch.from_numpy(rng.uniform(1e-3, 3e-3, (n, k // GROUP if strategy == "group" else 1))).bfloat16()
+    dense = codes.float() * scale.float().repeat_interleave(k // scale.shape[1], 1)
+    if fmt == "int-quantized":
+        return dense, {"weight": codes, "weight_scale": scale}
+    stored = (codes.to(torch.int32) + 128).view(n, k // 4, 4) << (8 * torch.arange(4, dtype=torch.int32))
+    return dense, {"weight_packed": stored.sum(-1, dtype=torch.int64).to(torch.uint32).view(torch.int32),
+                   "weight_scale": scale, "weight_shape": torch.tensor([n, k])}
 
 
 @pytest.mark.parametrize("fmt, strategy, activations", [
@@ -266,16 +289,9 @@ def test_int8_checkpoint_matches_transformers_on_the_dense_weights(fmt, strategy
     reference = llama_reference()
     quantized = {}
     for prefix, linear in projections(reference):
-        n, k = linear.weight.shape
-        codes = torch.from_numpy(rng.integers(-127, 128, (n, k))).to(torch.int8)
-        scale = torch.from_numpy(rng.uniform(1e-3, 3e-3, (n, k // GROUP if strategy == "group" else 1))).bfloat16()
-        linear.weight.data.copy_(codes.float() * scale.float().repeat_interleave(k // scale.shape[1], 1))
-        if fmt == "int-quantized":
-            quantized |= {f"{prefix}.weight": codes, f"{prefix}.weight_scale": scale}
-            continue
-        stored = (codes.to(torch.int32) + 128).view(n, k // 4, 4) << (8 * torch.arange(4, dtype=torch.int32))
-        quantized |= {f"{prefix}.weight_packed": stored.sum(-1, dtype=torch.int64).to(torch.uint32).view(torch.int32),
-                      f"{prefix}.weight_scale": scale, f"{prefix}.weight_shape": torch.tensor([n, k])}
+        dense, tensors = int8_tensors(fmt, strategy, *linear.weight.shape, rng)
+        linear.weight.data.copy_(dense)
+        quantized |= {f"{prefix}.{kind}": tensor for kind, tensor in tensors.items()}
     directory = write_checkpoint(reference, quantized, int8_spec(fmt, strategy, activations), tmp_path, tokenizer)
 
     engine = assert_serves_reference(directory, reference)

@@ -25,7 +25,8 @@ with integer ops before it, as the attention kernel's fp8 KV): the e4m3 tiles ar
 exactly to the activations' dtype for the dot, and each output channel's scale multiplies the
 float32 accumulator (a channel's scale factors out of its sum over k); with group scales
 (block-wise checkpoints, constexpr GROUPED) each K tile's product is scaled by its group's before
-it joins the accumulator.
+it joins the accumulator. int8 experts (W8A16 checkpoints, W_FP8 3) take the same path, their
+codes converted to the activations' dtype as they are (exact).
 
 INT4 experts (W4A16, constexpr W_INT4; AWQ / GPTQ / compressed-tensors experts, or quantized on
 load): a K tile of packed rows is expanded to raw codes 0..15 (exact in 16 bits) for the dot, and,
@@ -62,12 +63,15 @@ def _block_of_expert(sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl
 
 
 @triton.jit
-def _weight_tile(ptr, W_FP8: tl.constexpr, dtype):
-    """A weight tile in the activations' dtype: loaded as is, or e4m3 bytes converted exactly."""
-    if W_FP8:
-        w = e4m3_to_float(ptr, W_FP8 == 1)
+def _weight_tile(tile, W_FP8: tl.constexpr, dtype):
+    """A loaded weight tile in the activations' dtype: as is (W_FP8 0; 3: int8 codes, exact), or
+    e4m3 bytes converted exactly (1: by the hardware, 2: with integer ops)."""
+    if W_FP8 == 1 or W_FP8 == 2:
+        w = e4m3_to_float(tile, W_FP8 == 1)
+    elif W_FP8 == 3:  # by way of float32: exact, and what the interpreter converts right
+        w = tile.to(tl.float32)
     else:
-        w = ptr
+        w = tile
     return w.to(dtype)
 
 
@@ -231,14 +235,14 @@ class _Operands:
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None,
                  form: str, placeholder: torch.Tensor):
-        self.weight = weight.contiguous().view(torch.uint8) if form == "fp8" else weight.contiguous()
+        self.weight = weight.contiguous().view(torch.uint8) if form == "fp8" else weight.contiguous()  # e4m3 as bytes
         self.scale = placeholder if scale is None else scale.contiguous()
         self.offset = placeholder if offset is None else offset.contiguous()
         if form == "int4":  # [E, K / G, N]
             self.strides = (self.scale.stride(0), 1, self.scale.stride(1))
-        elif scale is not None and scale.dim() == 3:  # fp8 grouped: [E, N, groups]
+        elif scale is not None and scale.dim() == 3:  # fp8 / int8 grouped: [E, N, groups]
             self.strides = (self.scale.stride(0), self.scale.stride(1), 1)
-        elif scale is not None:  # fp8 per channel: [E, N]
+        elif scale is not None:  # fp8 / int8 per channel: [E, N]
             self.strides = (self.scale.stride(0), 1, 0)
         else:
             self.strides = (0, 0, 0)
@@ -263,8 +267,8 @@ def fused_moe_triton(
     x = x.contiguous()
     w13 = _Operands(experts.w13, experts.w13_scale, experts.w13_offset, form, topk_weights)
     w2 = _Operands(experts.w2, experts.w2_scale, experts.w2_offset, form, topk_weights)
-    w_fp8 = (1 if native_fp8(x.device) else 2) if form == "fp8" else 0
-    grouped = form == "fp8" and experts.group_size > 0
+    w_fp8 = {"fp8": 1 if native_fp8(x.device) else 2, "int8": 3}.get(form, 0)
+    grouped = form in ("fp8", "int8") and experts.group_size > 0
     num_pairs = tokens * top_k
     auto_m, block_n, block_k = _tiles(num_pairs, num_experts, experts.group_size)
     block_m = block_m or auto_m

@@ -135,7 +135,7 @@ def test_enumeration_follows_the_launchers(results):
         assert values(t, "_moe_gate_up_kernel", "BLOCK_M") == {16, 64}
         assert values(t, "_lora_shrink_kernel", "BLOCK_M") == {16, 64}
         assert values(t, "_lora_shrink_kernel", "BLOCK_R") == values(t, "_lora_expand_kernel", "BLOCK_K") == {16, 32, 64}
-        assert values(t, "_moe_down_kernel", "W_FP8") == ({0, 2} if t == "sm_80" else {0, 1})
+        assert values(t, "_moe_down_kernel", "W_FP8") == ({0, 2, 3} if t == "sm_80" else {0, 1, 3})  # 3: int8 experts
 
 
 def test_fp8_kv_software_decode_matches_hardware(monkeypatch):
