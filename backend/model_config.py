@@ -103,6 +103,8 @@ class ModelConfig:
     attention_sinks: bool = False
     """gpt-oss: each attention head has a learned sink logit (`self_attn.sinks`) that joins its
     softmax's denominator with no value."""
+    mxfp4_experts: bool = False
+    """The experts come as MXFP4 codes and scales (gpt-oss's release) and are held so (kernels/mxfp4.py)."""
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     """The sampling fields generation_config.json sets away from transformers' defaults (temperature,

@@ -146,7 +146,7 @@ def load_weights(
                 number, projection, part = int(expert.group(1)), expert.group(2), expert.group(3)
                 if packed is not None and packed.accepts_expert(part):
                     packed.add_expert(int(layer), number, projection, part, tensor)
-                elif part in ("weight", "bias"):
+                elif experts[f"layers.{layer}.mlp"].takes(part) or part in ("weight", "bias"):  # those: fit, or named
                     experts[f"layers.{layer}.mlp"].load_expert(number, projection, tensor, part)
                 continue
             if packed is not None and packed.accepts(module, kind):

@@ -10,6 +10,9 @@ Layout (shared by every implementation):
                and group of input features (block-wise checkpoints): an expert's slice is an
                Fp8Weight (kernels/fp8.py)
     "int8"     the same with int8 codes (W8A16 checkpoints): an expert's slice is an Int8Weight
+    "mxfp4"    w13 uint8 [experts, 2 * inter, hidden / 2], w2 uint8 [experts, hidden, inter / 2]: two
+               e2m1 codes a byte along K; w13_scale / w2_scale uint8 e8m0 [experts, rows, cols / 32]
+               (group_size 32): an expert's slice is an Mxfp4Weight (kernels/mxfp4.py; gpt-oss)
     "int4"     w13 int32 [experts, hidden / 8, 2 * inter], w2 int32 [experts, inter / 8, hidden],
                w13_scale / w13_offset [experts, hidden / group_size, 2 * inter] (w2's likewise):
                an expert's slice is an Int4Weight (kernels/int4.py: codes packed along K, N
@@ -44,8 +47,9 @@ import torch.nn.functional as F
 
 from .fp8 import Fp8Weight, Int8Weight, fp8_matmul_ref, quantize_rows
 from .int4 import PACK, Int4Weight, int4_group_size, quantize_int4, w4a16_matmul_ref
+from .mxfp4 import Mxfp4Weight, mxfp4_matmul_ref
 
-Projection = Union[torch.Tensor, Fp8Weight, Int4Weight]
+Projection = Union[torch.Tensor, Fp8Weight, Int4Weight, Mxfp4Weight]
 """One expert's gate / up (stacked rows) or down weight, in whichever form the experts have."""
 
 
@@ -66,11 +70,10 @@ class ExpertWeights:
     """int4: the group along K; fp8: 0 (per-channel scales) or the group of its grouped scales."""
 
     @property
-    def form(self) -> Literal["dense", "fp8", "int8", "int4"]:
-        if self.w13.dtype == torch.int32:
-            return "int4"
-        if self.w13.dtype == torch.int8:
-            return "int8"
+    def form(self) -> Literal["dense", "fp8", "int8", "int4", "mxfp4"]:
+        forms = {torch.int32: "int4", torch.int8: "int8", torch.uint8: "mxfp4"}
+        if self.w13.dtype in forms:
+            return forms[self.w13.dtype]  # type: ignore[return-value]  # the dict's values are the literals
         return "dense" if self.w13_scale is None else "fp8"
 
     @property
@@ -87,7 +90,9 @@ class ExpertWeights:
 
     @property
     def inter(self) -> int:
-        return self.w2.shape[1] * PACK if self.form == "int4" else self.w2.shape[2]
+        if self.form == "int4":
+            return self.w2.shape[1] * PACK
+        return self.w2.shape[2] * (2 if self.form == "mxfp4" else 1)
 
     def projection(self, which: Literal["w13", "w2"], expert: int) -> Projection:
         """Expert `expert`'s gate / up ("w13") or down ("w2") weight: a tensor, or its quantized
@@ -99,6 +104,8 @@ class ExpertWeights:
         if self.form in ("fp8", "int8"):
             kind = Fp8Weight if self.form == "fp8" else Int8Weight
             return kind(weight[expert], scale[expert], self.group_size)
+        if self.form == "mxfp4":
+            return Mxfp4Weight(weight[expert], scale[expert])
         offset = self.w13_offset if which == "w13" else self.w2_offset
         assert offset is not None  # int4 carries offsets
         rows, cols = weight.shape[1:]
@@ -161,6 +168,8 @@ def _project(a: torch.Tensor, weight: Projection, bias: torch.Tensor | None) -> 
     """a @ weight^T in a's dtype (a quantized weight through its reference matmul), then + bias."""
     if isinstance(weight, Int4Weight):
         out = w4a16_matmul_ref(a, weight)
+    elif isinstance(weight, Mxfp4Weight):
+        out = mxfp4_matmul_ref(a, weight)
     elif isinstance(weight, Fp8Weight):
         out = fp8_matmul_ref(a, weight)
     else:

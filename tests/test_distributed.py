@@ -105,17 +105,19 @@ def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path, sentencepiece_tokeni
     assert not new_workers()
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma3", "qwen3-moe", "gpt-oss"])
+@pytest.mark.parametrize("family", ["phi3", "gemma3", "qwen3-moe", "gpt-oss", "gpt-oss-mxfp4"])
 def test_families_that_stack_or_sandwich_their_projections_split_across_ranks(family, tmp_path, sentencepiece_tokenizer,
                                                                                 small_prompts, new_workers):
     """Phi-3's stacked q/k/v and gate/up (read as their parts, then sharded as Llama's), Gemma 3's
     per-head q/k norms, norms around each sublayer and sliding-window layers (a window of 16), and
     Qwen3-MoE's experts (each expert's width split, the router on every rank), gpt-oss's sinks (split
     with their heads), biased attention and experts (the output projections' biases added by rank 0
-    alone): 2 ranks give 1 rank's tokens."""
+    alone), its MXFP4 experts (codes and scales split with the weights' rows and columns): 2 ranks
+    give 1 rank's tokens."""
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, Phi3Config,
                               Phi3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
+    from .test_gpt_oss import write_mxfp4_release
     from .test_models import make_biases_and_norms_matter
 
     from .tensor_parallel_checks import SMALL_LLAMA
@@ -128,19 +130,23 @@ def test_families_that_stack_or_sandwich_their_projections_split_across_ranks(fa
     elif family == "gemma3":
         model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, head_dim=16, sliding_window=16,
                                                    layer_types=["sliding_attention", "full_attention"]))
-    elif family == "gpt-oss":
+    elif family.startswith("gpt-oss"):
         model = make_biases_and_norms_matter(GptOssForCausalLM(GptOssConfig(
             **{**shape, "initializer_range": 0.1}, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
             layer_types=["sliding_attention", "full_attention"])), "gpt-oss")
     else:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                                    norm_topk_prob=True))
-    model.save_pretrained(tmp_path)
-    sentencepiece_tokenizer.save_pretrained(tmp_path)
+    path = str(tmp_path)
+    if family == "gpt-oss-mxfp4":  # its release's MXFP4 experts: codes and scales split as the weights
+        path = write_mxfp4_release(model, tmp_path, sentencepiece_tokenizer)
+    else:
+        model.save_pretrained(tmp_path)
+        sentencepiece_tokenizer.save_pretrained(tmp_path)
     params = SamplingParams(max_tokens=12, **GREEDY)
     results = []
     for tp in (1, 2):
-        engine = LLMEngine(model=str(tmp_path), dtype="float32", tensor_parallel_size=tp)
+        engine = LLMEngine(model=path, dtype="float32", tensor_parallel_size=tp)
         results.append([c.token_ids for c in engine.generate(small_prompts, params, use_tqdm=False)])
         engine.close()
     assert results[0] == results[1]

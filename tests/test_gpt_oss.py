@@ -1,5 +1,6 @@
-"""gpt-oss as OpenAI ships it: MXFP4 experts dequantized exactly on load, the checkpoint's
-stacked experts read per expert, and what is refused by name. (The bf16 checkpoint's greedy
+"""gpt-oss as OpenAI ships it: MXFP4 experts held and run as MXFP4 (their dequantized values
+transformers' to the bit), the checkpoint's stacked experts read per expert, and what is refused
+by name. (The bf16 checkpoint's greedy
 equality with transformers, sinks, biases, window and all, is test_models.py's.)"""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagedserve.backend import LLMEngine
-from pagedserve.backend.checkpoints.gpt_oss import dequantize_mxfp4
+from pagedserve.kernels.mxfp4 import dequantize_mxfp4
 
 from .conftest import GPU_SHARE, assert_greedy_matches_transformers
 from .test_models import build, make_biases_and_norms_matter
@@ -39,12 +40,10 @@ def mxfp4_codes(g: torch.Generator, experts: int, rows: int, cols: int) -> tuple
     return blocks, torch.randint(127 - 7, 127 - 3, (experts, rows, cols // 32), generator=g, dtype=torch.uint8)
 
 
-def test_the_mxfp4_release_matches_transformers_on_the_dequantized_weights(tmp_path, tokenizer):
-    """OpenAI's layout: experts as *_blocks / *_scales beside bf16 attention, router, biases and sinks,
-    quantization_config mxfp4. Served (dequantized on load), greedy equal to transformers on the same
-    weights dense."""
-    torch.manual_seed(0)
-    reference = make_biases_and_norms_matter(build("gpt-oss").eval(), "gpt-oss")
+def write_mxfp4_release(reference, directory, tokenizer) -> str:
+    """`reference` (a transformers gpt-oss) as OpenAI's release lays it out: its experts random MXFP4
+    (*_blocks / *_scales, their dequantized values copied into `reference`) beside bf16 attention,
+    router, biases and sinks, quantization_config mxfp4. Returns the checkpoint's folder."""
     g = torch.Generator().manual_seed(1)
     quantized = {}
     for index, layer in enumerate(reference.model.layers):
@@ -55,18 +54,29 @@ def test_the_mxfp4_release_matches_transformers_on_the_dequantized_weights(tmp_p
             getattr(experts, name).data.copy_(dequantize_mxfp4(blocks, scales).float().transpose(1, 2))
             prefix = f"model.layers.{index}.mlp.experts.{name}"
             quantized |= {f"{prefix}_blocks": blocks, f"{prefix}_scales": scales}
-    reference.save_pretrained(tmp_path / "dense")
+    reference.save_pretrained(directory / "dense")
     rest = {k: v for k, v in reference.state_dict().items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
-    out = tmp_path / "mxfp4"
+    out = directory / "mxfp4"
     out.mkdir()
     save_file({**rest, **quantized}, out / "model.safetensors")
-    config = json.loads((tmp_path / "dense" / "config.json").read_text())
+    config = json.loads((directory / "dense" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (out / "config.json").write_text(json.dumps(config))
     tokenizer.save_pretrained(out)
+    return str(out)
 
-    engine = LLMEngine(model=str(out), dtype="float32", **GPU_SHARE)
+
+def test_the_mxfp4_release_matches_transformers_on_the_dequantized_weights(tmp_path, tokenizer):
+    """OpenAI's layout (write_mxfp4_release). Served with the experts as MXFP4, greedy equal to
+    transformers on the same weights dense."""
+    torch.manual_seed(0)
+    reference = make_biases_and_norms_matter(build("gpt-oss").eval(), "gpt-oss")
+    out = write_mxfp4_release(reference, tmp_path, tokenizer)
+
+    engine = LLMEngine(model=out, dtype="float32", **GPU_SHARE)
+    experts = engine.runner.model.decoder_layers[0].mlp.experts
+    assert experts.form == "mxfp4" and experts.w13.dtype == torch.uint8  # held as shipped, never dense
     assert_greedy_matches_transformers(engine, reference, [[1, 500, 42, 9000, 123], list(range(300, 340))], max_tokens=10)
 
 

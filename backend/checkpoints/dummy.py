@@ -22,8 +22,8 @@ INIT_STD = 0.02
 def dummy_checkpoint(config: ModelConfig) -> Checkpoint:
     """A checkpoint of `config`'s shape with no stored tensors: the loader fills the model
     with `randomize` instead of copying weights."""
-    if config.packed_weights:
-        config.packed_weights = None  # random dense weights; quantize on load for the quantized kernels
+    if config.packed_weights or config.mxfp4_experts:  # random dense weights; quantize on load for the quantized kernels
+        config.packed_weights, config.mxfp4_experts = None, False
         config.source_group_size = None
         config.fp8_block = None
     return Checkpoint(config, iter(()), 0, random_weights=True)

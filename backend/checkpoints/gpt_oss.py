@@ -6,9 +6,9 @@ hidden, 2 * inter] with gate and up interleaved in its columns, `down_proj` [exp
 their biases [experts, 2 * inter] / [experts, hidden]), and OpenAI's release stores those weights in
 MXFP4 (`*_blocks`: two e2m1 values a byte, 32 a block; `*_scales`: one e8m0 power of two a block).
 They become the per-expert tensors Mixtral and Qwen3-MoE checkpoints have (experts.E.gate_proj /
-up_proj / down_proj, .weight and .bias); MXFP4 weights are dequantized on load, exactly (every
-e2m1 value times a power of two is a bfloat16), so the experts run in the model dtype. The router
-(`mlp.router`) is the MoE block's `gate`.
+up_proj / down_proj, .weight and .bias); MXFP4 weights stay MXFP4, each expert's codes and scales
+as `.weight_blocks` [out, in / 2] and `.weight_scales` [out, in / 32] (kernels/mxfp4.py's layout),
+run so by the fused MoE kernels. The router (`mlp.router`) is the MoE block's `gate`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import ConfigError
+from pagedserve.kernels.mxfp4 import BLOCK
 
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-"""The 16 e2m1 (FP4) codes' values, code 0..15."""
-E8M0_BIAS = 127
+from ..errors import ConfigError
 
 _EXPERTS = re.compile(r"(.+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
 
@@ -36,21 +34,8 @@ def gpt_oss_fields(config: dict[str, Any]) -> dict[str, Any]:
     return dict(num_experts=config.get("num_local_experts", 128), experts_per_token=config.get("num_experts_per_tok", 4),
                 expert_intermediate_size=config["intermediate_size"],
                 moe_layers=tuple(range(config["num_hidden_layers"])), softmax_after_topk=True, router_bias=True,
-                expert_bias=True, attention_sinks=True,
+                expert_bias=True, attention_sinks=True, mxfp4_experts=bool(quantization),
                 clamped_swiglu=(float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0))))
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 blocks [..., groups, 16] (uint8: the low nibble is the even column) and their e8m0 scales
-    [..., groups] -> bfloat16 [..., groups * 32], exactly."""
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ConfigError("model", f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair "
-                                   "([..., groups, 16] and [..., groups])")
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    codes = blocks.to(torch.uint8)
-    values = torch.stack((table[(codes & 0x0F).long()], table[(codes >> 4).long()]), dim=-1).flatten(-2)
-    exponents = scales.to(torch.int32) - E8M0_BIAS
-    return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
 
 
 def gpt_oss_tensors(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -75,7 +60,12 @@ def gpt_oss_tensors(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tup
             parts[suffix] = tensor
             if len(parts) == 2:
                 del pending[(prefix, projection)]
-                yield from _per_expert(prefix, projection, "weight", dequantize_mxfp4(parts["_blocks"], parts["_scales"]))
+                blocks, scales = parts["_blocks"], parts["_scales"]
+                if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
+                    raise ConfigError("model", f"{prefix}.{projection}: MXFP4 blocks {tuple(blocks.shape)} and scales "
+                                               f"{tuple(scales.shape)} do not pair ([..., groups, 16] and [..., groups])")
+                yield from _per_expert(prefix, projection, "weight_blocks", blocks.flatten(-2))
+                yield from _per_expert(prefix, projection, "weight_scales", scales)
     if pending:
         unpaired = [f"{prefix}.{projection}{next(iter(parts))}" for (prefix, projection), parts in pending.items()]
         raise ConfigError("model", f"MXFP4 tensors without their blocks or scales: {unpaired[:4]}")
@@ -83,7 +73,7 @@ def gpt_oss_tensors(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tup
 
 def _per_expert(prefix: str, projection: str, kind: str, stacked: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """Each expert's gate / up (rows 0, 2, 4, ... and 1, 3, 5, ... of gate_up: interleaved) or down
-    tensor; `stacked` is [experts, out] (bias) or [experts, out, in] (weight)."""
+    tensor; `stacked` is [experts, out, ...] (bias, weight, MXFP4 codes or scales)."""
     for expert, tensor in enumerate(stacked):
         if projection == "down_proj":
             yield f"{prefix}.{expert}.down_proj.{kind}", tensor

@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedserve.kernels.dispatch import fused_moe
 from pagedserve.kernels.moe import ExpertWeights, quantize_experts_fp8, quantize_experts_int4, route
+from pagedserve.kernels.mxfp4 import BLOCK as MXFP4_BLOCK
 
 from ..errors import ConfigError
 from ..model_config import ModelConfig
@@ -25,6 +26,8 @@ from .linear import Linear
 from .parallel import Shard, TensorParallel
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_INPUTS_PER_COLUMN = {"weight_blocks": 2, "weight_scales": MXFP4_BLOCK}
+"""How many inputs one column of an MXFP4 expert tensor holds (gpt-oss's codes two a byte, scales a block)."""
 
 
 class SparseMoeBlock(nn.Module):
@@ -51,6 +54,8 @@ class SparseMoeBlock(nn.Module):
         self.w2_offset: nn.Parameter | None = None
         self.group_size = 0
         """Quantized experts' scales (and int4 offsets, group): kernels/moe.py's layouts."""
+        if config.mxfp4_experts:
+            self._hold_mxfp4(parallel.size)
         self.top_k = config.experts_per_token
         self.renormalize, self.rounded = config.renormalize_expert_weights, config.expert_weights_rounded
         self.shard, self.collectives = parallel.shard(0), parallel.collectives
@@ -68,10 +73,29 @@ class SparseMoeBlock(nn.Module):
         return ExpertWeights(self.w13, self.w2, self.w13_scale, self.w2_scale, self.w13_bias, self.w2_bias,
                              self.clamped_swiglu, self.w13_offset, self.w2_offset, self.group_size)
 
+    def _hold_mxfp4(self, ranks: int) -> None:
+        """Room for MXFP4 experts (gpt-oss's release, loaded as its codes and scales): uint8 codes, two
+        a byte along K, and an e8m0 scale per 32 inputs (kernels/moe.py's mxfp4 form)."""
+        experts, hidden, inter = self.num_experts, self.hidden, self.inter
+        if hidden % MXFP4_BLOCK or inter % MXFP4_BLOCK:
+            raise ConfigError("tensor_parallel_size", f"MXFP4 experts of widths {hidden} and {inter} (per rank, over "
+                                                      f"{ranks}) are not whole {MXFP4_BLOCK}-input blocks")
+
+        def codes(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
+
+        self.w13, self.w2 = codes(experts, 2 * inter, hidden // 2), codes(experts, hidden, inter // 2)
+        self.w13_scale = codes(experts, 2 * inter, hidden // MXFP4_BLOCK)
+        self.w2_scale = codes(experts, hidden, inter // MXFP4_BLOCK)
+        self.group_size = MXFP4_BLOCK
+
     @torch.no_grad()
     def quantize(self, method: str, source_group_size: int | None = None) -> None:
         """The experts in e4m3 with per-channel scales (method fp8: half their bytes) or 4-bit
-        group-wise (int4: a quarter), quantized from the loaded weights."""
+        group-wise (int4: a quarter), quantized from the loaded weights; MXFP4 experts stay as they
+        are (4 bits already)."""
+        if self.experts.form == "mxfp4":
+            return
         if method == "fp8":
             self.install(quantize_experts_fp8(self.experts))
         elif method == "int4":
@@ -100,15 +124,18 @@ class SparseMoeBlock(nn.Module):
         experts, hidden, inter = self.num_experts, self.hidden, self.inter
         if not 0 <= expert < experts or projection not in EXPERT_PROJECTIONS or kind not in self._kinds():
             raise ConfigError("model", f"checkpoint tensor experts.{expert}.{projection}.{kind} does not fit a layer "
-                                       f"of {experts} experts{'' if self.w13_bias is not None else ' without biases'}")
+                                       f"of {experts} {self.experts.form} experts"
+                                       f"{'' if self.w13_bias is not None else ' without biases'}")
         down = projection == "down_proj"
-        full: tuple[int, ...] = (hidden, inter * self.shard.count) if down else (inter * self.shard.count, hidden)
-        full = full if kind == "weight" else full[:1]
+        per = _INPUTS_PER_COLUMN.get(kind, 1)
+        full: tuple[int, ...] = (hidden, inter * self.shard.count // per) if down else (inter * self.shard.count, hidden // per)
+        full = full[:1] if kind == "bias" else full
         if tuple(tensor.shape) != full:
             raise ConfigError("model", f"checkpoint tensor experts.{expert}.{projection}.{kind} has shape "
                                        f"{tuple(tensor.shape)}, expected {full}")
         stacked = {("weight", False): self.w13, ("weight", True): self.w2, ("bias", False): self.w13_bias,
-                   ("bias", True): self.w2_bias}[(kind, down)]
+                   ("bias", True): self.w2_bias, ("weight_blocks", False): self.w13, ("weight_blocks", True): self.w2,
+                   ("weight_scales", False): self.w13_scale, ("weight_scales", True): self.w2_scale}[(kind, down)]
         assert stacked is not None  # biases are in _kinds() only where the layer has them
         if down and kind == "bias":  # of the all-reduced sum: rank 0 adds it, the others zeros
             stacked[expert].copy_(tensor if self.shard.index == 0 else torch.zeros_like(tensor))
@@ -119,11 +146,16 @@ class SparseMoeBlock(nn.Module):
             stacked[expert, rows].copy_(self.shard.take(tensor))
         self.loaded.add((expert, f"{projection}.{kind}"))
 
+    def takes(self, kind: str) -> bool:
+        """Whether `load_expert` takes checkpoint tensors of this kind (weight, bias, ...)."""
+        return kind in self._kinds()
+
     def _kinds(self) -> tuple[str, ...]:
-        """What load_expert takes: a quantized checkpoint's experts' biases alone (their weights come
-        through `install`)."""
-        kinds = ("weight", "bias") if self.w13_bias is not None else ("weight",)
-        return kinds[1:] if self.prequantized else kinds
+        """What load_expert takes: weights (MXFP4: codes and scales) and biases; a quantized
+        checkpoint's experts' biases alone (their weights come through `install`)."""
+        mxfp4 = self.w13.dtype == torch.uint8
+        weights = ("weight_blocks", "weight_scales") if mxfp4 else () if self.prequantized else ("weight",)
+        return weights + (("bias",) if self.w13_bias is not None else ())
 
     def missing(self) -> list[str]:
         """The expert tensors the checkpoint has not given (empty once loaded)."""

@@ -34,7 +34,7 @@ per-channel scales and with block-wise checkpoints' 128-column group scales; int
 (W8A16 checkpoints) in "w8a16" with group scales (they bound the channel form).
 The fused MoE kernels: Mixtral-8x7B's, Qwen3-30B-A3B's and gpt-oss-20b's (biased, clamped SwiGLU)
 experts (`MOE_MODELS`) at 1..2048 tokens, both row tiles, the experts in the model dtype, e4m3
-(per channel; block-wise but gpt-oss's), int8 (but gpt-oss's) and 4-bit. gpt-oss-20b's attention sinks on its
+(per channel; block-wise but gpt-oss's), int8 (but gpt-oss's), 4-bit, and gpt-oss's MXFP4. gpt-oss-20b's attention sinks on its
 128-key window (its global layers' variant is the windowed one less a mask). The batched
 LoRA kernels on Llama-3-8B's linears at both row tiles and every rank tile. Sliding-window
 attention (a constexpr): Mistral-7B (Llama-3-8B's shapes with a window of 4,096) on a split
@@ -366,8 +366,8 @@ def _record_attention(m, log: List[Launch], model: ModelShape, dtype: torch.dtyp
 def _record_moe(m, log: List[Launch], moe: MoeShape, dtype: torch.dtype) -> List[Tuple[str, Launch]]:
     """The fused MoE kernels' launches at each token count, experts in the model dtype, in e4m3
     (per-channel scales, and block-wise checkpoints' 128-column groups), in int8 (per channel) but
-    for gpt-oss's (it ships neither) and in 4-bit (`int4_group_size`'s group) (weights allocated,
-    never touched)."""
+    for gpt-oss's (it ships neither), in 4-bit (`int4_group_size`'s group), and gpt-oss's in MXFP4
+    (weights allocated, never touched)."""
     from ..int4 import int4_group_size
     from ..moe import ExpertWeights  # read by attribute: the private kernel copy takes it as its own
 
@@ -384,7 +384,11 @@ def _record_moe(m, log: List[Launch], moe: MoeShape, dtype: torch.dtype) -> List
             w13_offset=torch.empty(e, h // group, 2 * i, dtype=dtype), w2_offset=torch.empty(e, i // group, h, dtype=dtype),
             group_size=group),
     }
-    if moe.gpt_oss:
+    if moe.gpt_oss:  # its release's MXFP4 experts, as they are held
+        u8 = torch.uint8
+        experts[" mxfp4 experts"] = ExpertWeights(
+            torch.empty(e, 2 * i, h // 2, dtype=u8), torch.empty(e, h, i // 2, dtype=u8),
+            torch.empty(e, 2 * i, h // 32, dtype=u8), torch.empty(e, h, i // 32, dtype=u8), group_size=32)
         experts = {kind: dataclasses.replace(w, w13_bias=torch.empty(e, 2 * i, dtype=dtype),
                                              w2_bias=torch.empty(e, h, dtype=dtype), clamped_swiglu=(1.702, 7.0))
                    for kind, w in experts.items()}

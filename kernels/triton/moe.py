@@ -26,7 +26,9 @@ exactly to the activations' dtype for the dot, and each output channel's scale m
 float32 accumulator (a channel's scale factors out of its sum over k); with group scales
 (block-wise checkpoints, constexpr GROUPED) each K tile's product is scaled by its group's before
 it joins the accumulator. int8 experts (W8A16 checkpoints, W_FP8 3) take the same path, their
-codes converted to the activations' dtype as they are (exact).
+codes converted to the activations' dtype as they are (exact). MXFP4 experts (gpt-oss, W_FP8 4,
+GROUPED): a K tile of bytes expanded to e2m1 codes, decoded exactly to the activations' dtype, and
+each 32-input block's product scaled by its e8m0 power of two (BLOCK_K 32).
 
 INT4 experts (W4A16, constexpr W_INT4; AWQ / GPTQ / compressed-tensors experts, or quantized on
 load): a K tile of packed rows is expanded to raw codes 0..15 (exact in 16 bits) for the dot, and,
@@ -76,6 +78,17 @@ def _weight_tile(tile, W_FP8: tl.constexpr, dtype):
 
 
 @triton.jit
+def _e2m1(codes):
+    """e2m1 (FP4) codes 0..15 -> their values in float32, exactly: sign, two exponent bits, one
+    mantissa bit; 4 x magnitude is 2m (exponent 0) or (2 + m) << exponent."""
+    exponent = (codes >> 1) & 3
+    mantissa = codes & 1
+    quadruple = tl.where(exponent == 0, 2 * mantissa, (2 + mantissa) << exponent)
+    value = quadruple.to(tl.float32) * 0.25
+    return tl.where(codes >= 8, -value, value)
+
+
+@triton.jit
 def _plus_bias(acc, bias, dtype):
     """acc rounded to `dtype`, plus the bias, rounded to `dtype` (one rounding of the sum of two
     `dtype` values: the model dtype's add, done in float32, which the interpreter also computes
@@ -91,6 +104,16 @@ def _accumulate(acc, a, w, s, o, n, n_ok, k0, k_ok, stride_wr, stride_sn, stride
     channels n. A grouped form's tile product is scaled by its group's scales (int4: plus the tile's
     row sums times the group's offsets, as the dense W4A16 kernel factors them), BLOCK_K dividing
     the group; scales at s + n * stride_sn + group * stride_sg, int4 offsets likewise from o."""
+    if W_FP8 == 4:  # MXFP4, [N, K / 2] bytes: nibble j of byte r holds input 2r + j; e8m0 scales a 32-block
+        rows = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w + n[None, :].to(tl.int64) * stride_wr + rows[:, None], mask=n_ok[None, :], other=0)
+        codes = tl.reshape((packed[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        tile = _e2m1(codes.to(tl.int32)).to(a.dtype)
+        exponent = tl.load(s + n * stride_sn + (k0 // group_size) * stride_sg, mask=n_ok, other=127)
+        scale = tl.exp2(exponent.to(tl.float32) - 127.0)
+        if DOT_FP32:
+            return acc + tl.dot(a.to(tl.float32), tile.to(tl.float32)) * scale[None, :]
+        return acc + tl.dot(a, tile) * scale[None, :]
     if W_INT4:  # packed [K / 8, N]: nibble j of row r holds input 8r + j
         rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         packed = tl.load(w + rows[:, None].to(tl.int64) * stride_wr + n[None, :], mask=n_ok[None, :], other=0)
@@ -240,7 +263,7 @@ class _Operands:
         self.offset = placeholder if offset is None else offset.contiguous()
         if form == "int4":  # [E, K / G, N]
             self.strides = (self.scale.stride(0), 1, self.scale.stride(1))
-        elif scale is not None and scale.dim() == 3:  # fp8 / int8 grouped: [E, N, groups]
+        elif scale is not None and scale.dim() == 3:  # fp8 / int8 grouped, mxfp4: [E, N, groups]
             self.strides = (self.scale.stride(0), self.scale.stride(1), 1)
         elif scale is not None:  # fp8 / int8 per channel: [E, N]
             self.strides = (self.scale.stride(0), 1, 0)
@@ -267,8 +290,8 @@ def fused_moe_triton(
     x = x.contiguous()
     w13 = _Operands(experts.w13, experts.w13_scale, experts.w13_offset, form, topk_weights)
     w2 = _Operands(experts.w2, experts.w2_scale, experts.w2_offset, form, topk_weights)
-    w_fp8 = {"fp8": 1 if native_fp8(x.device) else 2, "int8": 3}.get(form, 0)
-    grouped = form in ("fp8", "int8") and experts.group_size > 0
+    w_fp8 = {"fp8": 1 if native_fp8(x.device) else 2, "int8": 3, "mxfp4": 4}.get(form, 0)
+    grouped = form in ("fp8", "int8", "mxfp4") and experts.group_size > 0
     num_pairs = tokens * top_k
     auto_m, block_n, block_k = _tiles(num_pairs, num_experts, experts.group_size)
     block_m = block_m or auto_m

@@ -97,8 +97,8 @@ def test_enumeration_follows_the_launchers(results):
     by the hardware), split-KV and split-K both taken and not, the sliding window and the whole
     context, soft-capped scores at head dim 256 (Gemma 2), attention sinks (gpt-oss), every model's
     head group, the MoE kernels' two row tiles, fp8 experts (decoded in software before sm_89, per
-    channel and block-wise), 4-bit experts and biased ones with the clamped SwiGLU, block-wise FP8 and int8 weights, the INT4 weight
-    dequantized for prompt-sized M."""
+    channel and block-wise), int8, 4-bit and MXFP4 experts and biased ones with the clamped
+    SwiGLU, block-wise FP8 and int8 weights, the INT4 weight dequantized for prompt-sized M."""
     by_target = {t: [cfg for cfg, r in results if r.target == t] for t in TARGETS}
 
     def values(target, kernel, name):
@@ -135,7 +135,7 @@ def test_enumeration_follows_the_launchers(results):
         assert values(t, "_moe_gate_up_kernel", "BLOCK_M") == {16, 64}
         assert values(t, "_lora_shrink_kernel", "BLOCK_M") == {16, 64}
         assert values(t, "_lora_shrink_kernel", "BLOCK_R") == values(t, "_lora_expand_kernel", "BLOCK_K") == {16, 32, 64}
-        assert values(t, "_moe_down_kernel", "W_FP8") == ({0, 2, 3} if t == "sm_80" else {0, 1, 3})  # 3: int8 experts
+        assert values(t, "_moe_down_kernel", "W_FP8") == ({0, 2, 3, 4} if t == "sm_80" else {0, 1, 3, 4})  # int8, mxfp4
 
 
 def test_fp8_kv_software_decode_matches_hardware(monkeypatch):

@@ -291,3 +291,44 @@ def test_triton_kernel_with_int8_experts_matches_the_reference(group):
     weights, ids = _routing(70, 16, 4, seed=7, skewed=True)
     ref = fused_moe_ref(x, layer, weights, ids)
     assert _rel_err(triton_moe.fused_moe_triton(x, layer, weights, ids), ref) < TOL[torch.bfloat16]
+
+
+def mxfp4_experts(num_experts: int, hidden: int, inter: int, seed: int) -> ExpertWeights:
+    """Random MXFP4 experts (every code, scales 2^-7..2^-4) with gpt-oss's biases and activation."""
+    g = torch.Generator().manual_seed(seed)
+
+    def codes(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randint(0, 256, (num_experts, rows, cols // 2), generator=g, dtype=torch.uint8).to(DEVICE),
+                torch.randint(120, 124, (num_experts, rows, cols // 32), generator=g, dtype=torch.uint8).to(DEVICE))
+
+    (w13, s13), (w2, s2) = codes(2 * inter, hidden), codes(hidden, inter)
+    return ExpertWeights(w13, w2, s13, s2, (torch.randn(num_experts, 2 * inter, generator=g) * 0.1).to(DEVICE, torch.bfloat16),
+                         (torch.randn(num_experts, hidden, generator=g) * 0.1).to(DEVICE, torch.bfloat16), GPT_OSS_SWIGLU,
+                         group_size=32)
+
+
+def test_mxfp4_experts_are_their_dequantized_weights():
+    """The reference on MXFP4 experts (gpt-oss) is the reference on the same weights dequantized, to
+    the bit in float32 (dequantizing is exact)."""
+    from pagedserve.kernels.mxfp4 import dense
+
+    layer = mxfp4_experts(8, 64, 96, seed=0)
+    assert layer.form == "mxfp4" and (layer.hidden, layer.inter) == (64, 96)
+    dense_layer = ExpertWeights(torch.stack([dense(layer.projection("w13", e)) for e in range(8)]),
+                                torch.stack([dense(layer.projection("w2", e)) for e in range(8)]),
+                                w13_bias=layer.w13_bias, w2_bias=layer.w2_bias, clamped_swiglu=GPT_OSS_SWIGLU)
+    x = torch.randn(30, 64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    weights, ids = _routing(30, 8, 4, seed=2)
+    assert torch.equal(fused_moe_ref(x, layer, weights, ids), fused_moe_ref(x, dense_layer, weights, ids))
+
+
+@pytest.mark.skipif(triton_moe is None, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_triton_kernel_with_mxfp4_experts_matches_the_reference(tokens):
+    """gpt-oss's experts as shipped: e2m1 codes decoded in the kernel, each 32-input block's product
+    scaled by its power of two, biases and the clamped SwiGLU; the reference within the bf16 bound."""
+    layer = mxfp4_experts(16, 64, 96, seed=tokens)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    weights, ids = _routing(tokens, 16, 4, seed=tokens, skewed=True)
+    ref = fused_moe_ref(x, layer, weights, ids)
+    assert _rel_err(triton_moe.fused_moe_triton(x, layer, weights, ids), ref) < 3e-2
