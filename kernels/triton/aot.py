@@ -239,9 +239,19 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.log.append(Launch(self.jit, tuple(grid), args, kwargs))
+            self.log.append(Launch(self.jit, tuple(grid), tuple(map(_light, args)),
+                                   {name: _light(value) for name, value in kwargs.items()}))
 
         return launch
+
+
+def _light(value: Any) -> Any:
+    """A tensor argument as a one-element tensor of its dtype where that changes nothing a compile
+    reads (the dtype, and the pointer's 16-byte alignment, which the allocator's fresh tensors keep):
+    the recorded launches then hold no model-sized buffer."""
+    if isinstance(value, torch.Tensor) and value.numel() > 1 and value.data_ptr() % 16 == 0:
+        return torch.empty(1, dtype=value.dtype)
+    return value
 
 
 _MODULES: Optional[SimpleNamespace] = None
@@ -402,11 +412,12 @@ def _record_moe(m, log: List[Launch], moe: MoeShape, dtype: torch.dtype) -> List
     out = []
     for kind, weights in experts.items():
         for tokens in MOE_TOKENS:
-            log.clear()
             ids = torch.arange(tokens * moe.top_k).remainder(moe.experts).view(tokens, moe.top_k)
-            m.moe.fused_moe_triton(torch.empty(tokens, moe.hidden, dtype=dtype), weights,
-                                   torch.empty(tokens, moe.top_k, dtype=torch.float32), ids)
-            out += [(f"{moe.name} MoE T={tokens}{kind}", launch) for launch in log]
+            for i, config in enumerate(m.moe._candidates(tokens * moe.top_k, moe.experts, weights.group_size)):
+                log.clear()
+                m.moe._launch(torch.empty(tokens, moe.hidden, dtype=dtype), weights,
+                              torch.empty(tokens, moe.top_k, dtype=torch.float32), ids, config)
+                out += [(f"{moe.name} MoE T={tokens}{kind}" + _TIMED * (i > 0), launch) for launch in log]
     return out
 
 
@@ -427,7 +438,7 @@ def _record_lora(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) ->
     return out
 
 
-_TIMED = " (timed candidate)"  # a GEMM candidate after the first: launched only by timed_choice
+_TIMED = " (timed candidate)"  # a GEMM's or the MoE kernels' candidate after the first: launched only by timed_choice
 
 
 def _record_gemms(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -> List[Tuple[str, Launch]]:
@@ -482,7 +493,7 @@ class KernelConfig:
 
     @property
     def timed_only(self) -> bool:
-        """Launched only while `triton/gemm.py`'s `timed_choice` times GEMM candidates (never as the
+        """Launched only while `triton/gemm.py`'s `timed_choice` times candidates (never as the
         first candidate, which runs untimed: PAGEDSERVE_AUTOTUNE=0, CUDA graph capture). A
         candidate that fails to launch there (e.g. too much shared memory) is skipped."""
         return all(u.endswith(_TIMED) for u in self.uses)
@@ -577,7 +588,9 @@ def _drop_superseded(configs: Sequence[KernelConfig]) -> List[KernelConfig]:
     gate / up kernel by its biased, clamped-SwiGLU form (two bias loads and the clamps more). Each
     bounds the other's registers and shared memory, as measured for every tile on sm_80 and sm_90
     (the MoE down kernel's biased form does not: it sometimes takes fewer registers, and both are
-    compiled). Of the int8 weights' launches only the untimed first candidates are kept."""
+    compiled). Of the int8 weights' launches only the untimed first candidates are kept, and of the
+    MoE kernels' timed candidates those of experts in the model dtype (the quantized forms run the
+    same tiles with a weight tile decoded in registers; `timed_choice` skips one that fails)."""
     def twin(cfg: KernelConfig) -> Tuple:
         names = _SUPERSEDED[cfg.kernel]
         return cfg.kernel, tuple(p for p in cfg.key[1] if p[0] not in names), cfg.key[2], cfg.timed_only
@@ -588,8 +601,11 @@ def _drop_superseded(configs: Sequence[KernelConfig]) -> List[KernelConfig]:
     bounds = {twin(c): c for c in configs if bounding(c)}
     out: List[KernelConfig] = []
     for cfg in configs:
-        if cfg.timed_only and dict(cfg.key[1]).get("INT_CODES"):
+        constexprs = dict(cfg.key[1])
+        if cfg.timed_only and constexprs.get("INT_CODES"):
             continue  # int8 weights: the first candidate of each regime only (`timed_choice` skips a failed launch)
+        if cfg.timed_only and cfg.kernel.startswith("_moe") and (constexprs.get("W_FP8") or constexprs.get("W_INT4")):
+            continue  # quantized experts: their tiles' timed candidates are the model-dtype experts' ones
         bound = bounds.get(twin(cfg)) if cfg.kernel in _SUPERSEDED else None
         if bound is None or bound is cfg:
             out.append(cfg)

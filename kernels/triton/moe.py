@@ -36,13 +36,17 @@ as in the dense W4A16 kernel (triton/int4.py), the product is scaled by the grou
 tile's row sums times the group's offsets added (W = code * scale + offset within a group).
 Grouped forms cut BLOCK_K to divide the group, so that a K tile lies in one group.
 
-Tiles: BLOCK_M 16 for decode-sized batches (few rows per expert), 64 once the average expert
-gets that many rows; BLOCK_N 64, BLOCK_K 64 (or the group's largest power-of-two divisor).
-Interpreter (TRITON_INTERPRET=1, CPU): big tiles, and the dot operands in float32 (its tl.dot
-multiplies bfloat16's raw bits).
+Tiles (`_candidates`): untimed, BLOCK_M 16 for decode-sized batches (few rows per expert), 64 once
+the average expert gets that many rows, BLOCK_N 64, BLOCK_K 64 (or the group's largest
+power-of-two divisor), 4 warps, 2 stages; on a GPU `timed_choice` (triton/gemm.py: once per shape
+and row-count bucket, kept on disk per GPU model) times those against wider, taller and deeper
+tiles of the same regime and keeps the fastest. Interpreter (TRITON_INTERPRET=1, CPU): big tiles,
+and the dot operands in float32 (its tl.dot multiplies bfloat16's raw bits).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -51,7 +55,7 @@ import triton.language as tl
 from ..moe import ExpertWeights
 from ..numerics import cdiv
 from .e4m3 import e4m3_to_float, native_fp8
-from .gemm import interpreting
+from .gemm import GemmConfig, bucket_m, interpreting, timed_choice
 
 
 @triton.jit
@@ -241,15 +245,30 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     return sorted_pairs, block_experts
 
 
-def _tiles(num_pairs: int, num_experts: int, group_size: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): see the module docstring; with grouped weights (int4, block-wise
-    fp8) BLOCK_K is cut to divide the group."""
-    block_m, block_n, block_k = (32, 64, 64) if interpreting() else ((16 if num_pairs < 64 * num_experts else 64), 64, 64)
+def _fit_block_k(block_k: int, group_size: int) -> int:
+    """`block_k` halved until it divides a grouped form's group (a K tile in one group)."""
     while group_size and group_size % block_k:
         block_k //= 2
     if block_k < 16:
         raise ValueError(f"grouped expert weights need a group size that is a multiple of 16, got {group_size}")
-    return block_m, block_n, block_k
+    return block_k
+
+
+def _candidates(num_pairs: int, num_experts: int, group_size: int) -> list[GemmConfig]:
+    """The tiles to run: first the one launched untimed (the module docstring's), then those
+    `timed_choice` tries against it on a GPU, once per shape: wider N tiles, more rows a tile and
+    deeper pipelines, each for the decode-sized (few rows an expert) or the prompt-sized regime."""
+    if interpreting():
+        return [GemmConfig(32, 64, _fit_block_k(64, group_size), 4, 2)]
+    decode = num_pairs < 64 * num_experts
+    tiles = ([(16, 64, 64, 4, 2), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3), (16, 64, 128, 4, 4)] if decode else
+             [(64, 64, 64, 4, 2), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3), (64, 64, 128, 4, 3)])
+    configs: list[GemmConfig] = []
+    for m, n, k, warps, stages in tiles:
+        config = GemmConfig(m, n, _fit_block_k(k, group_size), warps, stages)
+        if config not in configs:
+            configs.append(config)
+    return configs
 
 
 class _Operands:
@@ -279,22 +298,36 @@ def fused_moe_triton(
     *,
     block_m: int | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `fused_moe_ref` (block_m: a row-tile override for tests)."""
+    """Triton twin of `fused_moe_ref` (block_m: a row-tile override for tests). The tiles are the
+    fastest of `_candidates` for this shape, timed once (`timed_choice`; the first where untimed)."""
     tokens, hidden = x.shape
-    num_experts, inter, form = experts.num_experts, experts.inter, experts.form
-    top_k = topk_ids.shape[1]
     if experts.hidden != hidden:
         raise ValueError(f"expert weights of hidden width {experts.hidden} do not match the activations' {hidden}")
     if tokens == 0:
         return torch.zeros_like(x)
+    num_pairs = tokens * topk_ids.shape[1]
+    candidates = _candidates(num_pairs, experts.num_experts, experts.group_size)
+    if block_m is not None:
+        candidates = [dataclasses.replace(candidates[0], block_m=block_m)]
+    key = ("moe", x.device, bucket_m(num_pairs), experts.num_experts, hidden, experts.inter, experts.form,
+           experts.group_size, x.dtype, experts.w13_bias is not None, experts.clamped_swiglu is not None)
+    config = timed_choice(key, candidates, lambda c: _launch(x, experts, topk_weights, topk_ids, c))
+    return _launch(x, experts, topk_weights, topk_ids, config)
+
+
+def _launch(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            config: GemmConfig) -> torch.Tensor:
+    """Both kernels with `config`'s tiles (see the module docstring)."""
+    tokens, hidden = x.shape
+    num_experts, inter, form = experts.num_experts, experts.inter, experts.form
+    top_k = topk_ids.shape[1]
     x = x.contiguous()
     w13 = _Operands(experts.w13, experts.w13_scale, experts.w13_offset, form, topk_weights)
     w2 = _Operands(experts.w2, experts.w2_scale, experts.w2_offset, form, topk_weights)
     w_fp8 = {"fp8": 1 if native_fp8(x.device) else 2, "int8": 3, "mxfp4": 4}.get(form, 0)
     grouped = form in ("fp8", "int8", "mxfp4") and experts.group_size > 0
     num_pairs = tokens * top_k
-    auto_m, block_n, block_k = _tiles(num_pairs, num_experts, experts.group_size)
-    block_m = block_m or auto_m
+    block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     sorted_pairs, block_experts = align_by_expert(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).contiguous()
     act = x.new_empty((num_pairs, inter))
@@ -306,20 +339,19 @@ def fused_moe_triton(
     b2 = experts.w2_bias.to(x.dtype).contiguous() if experts.w2_bias is not None else x
     alpha, limit = experts.clamped_swiglu or (1.0, 0.0)
     forms = dict(W_FP8=w_fp8, W_INT4=form == "int4", GROUPED=grouped)
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     _moe_gate_up_kernel[(blocks, cdiv(inter, block_n))](
         x, w13.weight, w13.scale, w13.offset, act, sorted_pairs, block_experts, b13,
         num_pairs, inter, hidden, top_k, alpha, limit, experts.group_size,
         x.stride(0), w13.weight.stride(0), w13.weight.stride(1), act.stride(0), *w13.strides, b13.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32,
-        HAS_BIAS=has_bias, CLAMPED_SWIGLU=experts.clamped_swiglu is not None, **forms,
-        num_warps=4, num_stages=2,
+        HAS_BIAS=has_bias, CLAMPED_SWIGLU=experts.clamped_swiglu is not None, **forms, **launch,
     )
     _moe_down_kernel[(blocks, cdiv(hidden, block_n))](
         act, w2.weight, w2.scale, w2.offset, partial, weights, sorted_pairs, block_experts, b2,
         num_pairs, hidden, inter, experts.group_size,
         act.stride(0), w2.weight.stride(0), w2.weight.stride(1), partial.stride(0), *w2.strides, b2.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, HAS_BIAS=has_bias, **forms,
-        num_warps=4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, HAS_BIAS=has_bias, **forms, **launch,
     )
     return partial.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
 

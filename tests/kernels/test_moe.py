@@ -332,3 +332,22 @@ def test_triton_kernel_with_mxfp4_experts_matches_the_reference(tokens):
     weights, ids = _routing(tokens, 16, 4, seed=tokens, skewed=True)
     ref = fused_moe_ref(x, layer, weights, ids)
     assert _rel_err(triton_moe.fused_moe_triton(x, layer, weights, ids), ref) < 3e-2
+
+
+@pytest.mark.skipif(triton_moe is None, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("num_experts", [16, 2], ids=["decode-sized", "prompt-sized"])
+def test_every_tile_the_timing_tries_matches_the_reference(num_experts, monkeypatch):
+    """What `timed_choice` may pick on a GPU, each candidate of both regimes (its K tiles cut to a
+    4-bit group of 32), run here: the reference's result within the bf16 bound."""
+    monkeypatch.setattr(triton_moe, "interpreting", lambda: False)
+    candidates = triton_moe._candidates(70 * 2, num_experts, 32)
+    monkeypatch.undo()
+    assert len(candidates) == 4 and candidates[0].block_m == (16 if num_experts == 16 else 64)
+    assert all(c.block_k == 32 for c in candidates)
+    dense = experts(num_experts, 64, 96, torch.float32, seed=4, device=torch.device("cpu"))
+    layer = stack_experts([quantize_int4(w, 32).to(DEVICE) for w in dense.w13], [quantize_int4(w, 32).to(DEVICE) for w in dense.w2])
+    x = torch.randn(70, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.bfloat16)
+    weights, ids = _routing(70, num_experts, 2, seed=6)
+    ref = fused_moe_ref(x, layer, weights, ids)
+    for config in candidates:
+        assert _rel_err(triton_moe._launch(x, layer, weights, ids, config), ref) < TOL[torch.bfloat16], config
