@@ -156,10 +156,12 @@ class LLMEngine:
         return self.scheduler.block_manager
 
     # -- requests --------------------------------------------------------------
-    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        """Token ids of a text prompt, or of chat messages in the model's template."""
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
+               chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a text prompt, or of chat messages in the model's template (with its own
+        variables `chat_template_kwargs`, e.g. Qwen3's enable_thinking)."""
         if messages is not None:
-            return apply_chat_template(self.tokenizer, messages)
+            return apply_chat_template(self.tokenizer, messages, template_kwargs=chat_template_kwargs)
         if not isinstance(prompt, str) or not prompt:
             raise InvalidRequestError("prompt", "must be a non-empty string")
         return encode_prompt(self.tokenizer, prompt)

@@ -67,7 +67,8 @@ class ExpertWeights:
     w13_offset: torch.Tensor | None = None
     w2_offset: torch.Tensor | None = None
     group_size: int = 0
-    """int4: the group along K; fp8: 0 (per-channel scales) or the group of its grouped scales."""
+    """int4: the group along K; fp8 / int8: 0 (per-channel scales) or the group of its grouped
+    scales; mxfp4: 32."""
 
     @property
     def form(self) -> Literal["dense", "fp8", "int8", "int4", "mxfp4"]:
@@ -75,10 +76,6 @@ class ExpertWeights:
         if self.w13.dtype in forms:
             return forms[self.w13.dtype]  # type: ignore[return-value]  # the dict's values are the literals
         return "dense" if self.w13_scale is None else "fp8"
-
-    @property
-    def fp8(self) -> bool:
-        return self.form == "fp8"
 
     @property
     def num_experts(self) -> int:
@@ -114,8 +111,8 @@ class ExpertWeights:
 
 def stack_experts(w13: Sequence[Projection], w2: Sequence[Projection], **rest) -> ExpertWeights:
     """The ExpertWeights of every expert's fused gate / up weight and down weight, all in one form
-    (per-expert Fp8Weights or Int4Weights, as a quantized checkpoint's experts load); `rest`:
-    ExpertWeights' other fields (biases, clamped_swiglu)."""
+    (per-expert Fp8Weights, Int8Weights or Int4Weights, as a quantized checkpoint's experts load);
+    `rest`: ExpertWeights' other fields (biases, clamped_swiglu)."""
     forms = {type(w) for w in (*w13, *w2)}
     if len(forms) != 1:
         raise ValueError(f"experts in mixed forms {sorted(f.__name__ for f in forms)}")

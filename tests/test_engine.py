@@ -28,6 +28,14 @@ def test_a_request_without_sampling_parameters_takes_the_checkpoints_generation_
     assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (0.6, 0.9, SamplingParams().max_tokens)
 
 
+def test_chat_template_kwargs_reach_the_template_from_the_python_api(engine):
+    """vLLM's LLM.chat(..., chat_template_kwargs=...): the template's own variables (this model's
+    template reads none, so the ids stay), and the server's own arguments refused by name."""
+    assert engine.encode(messages=CAPITAL, chat_template_kwargs={"enable_thinking": False}) == engine.encode(messages=CAPITAL)
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt"):
+        engine.encode(messages=CAPITAL, chat_template_kwargs={"add_generation_prompt": False})
+
+
 def test_ignore_eos_and_min_tokens_run_past_the_end(engine):
     ids = engine.encode(messages=CAPITAL)
     [plain] = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0), use_tqdm=False)
