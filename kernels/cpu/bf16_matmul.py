@@ -44,11 +44,11 @@ def native() -> bool:
     AMX, whose tiles oneDNN uses for bf16 at several times VDPBF16PS's rate. Elsewhere its
     plain loop serves the tests."""
     library = LIBRARY.get()
-    return library is not None and bool(library.bf16_matmul_native()) and not _has_amx()
+    return library is not None and bool(library.bf16_matmul_native()) and not has_amx()
 
 
 @functools.cache
-def _has_amx() -> bool:
+def has_amx() -> bool:
     """Read once: every bf16 layer asks at load (`Linear.pack`), and /proc/cpuinfo does not change."""
     return "amx_bf16" in cpu_signature().split()
 
