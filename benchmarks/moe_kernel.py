@@ -1,7 +1,7 @@
 """The fused MoE kernel (kernels/triton/moe.py) against the torch reference (kernels/moe.py, one pair
 of matmuls per expert with tokens) on one layer of real MoE models' experts, random weights in bf16,
-random routings, the experts in bf16, in fp8 (e4m3, per-channel scales) and in 4-bit (group-wise
-scales and offsets): time per call, and for the fused kernel the share of the device's copy
+random routings, the experts in bf16, in fp8 (e4m3, per-channel scales), in 4-bit (group-wise
+scales and offsets) and in MXFP4 (gpt-oss's form): time per call, and for the fused kernel the share of the device's copy
 bandwidth that reading the touched experts' weights once would take (decode sizes are bound by
 that read).
 
@@ -63,7 +63,8 @@ def moe_rows(device: str, copy_gb_s: float | None = None, tokens: tuple[int, ...
         w2 = torch.randn(layer.experts, layer.hidden, layer.inter, device=device, dtype=torch.bfloat16,
                          generator=g) * layer.inter ** -0.5
         bf16 = ExpertWeights(w13, w2)
-        for form, quantize in (("bf16", None), ("fp8", quantize_experts_fp8), ("int4", quantize_experts_int4)):
+        for form, quantize in (("bf16", None), ("fp8", quantize_experts_fp8), ("int4", quantize_experts_int4),
+                               ("mxfp4", lambda dense: random_mxfp4(dense, g))):
             experts = bf16 if quantize is None else quantize(bf16)
             stored = (experts.w13, experts.w2, experts.w13_scale, experts.w2_scale, experts.w13_offset, experts.w2_offset)
             expert_bytes = sum(t.nbytes for t in stored if t is not None) // layer.experts
@@ -72,6 +73,18 @@ def moe_rows(device: str, copy_gb_s: float | None = None, tokens: tuple[int, ...
             del experts
         del w13, w2, bf16
     return rows
+
+
+def random_mxfp4(dense: ExpertWeights, g: torch.Generator) -> ExpertWeights:
+    """MXFP4 experts of `dense`'s shape (gpt-oss's form; random codes, scales near the dense weights')."""
+    def codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        e, rows, cols = weight.shape
+        device = weight.device
+        return (torch.randint(0, 256, (e, rows, cols // 2), dtype=torch.uint8, device=device, generator=g),
+                torch.randint(118, 122, (e, rows, cols // 32), dtype=torch.uint8, device=device, generator=g))
+
+    (w13, s13), (w2, s2) = codes(dense.w13), codes(dense.w2)
+    return ExpertWeights(w13, w2, s13, s2, group_size=32)
 
 
 def _row(layer: MoeLayer, form: str, experts: ExpertWeights, expert_bytes: int, count: int, device: str,

@@ -33,7 +33,7 @@ def test_the_gpu_check_runs_every_section_on_cpu(tmp_path):
     served = next(row for row in result["rows"] if "served_tok_s" in row)
     assert served["served_tok_s"] > 0 and served["served_requests"] > 0
     assert [(row["experts"], row["tokens"]) for row in result["moe"]] == [
-        (form, tokens) for form in ("bf16", "fp8", "int4") for tokens in (1, 256)]
+        (form, tokens) for form in ("bf16", "fp8", "int4", "mxfp4") for tokens in (1, 256)]
     assert all(row["ref_ms"] > 0 for row in result["moe"])
     assert [row["run"] for row in result["lora_mix"]] == ["LoRA off, base model", "LoRA on, base model",
                                                          "LoRA on, one adapter", "LoRA on, 4 adapters mixed"]
