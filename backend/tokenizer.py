@@ -73,8 +73,11 @@ def encode_words(tokenizer: Any, words: list[str]) -> list[list[int]]:
 
 
 TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "return_dict",
-                                "continue_final_message"})
-"""Chat template arguments the server sets itself, which `chat_template_kwargs` may not."""
+                                "continue_final_message", "chat_template", "tokenizer_kwargs", "return_tensors",
+                                "padding", "truncation", "max_length", "return_assistant_tokens_mask"})
+"""apply_chat_template's own arguments, which the server sets (or leaves) itself and which
+`chat_template_kwargs` may not: a request must not swap the served template (`chat_template`: any
+Jinja of the client's choosing) nor the tokenizing around it."""
 
 
 def apply_chat_template(tokenizer: Any, messages: Any, add_generation_prompt: bool = True,

@@ -118,24 +118,36 @@ def stack_experts(w13: Sequence[Projection], w2: Sequence[Projection], **rest) -
         raise ValueError(f"experts in mixed forms {sorted(f.__name__ for f in forms)}")
     form = forms.pop()
     groups = {getattr(w, "group_size", 0) for w in (*w13, *w2)}
-    if len(groups) != 1:
-        raise ValueError(f"experts in several group sizes {sorted(groups)}")
-    group = groups.pop()
     if form is Int4Weight:
-        a = [w for w in w13 if isinstance(w, Int4Weight)]
-        b = [w for w in w2 if isinstance(w, Int4Weight)]
+        group = math.gcd(*groups)  # per-channel weights' groups are their widths: hidden for w13, inter for w2
+        a = [_regrouped(w, group) for w in w13 if isinstance(w, Int4Weight)]
+        b = [_regrouped(w, group) for w in w2 if isinstance(w, Int4Weight)]
         if any(w.perm is not None for w in (*a, *b)):
             raise ValueError("4-bit experts with act-order (GPTQ desc_act) are not supported")
         return ExpertWeights(
             _stack(w.qweight for w in a), _stack(w.qweight for w in b), _stack(w.scales for w in a),
             _stack(w.scales for w in b), w13_offset=_stack(w.offsets for w in a),
             w2_offset=_stack(w.offsets for w in b), group_size=group, **rest)
+    if len(groups) != 1:
+        raise ValueError(f"experts in several group sizes {sorted(groups)}")
+    group = groups.pop()
     if form in (Fp8Weight, Int8Weight):  # e4m3 or int8 codes, the same scales
         c = [w for w in w13 if isinstance(w, Fp8Weight)]
         d = [w for w in w2 if isinstance(w, Fp8Weight)]
         return ExpertWeights(_stack(w.weight for w in c), _stack(w.weight for w in d), _stack(w.scale for w in c),
                              _stack(w.scale for w in d), group_size=group, **rest)
     raise ValueError(f"experts of form {form.__name__} are not supported (fp8, int8 or 4-bit experts are)")
+
+
+def _regrouped(w: Int4Weight, group: int) -> Int4Weight:
+    """`w` with groups of `group` (a divisor of its own): each scale and offset repeated, exactly."""
+    if w.group_size == group:
+        return w
+    if group % 16:
+        raise ValueError(f"4-bit experts in group sizes whose common divisor {group} is not a multiple of 16")
+    times = w.group_size // group
+    return replace(w, scales=w.scales.repeat_interleave(times, 0), offsets=w.offsets.repeat_interleave(times, 0),
+                   group_size=group)
 
 
 def _stack(parts) -> torch.Tensor:

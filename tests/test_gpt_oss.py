@@ -89,3 +89,10 @@ def test_what_gpt_oss_is_not_served_with_is_refused_by_name():
     assert model.attention_sinks and model.expert_bias and model.clamped_swiglu == (1.702, 7.0)
     with pytest.raises(ConfigError, match="gpt-oss checkpoints quantized with 'awq'"):
         hf_model_config(config | {"quantization_config": {"quant_method": "awq"}})
+    from pagedserve.backend.models.parallel import check_tensor_parallel
+
+    mxfp4 = hf_model_config(config | {"quantization_config": {"quant_method": "mxfp4"}})
+    assert mxfp4.mxfp4_experts and not model.mxfp4_experts
+    check_tensor_parallel(mxfp4, 2)  # 128 / 2 = 64: whole 32-input blocks
+    with pytest.raises(ConfigError, match="32-input MXFP4 blocks over 8 ranks"):  # before any rank builds its layers
+        check_tensor_parallel(mxfp4, 8)

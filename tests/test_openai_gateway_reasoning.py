@@ -139,15 +139,25 @@ def test_harmony_variants_and_what_is_not_a_call():
     assert read('<|channel|>commentary to=functions.get_time<|message|>{}<|call|>')["content"] == "{}"
     assert read('<|channel|>commentary to=functions.get_weather<|message|>{"city": <|call|>')["content"] == '{"city": '
     assert read("plain words")["content"] == "plain words"
+    cut = read("<|channel|>analysis<|message|>Thinking.<|end|><|start|>assistant<|channel|>fin")  # max_tokens mid-header
+    assert cut["content"] == "" and cut["reasoning"] == "Thinking."
 
 
-def test_a_grammar_forced_call_is_not_read_for_reasoning():
-    """tool_choice required: the grammar makes the whole text the calls' JSON, read as such."""
-    sent = chat_request(request(tools=TOOLS, tool_choice="required"), 64, reasoning_parser="qwen3")
-    assert sent.reasoning is None and "structured_outputs" in json.loads(sent.inputs()["sampling_parameters"])
+def test_grammar_forced_text_is_not_read_for_reasoning():
+    """tool_choice required, response_format, vLLM's grammar fields: the grammar makes the whole
+    text the JSON from its first token (no room to think), which stays the answer."""
+    for fields in ({"tools": TOOLS, "tool_choice": "required"}, {"response_format": {"type": "json_object"}},
+                   {"guided_regex": "[0-9]+"}):
+        sent = chat_request(request(**fields), 64, reasoning_parser="qwen3")
+        assert sent.reasoning is None, fields
+    whole, _ = served('{"a": 1}', "deepseek_r1", response_format={"type": "json_object"})
+    assert whole["message"]["content"] == '{"a": 1}' and "reasoning" not in whole["message"]
 
 
 def test_bad_fields_and_settings_are_named():
+    with pytest.raises(OpenAIError, match="skip_special_tokens") as harmony:  # it would strip Harmony's markers
+        chat_request(request(skip_special_tokens=True), 64, reasoning_parser="openai_gptoss")
+    assert harmony.value.param == "skip_special_tokens"
     with pytest.raises(OpenAIError, match="chat_template_kwargs"):
         chat_request(request(chat_template_kwargs=["enable_thinking"]), 64)
     with pytest.raises(OpenAIError, match="include_reasoning"):

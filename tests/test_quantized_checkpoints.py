@@ -244,9 +244,13 @@ def test_mixture_of_experts_checkpoint_matches_transformers_on_the_dense_weights
         spec = FP8_CONFIGS[fmt][1]
     else:
         spec = INT4_CONFIGS[fmt] | ({} if fmt.startswith("compressed") else {"group_size": 16})
+    spec = json.loads(json.dumps(spec))
     if fmt.startswith("compressed-int4"):
-        spec = json.loads(json.dumps(spec))
         spec["config_groups"]["group_0"]["weights"]["group_size"] = 16
+    router = "re:.*mlp.gate$" if kind == "qwen3-moe" else "model.layers.0.block_sparse_moe.gate"
+    for key in ("ignore", "modules_to_not_convert"):  # as the releases list their unquantized routers
+        if key in spec or fmt == "block-fp8":
+            spec[key] = [*(spec.get(key) or ["lm_head"]), router]
     (out / "config.json").write_text(json.dumps(config | {"quantization_config": spec}))
     tokenizer.save_pretrained(out)
 

@@ -68,8 +68,8 @@ def test_what_the_template_refuses_is_an_invalid_request(tool_tokenizer):
 
 def test_chat_template_kwargs_are_the_templates_own_variables(tool_tokenizer):
     """`chat_template_kwargs` (Qwen3's enable_thinking, gpt-oss's reasoning_effort) reach the
-    template as its variables, through `llm`'s input of that name; what the server sets itself, or
-    anything but an object, is refused by name."""
+    template as its variables, through `llm`'s input of that name; what the server sets itself (a
+    template of the client's own above all), or anything but an object, is refused by name."""
     tool_tokenizer.chat_template = ("{{ messages[0].content }}{% if enable_thinking is false %}<think></think>"
                                     "{% endif %}|{{ reasoning_effort | default('medium') }}")
     chat = [{"role": "user", "content": "hi"}]
@@ -78,7 +78,7 @@ def test_chat_template_kwargs_are_the_templates_own_variables(tool_tokenizer):
               "chat_template_kwargs": np.array([b'{"enable_thinking": false, "reasoning_effort": "low"}'], dtype=object)}
     assert tool_tokenizer.decode(parse_prompt(inputs, tool_tokenizer)) == "hi<think></think>|low"
     for bad, message in (([1], "JSON object"), ({"add_generation_prompt": False}, "add_generation_prompt"),
-                         ({"tools": []}, "tools")):
+                         ({"tools": []}, "tools"), ({"chat_template": "{{ 7 * 7 }}"}, "chat_template")):
         with pytest.raises(InvalidRequestError, match=message) as refused:
             apply_chat_template(tool_tokenizer, chat, template_kwargs=bad)
         assert refused.value.field == "chat_template_kwargs"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from pagedserve.kernels.fp8 import GROUP_MULTIPLE
@@ -134,7 +135,12 @@ def _compressed_tensors(spec: dict[str, Any]) -> dict[str, Any]:
     raise _refuse(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights is not supported")
 
 
+_ROUTER = re.compile(r"(^|[.:*])(gate|router|shared_expert_gate)\$?$")
+"""A mixture of experts' router (mlp.gate, block_sparse_moe.gate, gpt-oss's mlp.router; exact names or
+`re:` patterns): MoE releases leave it unquantized and say so, and it is loaded as it is stored."""
+
+
 def _only_head_excluded(names: list[str], key: str) -> None:
-    others = [name for name in names if "lm_head" not in name]
+    others = [name for name in names if "lm_head" not in name and not _ROUTER.search(name)]
     if others:
         raise _refuse(f"checkpoints that leave decoder layers unquantized ({key} {others[:4]}) are not supported")

@@ -123,9 +123,10 @@ class SparseMoeBlock(nn.Module):
         have biases; the whole of it: this rank's slice is taken here) into the stacked tensors."""
         experts, hidden, inter = self.num_experts, self.hidden, self.inter
         if not 0 <= expert < experts or projection not in EXPERT_PROJECTIONS or kind not in self._kinds():
+            held = "quantized experts (the checkpoint's own quantized tensors, not dense ones)" if self.prequantized \
+                else f"{self.experts.form} experts"
             raise ConfigError("model", f"checkpoint tensor experts.{expert}.{projection}.{kind} does not fit a layer "
-                                       f"of {experts} {self.experts.form} experts"
-                                       f"{'' if self.w13_bias is not None else ' without biases'}")
+                                       f"of {experts} {held}{'' if self.w13_bias is not None else ' without biases'}")
         down = projection == "down_proj"
         per = _INPUTS_PER_COLUMN.get(kind, 1)
         full: tuple[int, ...] = (hidden, inter * self.shard.count // per) if down else (inter * self.shard.count, hidden // per)

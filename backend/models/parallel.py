@@ -127,6 +127,9 @@ def _split_problems(config: ModelConfig, size: int) -> list[str]:
             problems.append(f"{count} {what} is not a multiple of {size}")
     if kv % size and size % kv:
         problems.append(f"{kv} KV heads and {size} ranks: one must be a multiple of the other")
+    if config.mxfp4_experts and config.expert_intermediate_size % (32 * size):
+        problems.append(f"the experts' intermediate size {config.expert_intermediate_size} does not split into whole "
+                        f"32-input MXFP4 blocks over {size} ranks")
     return problems
 
 

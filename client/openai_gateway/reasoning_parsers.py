@@ -130,11 +130,12 @@ class HarmonyMessages(CallExtractor):
         return Emission(calls=[self._call(self.function, arguments)])
 
     def finish(self) -> Emission:
-        """A message cut short (max_tokens) ends here; text outside any message (a model that
-        does not write Harmony) is answer."""
+        """A message cut short (max_tokens) ends here; a header cut short is dropped; text outside
+        any message before a marker (a model that does not write Harmony) is answer."""
         held, self.held = self.held, ""
         if self.kind is None:
-            return Emission(content=held) if held.strip() else Emission()
+            text = held.split("<|", 1)[0]
+            return Emission(content=text) if text.strip() else Emission()
         out = self._body(held)
         out += self._close()
         return out

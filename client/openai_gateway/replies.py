@@ -46,11 +46,12 @@ class ReplyPlan:
         return reason if self.tools is None else self.tools.finish_reason(reason, called)
 
 
-def reasoning_for(parser: str | None, template_kwargs: dict, tools: ToolPlan | None) -> str | None:
+def reasoning_for(parser: str | None, template_kwargs: dict, constrained: bool) -> str | None:
     """The reasoning parser a chat's text is read with: none where the request turned thinking off
-    (Qwen3's `enable_thinking: false`), or where a grammar forces the whole text (`tool_choice`
-    required or a named function: the model writes the calls' JSON from its first token)."""
-    if parser is None or (tools is not None and tools.grammar() is not None):
+    (Qwen3's `enable_thinking: false`), or where a grammar forces the whole text (`constrained`:
+    `response_format`, vLLM's grammar fields, `tool_choice` required or a named function: the model
+    writes the JSON from its first token, with no room to think first)."""
+    if parser is None or constrained:
         return None
     if parser == "qwen3" and template_kwargs.get("enable_thinking") is False:
         return None

@@ -120,8 +120,13 @@ def chat_request(request: ChatCompletionRequest, default_max_tokens: int, max_ch
     include_reasoning = extra.get("include_reasoning", True)
     if not isinstance(include_reasoning, bool):
         raise OpenAIError(400, "`include_reasoning`: must be true or false", param="include_reasoning")
-    reasoning = reasoning_for(reasoning_parser, template_kwargs, tools)
-    keeps_markers = reasoning == HARMONY or (tools is not None and tools.keeps_special_tokens())
+    reasoning = reasoning_for(reasoning_parser, template_kwargs, any(name in sampling for name in _GRAMMAR_KEYS))
+    harmony = reasoning == HARMONY or (tools is not None and tools.choice == "auto" and tools.parser == "openai")
+    if harmony and request.skip_special_tokens:
+        raise OpenAIError(400, "`skip_special_tokens`: true would drop the Harmony markers gpt-oss's replies are read "
+                               "by (the gateway's openai_gptoss / openai parsers); leave it unset",
+                          param="skip_special_tokens")
+    keeps_markers = harmony or (tools is not None and tools.keeps_special_tokens())
     if keeps_markers and request.skip_special_tokens is None:
         sampling["skip_special_tokens"] = False  # Mistral's, Llama's and Harmony's markers are special tokens
     return LLMRequest(

@@ -308,9 +308,9 @@ def fused_moe_triton(
     num_pairs = tokens * topk_ids.shape[1]
     candidates = _candidates(num_pairs, experts.num_experts, experts.group_size)
     if block_m is not None:
-        candidates = [dataclasses.replace(candidates[0], block_m=block_m)]
-    key = ("moe", x.device, bucket_m(num_pairs), experts.num_experts, hidden, experts.inter, experts.form,
-           experts.group_size, x.dtype, experts.w13_bias is not None, experts.clamped_swiglu is not None)
+        return _launch(x, experts, topk_weights, topk_ids, dataclasses.replace(candidates[0], block_m=block_m))
+    key = ("moe", x.device, bucket_m(num_pairs), candidates[0].block_m, experts.num_experts, hidden, experts.inter,
+           experts.form, experts.group_size, x.dtype, experts.w13_bias is not None, experts.clamped_swiglu is not None)
     config = timed_choice(key, candidates, lambda c: _launch(x, experts, topk_weights, topk_ids, c))
     return _launch(x, experts, topk_weights, topk_ids, config)
 

@@ -224,14 +224,20 @@ def test_int4_experts_stay_near_the_model_dtype_ones():
 
 
 def test_experts_are_stacked_from_one_form_only():
-    """A checkpoint's experts stack into one form; mixed forms, act-order and several group sizes
-    are refused by name."""
+    """A checkpoint's experts stack into one form; 4-bit groups of different sizes (per-channel
+    checkpoints: one group a row, hidden wide for gate / up, inter for down) into their common
+    divisor, exactly; mixed forms, act-order and fp8 scales of different groupings are refused by
+    name."""
     w = torch.randn(32, 64)
     i4, f8 = quantize_int4(w, 32), quantize_experts_fp8(ExpertWeights(w[None], w[None, :, :32]))
     with pytest.raises(ValueError, match="mixed forms"):
         stack_experts([i4], [f8.projection("w2", 0)])
+    per_channel = quantize_int4(w, 64)
+    stacked = stack_experts([per_channel], [i4])
+    assert stacked.group_size == 32 and torch.equal(dequantize_int4(stacked.projection("w13", 0)),
+                                                    dequantize_int4(per_channel))
     with pytest.raises(ValueError, match="several group sizes"):
-        stack_experts([i4], [quantize_int4(w, 16)])
+        stack_experts([f8.projection("w13", 0)], [fp8_from_blocks(*quantize_fp8_blocks(w, (32, 32)), (32, 32))])
     ordered = quantize_int4(w, 32)
     ordered.perm = torch.arange(64)
     with pytest.raises(ValueError, match="act-order"):
