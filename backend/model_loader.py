@@ -77,7 +77,7 @@ def load_checkpoint(
         packed = PrequantizedLoader(model.packed_modules, config)
     load_weights(model, checkpoint.tensors, checkpoint.num_tensors, packed, on_linear_weight)
     if packed is not None:
-        packed.install(model.layers, device, dtype)
+        packed.install(model, device, dtype)
     return model.eval()
 
 
@@ -92,10 +92,9 @@ def build_empty_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions, parallel)
         if config.packed_weights:  # filled from the quantized checkpoint tensors after loading
-            for layer in model.layers:
-                for name in model.packed_modules:
-                    if not (isinstance(layer.mlp, SparseMoeBlock) and name.startswith("mlp.")):  # experts: `install`
-                        layer.set_submodule(name, torch.nn.Identity())
+            for layer in model.decoder_layers:
+                for name in model.linears_of(layer):
+                    layer.set_submodule(name, torch.nn.Identity())
     model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -53,9 +53,7 @@ def quantize_model(model: LlamaForCausalLM, method: str, keep_last_layers: int =
     experts' experts are quantized the same way, its router kept in the model dtype."""
     layers = list(model.decoder_layers)[: len(model.layers) - keep_last_layers]
     for layer in tqdm(layers, desc=f"Quantizing to {method}", unit="layer", leave=False):
-        experts = layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None
-        for name in model.packed_modules:
-            if experts is None or not name.startswith("mlp."):
-                layer.set_submodule(name, quantize_linear(layer.get_submodule(name), method, model.config.source_group_size))
-        if experts is not None:
-            experts.quantize(method, model.config.source_group_size)
+        for name in model.linears_of(layer):
+            layer.set_submodule(name, quantize_linear(layer.get_submodule(name), method, model.config.source_group_size))
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.quantize(method, model.config.source_group_size)

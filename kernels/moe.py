@@ -29,7 +29,7 @@ with each projection's bias added where there are biases, and with clamped_swigl
 Each product is taken in the weights' dtype, rounded to x.dtype, and summed in x.dtype expert by
 expert in ascending order: transformers' order, so half-precision results round as its do.
 With quantized experts each projection is the quantized linear's reference (kernels/fp8.py's W8A16,
-kernels/int4.py's W4A16: float32, rounded to x.dtype), expert by expert.
+kernels/int4.py's W4A16, kernels/mxfp4.py's: float32, rounded to x.dtype), expert by expert.
 
 `fused_moe_ref` is the torch reference: the CPU path and the test oracle. It groups the
 (token, slot) pairs by expert once (one argsort), then runs two matmuls per expert that has tokens,

@@ -49,12 +49,17 @@ class Mxfp4Weight:
         return rows, half * 2
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """MXFP4 blocks [..., groups, 16] (uint8: the low nibble is the even column) and their e8m0 scales
-    [..., groups] -> [..., groups * 32] in `dtype` (bfloat16 or wider: exactly)."""
+def check_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """ValueError unless `blocks` [..., groups, 16] and `scales` [..., groups] pair (OpenAI's layout)."""
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair "
                          "([..., groups, 16] and [..., groups])")
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """MXFP4 blocks [..., groups, 16] (uint8: the low nibble is the even column) and their e8m0 scales
+    [..., groups] -> [..., groups * 32] in `dtype` (bfloat16 or wider: exactly)."""
+    check_blocks(blocks, scales)
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
     codes = blocks.to(torch.uint8)
     values = torch.stack((table[(codes & 0x0F).long()], table[(codes >> 4).long()]), dim=-1).flatten(-2)
@@ -76,4 +81,5 @@ def mxfp4_matmul_ref(x: torch.Tensor, w: Mxfp4Weight, bias: Optional[torch.Tenso
     return y.to(x.dtype)
 
 
-__all__ = ["BLOCK", "E2M1_VALUES", "E8M0_BIAS", "Mxfp4Weight", "dense", "dequantize_mxfp4", "mxfp4_matmul_ref"]
+__all__ = ["BLOCK", "E2M1_VALUES", "E8M0_BIAS", "Mxfp4Weight", "check_blocks", "dense", "dequantize_mxfp4",
+           "mxfp4_matmul_ref"]

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
-from pagedserve.kernels.mxfp4 import BLOCK
+from pagedserve.kernels.mxfp4 import check_blocks
 
 from ..errors import ConfigError
 
@@ -61,9 +61,10 @@ def gpt_oss_tensors(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tup
             if len(parts) == 2:
                 del pending[(prefix, projection)]
                 blocks, scales = parts["_blocks"], parts["_scales"]
-                if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
-                    raise ConfigError("model", f"{prefix}.{projection}: MXFP4 blocks {tuple(blocks.shape)} and scales "
-                                               f"{tuple(scales.shape)} do not pair ([..., groups, 16] and [..., groups])")
+                try:
+                    check_blocks(blocks, scales)
+                except ValueError as error:
+                    raise ConfigError("model", f"{prefix}.{projection}: {error}") from None
                 yield from _per_expert(prefix, projection, "weight_blocks", blocks.flatten(-2))
                 yield from _per_expert(prefix, projection, "weight_scales", scales)
     if pending:

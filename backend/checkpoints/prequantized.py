@@ -17,8 +17,8 @@ A format's projections are collected while the tensors stream in, then fused per
 `packed_modules` table (q/k/v into qkv_proj, gate/up into gate_up_proj) into QuantizedLinears.
 Fusing needs every part of a module, so it waits until the stream has ended. A mixture of
 experts' experts (experts.E.gate_proj / up_proj / down_proj) are read the same way, each expert's
-gate / up fused, and stacked into its layer's SparseMoeBlock (the fused MoE kernels' fp8 and int4
-forms); the router stays as the checkpoint has it, unquantized.
+gate / up fused, and stacked into its layer's SparseMoeBlock (the fused MoE kernels' fp8, int8 and
+int4 forms); the router stays as the checkpoint has it, unquantized.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
-from torch import nn
 
 from pagedserve.kernels.dispatch import fp8_linear, int4_linear
 from pagedserve.kernels.fp8 import Fp8Weight, Int8Weight, fp8_from_blocks
@@ -43,6 +42,7 @@ from pagedserve.kernels.numerics import FP8_DTYPE
 
 from ..errors import ConfigError
 from ..model_config import ModelConfig
+from ..models.llama import LlamaForCausalLM
 from ..models.moe import EXPERT_PROJECTIONS, SparseMoeBlock
 from ..quantization import QuantizedLinear
 
@@ -183,19 +183,16 @@ class PrequantizedLoader:
     def add_expert(self, layer: int, expert: int, projection: str, kind: str, tensor: torch.Tensor) -> None:
         self.parts.setdefault((layer, f"experts.{expert}.{projection}"), {})[kind] = tensor
 
-    def install(self, layers: nn.ModuleList, device: torch.device, dtype: torch.dtype) -> None:
-        for index, layer in enumerate(layers):
-            experts = layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None
-            for target, names in self.packed_modules.items():
-                if experts is not None and target.startswith("mlp."):
-                    continue
+    def install(self, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> None:
+        for index, layer in enumerate(model.decoder_layers):
+            for target, names in model.linears_of(layer).items():
                 weight = self._read(index, target, names)
                 tensors = [self.parts.pop((index, n)) for n in names]
                 biases = [t["bias"] for t in tensors if t.get("bias") is not None]
                 bias = torch.cat(biases).to(device, dtype) if len(biases) == len(tensors) else None
                 layer.set_submodule(target, QuantizedLinear(weight.to(device), bias, self.format.kernel))
-            if experts is not None:
-                self._install_experts(index, experts, device)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                self._install_experts(index, layer.mlp, device)
 
     def _read(self, index: int, target: str, names: tuple[str, ...]) -> Any:
         """Layer `index`'s `target` in our layout: its parts (`names`) read and fused."""

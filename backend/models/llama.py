@@ -282,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
     }
     """Each decoder layer's linear layers, with the checkpoint (Hugging Face) projections
     stacked, in this order, along their output rows. Weight loading, quantize-on-load
-    and packed 4-bit checkpoints all follow this one table."""
+    and packed 4-bit checkpoints all follow this one table (`linears_of`: a layer's share)."""
 
     def __init__(self, config: ModelConfig, max_positions: int, parallel: TensorParallel = SINGLE_RANK):
         super().__init__()
@@ -338,6 +338,13 @@ class LlamaForCausalLM(nn.Module):
                 return pieces.last(self, layer, h[output_rows], attn[output_rows])
             h, q, k, v = pieces.middle(self, layer, self.layers[i + 1], h, attn, positions)
         raise ValueError("a model without layers")
+
+    def linears_of(self, layer: LlamaDecoderLayer) -> dict[str, tuple[str, ...]]:
+        """The `packed_modules` entries `layer` holds as linear layers: all but the MLP's where its MLP
+        is a mixture of experts (stacked experts, no dense projections)."""
+        if isinstance(layer.mlp, SparseMoeBlock):
+            return {name: parts for name, parts in self.packed_modules.items() if not name.startswith("mlp.")}
+        return self.packed_modules
 
     @property
     def decoder_layers(self) -> Sequence[LlamaDecoderLayer]:

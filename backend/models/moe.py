@@ -3,8 +3,8 @@ the experts' MLPs run as one fused call (kernels/dispatch.py's `fused_moe`).
 
 The experts' weights are held stacked, as the fused kernels read them: `w13` [experts, 2 * inter,
 hidden] (each expert's gate rows, then its up rows) and `w2` [experts, hidden, inter], with gpt-oss's
-biases `w13_bias` / `w2_bias` beside; quantized (fp8 or int4, on load or from a quantized
-checkpoint) in kernels/moe.py's layouts of those forms. The loader hands each checkpoint tensor
+biases `w13_bias` / `w2_bias` beside; quantized (fp8 or int4 on load; fp8, int8, int4 from a
+quantized checkpoint; gpt-oss's MXFP4) in kernels/moe.py's layouts of those forms. The loader hands each checkpoint tensor
 (experts.E.gate_proj / up_proj / down_proj, .weight or .bias) to `load_expert`; a quantized
 checkpoint's experts are read by checkpoints/prequantized.py and stacked in by `install`.
 Tensor parallelism splits every expert's intermediate width over the ranks, as the dense MLP's:

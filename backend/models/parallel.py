@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.mxfp4 import BLOCK as MXFP4_BLOCK
+
 from ..errors import ConfigError
 from ..model_config import ModelConfig
 from .linear import Linear
@@ -127,9 +129,9 @@ def _split_problems(config: ModelConfig, size: int) -> list[str]:
             problems.append(f"{count} {what} is not a multiple of {size}")
     if kv % size and size % kv:
         problems.append(f"{kv} KV heads and {size} ranks: one must be a multiple of the other")
-    if config.mxfp4_experts and config.expert_intermediate_size % (32 * size):
+    if config.mxfp4_experts and config.expert_intermediate_size % (MXFP4_BLOCK * size):
         problems.append(f"the experts' intermediate size {config.expert_intermediate_size} does not split into whole "
-                        f"32-input MXFP4 blocks over {size} ranks")
+                        f"{MXFP4_BLOCK}-input MXFP4 blocks over {size} ranks")
     return problems
 
 

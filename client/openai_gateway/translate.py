@@ -14,7 +14,7 @@ from typing import Any
 
 from .config import knob
 from .errors import OpenAIError, unsupported
-from .replies import HARMONY, ReplyPlan, reasoning_for
+from .replies import ReplyPlan, reasoning_for
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from .tools import ToolPlan, tool_plan
 
@@ -121,7 +121,7 @@ def chat_request(request: ChatCompletionRequest, default_max_tokens: int, max_ch
     if not isinstance(include_reasoning, bool):
         raise OpenAIError(400, "`include_reasoning`: must be true or false", param="include_reasoning")
     reasoning = reasoning_for(reasoning_parser, template_kwargs, any(name in sampling for name in _GRAMMAR_KEYS))
-    harmony = reasoning == HARMONY or (tools is not None and tools.choice == "auto" and tools.parser == "openai")
+    harmony = ReplyPlan(tools, reasoning).harmony
     if harmony and request.skip_special_tokens:
         raise OpenAIError(400, "`skip_special_tokens`: true would drop the Harmony markers gpt-oss's replies are read "
                                "by (the gateway's openai_gptoss / openai parsers); leave it unset",

@@ -34,8 +34,8 @@ per-channel scales and with block-wise checkpoints' 128-column group scales; int
 (W8A16 checkpoints) in "w8a16" with group scales (they bound the channel form).
 The fused MoE kernels: Mixtral-8x7B's, Qwen3-30B-A3B's and gpt-oss-20b's (biased, clamped SwiGLU)
 experts (`MOE_MODELS`) at 1..2048 tokens, both row tiles, the experts in the model dtype, e4m3
-(per channel; block-wise but gpt-oss's), int8 (but gpt-oss's), 4-bit, and gpt-oss's MXFP4. gpt-oss-20b's attention sinks on its
-128-key window (its global layers' variant is the windowed one less a mask). The batched
+(per channel; block-wise but gpt-oss's), int8 (but gpt-oss's), 4-bit, and gpt-oss's MXFP4.
+gpt-oss-20b's attention sinks on its 128-key window (its global layers' variant is the windowed one less a mask). The batched
 LoRA kernels on Llama-3-8B's linears at both row tiles and every rank tile. Sliding-window
 attention (a constexpr): Mistral-7B (Llama-3-8B's shapes with a window of 4,096) on a split
 decode, unsplit decodes and a prompt chunk past the window; Gemma-2-9B (head dim 256,
@@ -380,6 +380,7 @@ def _record_moe(m, log: List[Launch], moe: MoeShape, dtype: torch.dtype) -> List
     (weights allocated, never touched)."""
     from ..int4 import int4_group_size
     from ..moe import ExpertWeights  # read by attribute: the private kernel copy takes it as its own
+    from ..mxfp4 import BLOCK as MXFP4_BLOCK
 
     e, h, i = moe.experts, moe.hidden, moe.inter
     fp8 = torch.float8_e4m3fn
@@ -398,14 +399,15 @@ def _record_moe(m, log: List[Launch], moe: MoeShape, dtype: torch.dtype) -> List
         u8 = torch.uint8
         experts[" mxfp4 experts"] = ExpertWeights(
             torch.empty(e, 2 * i, h // 2, dtype=u8), torch.empty(e, h, i // 2, dtype=u8),
-            torch.empty(e, 2 * i, h // 32, dtype=u8), torch.empty(e, h, i // 32, dtype=u8), group_size=32)
+            torch.empty(e, 2 * i, h // MXFP4_BLOCK, dtype=u8), torch.empty(e, h, i // MXFP4_BLOCK, dtype=u8),
+            group_size=MXFP4_BLOCK)
         experts = {kind: dataclasses.replace(w, w13_bias=torch.empty(e, 2 * i, dtype=dtype),
                                              w2_bias=torch.empty(e, h, dtype=dtype), clamped_swiglu=(1.702, 7.0))
                    for kind, w in experts.items()}
     else:
         experts[" block fp8 experts"] = ExpertWeights(
-            torch.empty(e, 2 * i, h, dtype=fp8), torch.empty(e, h, i, dtype=fp8), torch.empty(e, 2 * i, math.ceil(h / 128)),
-            torch.empty(e, h, math.ceil(i / 128)), group_size=128)
+            torch.empty(e, 2 * i, h, dtype=fp8), torch.empty(e, h, i, dtype=fp8),
+            torch.empty(e, 2 * i, math.ceil(h / FP8_BLOCK)), torch.empty(e, h, math.ceil(i / FP8_BLOCK)), group_size=FP8_BLOCK)
         int8 = torch.int8
         experts[" int8 experts"] = ExpertWeights(torch.empty(e, 2 * i, h, dtype=int8), torch.empty(e, h, i, dtype=int8),
                                                  torch.empty(e, 2 * i), torch.empty(e, h))
