@@ -2,6 +2,10 @@
 
 Same layout and result as `fused_moe_ref` (kernels/moe.py), within rounding.
 
+Past 300 lines on purpose: the two kernels share one K-tile step (`_accumulate`, every weight
+form) and the launcher's operand plumbing and tile choice; split, each half would need the other's
+private constexpr conventions.
+
 1. Align (`align_by_expert`, torch ops on the device, no host sync: CUDA graphs can hold it).
    The (token, slot) pairs are sorted by expert and each expert's run is padded to a multiple of
    BLOCK_M, so that every BLOCK_M rows of the sorted list belong to one expert: `sorted_pairs`
