@@ -48,14 +48,16 @@ class AttentionKernels:
 TORCH_KERNELS = AttentionKernels(*attention_kernels("torch", torch.device("cpu")))
 
 
-def select_attention_kernels(name: str, device: torch.device) -> AttentionKernels:
-    """The kernels for the `attention_backend` setting; auto: Triton on CUDA, the CPU attention on CPU."""
+def select_attention_kernels(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionKernels:
+    """The kernels for the `attention_backend` setting; auto: Triton on CUDA, the CPU attention on CPU;
+    batch_invariant: their batch-invariant forms (`deterministic`)."""
     try:
-        return AttentionKernels(*attention_kernels(name, device))
+        return AttentionKernels(*attention_kernels(name, device, batch_invariant))
     except ImportError as error:  # no triton, or one without what the kernels need
         raise ConfigError("attention_backend", f"the Triton attention kernel is not available ({error}); use 'torch'") from None
-    except ValueError as error:  # 'cpu' on a GPU
-        raise ConfigError("attention_backend", f"{error}; use 'auto', 'triton' or 'torch'") from None
+    except ValueError as error:  # 'cpu' on a GPU, or deterministic with an attention that has no invariant form
+        fix = "'auto'" if batch_invariant else "'auto', 'triton' or 'torch'"
+        raise ConfigError("attention_backend", f"{error}; use {fix}") from None
 
 
 def attention(

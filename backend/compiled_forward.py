@@ -102,6 +102,7 @@ def compile_wanted(config: EngineConfig, device: torch.device) -> bool:
     """`compile: auto` compiles on CUDA only: on CPU the eager step with packed half-precision
     weights is faster (inductor takes plain weights), and float32 gained too little for the
     seconds of load it costs (benchmarks/RESULTS.md, "Figures behind design choices in the
-    code"). Not with LoRA adapters, whose step runs eager."""
-    auto = config.compile_supported and not config.enable_lora and device.type == "cuda"
+    code"). Not with LoRA adapters, whose step runs eager, nor `deterministic`, whose kernels are
+    the batch-invariant ones (inductor would fuse the norms and pick its own GEMMs)."""
+    auto = config.compile_supported and not config.enable_lora and not config.deterministic and device.type == "cuda"
     return config.compile == "on" or (config.compile == "auto" and auto)

@@ -110,9 +110,11 @@ class EngineConfig:
     the rounded weight for more, so such a step's logits differ in the last bits; true keeps the
     rounded weight for every row count, which costs a single stream's decode speed (measured
     in benchmarks/RESULTS.md); and a float32 weight is packed for oneDNN whatever the probe measured
-    faster, since MKL and the few-row GEMV order a few rows' sums differently. Eager unquantized CPU
-    steps only: refused with quantization, compile=on, several ranks or CUDA (the Triton kernels pick
-    their tiles by batch size)."""
+    faster, since MKL and the few-row GEMV order a few rows' sums differently. On CUDA the linears,
+    norms, attention, MoE kernels and logprobs run batch-invariant Triton launches (backend/
+    batch_invariant.py) with the decode CUDA graphs but no torch.compile; their cost is a section of
+    benchmarks/gpu.py. Unquantized weights on one rank: refused with quantization, compile=on or
+    several ranks."""
     enable_lora: bool = False
     """Serve LoRA adapters (vLLM's --enable-lora): requests name one by `lora_name` in their sampling
     parameters, and requests of different adapters and the base model batch together (backend/lora/).

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
+from .batch_invariant import make_batch_invariant, runs_invariant_kernels
 from .block_manager import BlockManager
 from .compiled_forward import compile_wanted
 from .config import EngineConfig
 from .cuda_graphs import decode_graphs_wanted
 from .device import max_model_len, num_kv_blocks, resolve_device, resolve_dtype
 from .distributed import TensorParallelRunner, start_workers
-from .errors import ConfigError, InvalidRequestError
+from .errors import InvalidRequestError
 from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from .lora.manager import LoRAManager
 from .model_files import resolve_model_path
@@ -80,9 +81,6 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        if config.deterministic and self.device.type != "cpu":
-            raise ConfigError("deterministic", "is implemented on CPU only (the Triton kernels pick their tiles by "
-                                               "batch size); set deterministic=false on CUDA")
         self.cpu: CpuBackend | None = None
         """The CPU backend (backend/cpu/) where the device is the CPU: made once, here."""
         if self.device.type == "cpu":
@@ -101,8 +99,11 @@ class LLMEngine:
         keep_blocks = cpu.checkpoint_hook(self.dtype, compiled, tensor_parallel) if cpu is not None else None
         parallel = self.workers.parallel if self.workers else SINGLE_RANK
         loaded = load_model(self.model_path, self.dtype, self.device, parallel, config.load_format, keep_blocks)
+        invariant = runs_invariant_kernels(config, self.device)
         if config.quantization != "none":
             quantize_model(loaded.model, config.quantization)
+        elif invariant:
+            make_batch_invariant(loaded.model, self.dtype)
         elif cpu is not None and not compiled:
             cpu.prepare(loaded.model, loaded.config, self.dtype, tensor_parallel)
         self.model_config = loaded.config
@@ -129,11 +130,11 @@ class LLMEngine:
             self.runner: ModelRunner = TensorParallelRunner(self.workers, *runner_args)
         else:
             graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) else 0
-            self.runner = ModelRunner(*runner_args, graphs, self.max_model_len, self.lora)
+            self.runner = ModelRunner(*runner_args, graphs, self.max_model_len, self.lora, batch_invariant=config.deterministic)
         if config.kv_cache_dtype == "fp8":
             calibrate_kv_scales(self.runner, self.encode(CALIBRATION_TEXT)[: self.max_model_len])
         self.runner.capture_graphs()  # after calibration: the captured kernels take the KV scales as constants
-        self.sampler = Sampler(self.model_config.eos_token_ids, config.seed, self.device)
+        self.sampler = Sampler(self.model_config.eos_token_ids, config.seed, self.device, batch_invariant=invariant)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         self.async_scheduling = async_scheduling_wanted(config, self.device)

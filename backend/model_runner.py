@@ -78,18 +78,20 @@ class ModelRunner:
         graph_max_seqs: int = 0,
         max_model_len: int = 0,
         lora: LoRAManager | None = None,
+        batch_invariant: bool = False,
     ):
         """compile_max_tokens > 0: run the compiled step (backend/compiled_forward.py),
         warmed up now for steps of up to that many tokens. graph_max_seqs > 0 (CUDA):
         decode steps of up to that many sequences replay whole CUDA graphs
         (backend/cuda_graphs.py), captured by `capture_graphs` for contexts up to max_model_len.
-        lora: the model's adapters (enable_lora); a step with adapter rows runs eager, not a graph."""
+        lora: the model's adapters (enable_lora); a step with adapter rows runs eager, not a graph.
+        batch_invariant: the attention's batch-invariant form (`deterministic`)."""
         self.model = model
         self.lora = lora
         self.config = model.config
         self.block_size = block_size
         self.device = device
-        self.attention_kernels = select_attention_kernels(attention_backend, device)
+        self.attention_kernels = select_attention_kernels(attention_backend, device, batch_invariant)
         self.kv_caches = self.allocate_kv(num_blocks, kv_dtype)
         self.compiled = CompiledForward(model, device) if compile_max_tokens else None
         if self.compiled:

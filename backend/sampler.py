@@ -34,9 +34,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device):
+    def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device, batch_invariant: bool = False):
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
+        self.batch_invariant = batch_invariant
+        """`deterministic` on a GPU: logprobs from the row-wise log-softmax (backend/batch_invariant.py)."""
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -141,7 +143,8 @@ class Sampler:
         result: list[TokenLogprob | None] = [None] * len(params)
         if not rows:
             return result
-        logprobs = raw[torch.tensor(rows, device=raw.device)].log_softmax(dim=-1)
+        raw_rows = raw[torch.tensor(rows, device=raw.device)]
+        logprobs = dispatch.invariant_log_softmax(raw_rows) if self.batch_invariant else raw_rows.log_softmax(dim=-1)
         top_n = max(params[i].logprobs or 0 for i in rows)  # set in every row of `rows`
         top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
         chosen = logprobs[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])]

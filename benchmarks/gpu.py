@@ -13,7 +13,9 @@ time, over the copy bandwidth measured in this run); TTFT of a 2,048-token promp
 output tok/s with 256 requests in flight (ShareGPT-like lengths, fixed seed). First, one layer
 of Mixtral's and Qwen3-MoE's experts through the fused MoE kernel and the torch reference
 (benchmarks/moe_kernel.py); then the batched LoRA delta on Llama-3-8B's linears and what mixing 4
-adapters costs the bundled model's shape at 32 streams (benchmarks/lora.py). The peer is
+adapters costs the bundled model's shape at 32 streams (benchmarks/lora.py); then what
+`deterministic` costs that shape and whether a request's tokens stay the same beside others, with
+it and without (benchmarks/deterministic.py). The peer is
 transformers on the same shape and requests: continuous batching (`generate_batch`'s
 manager, paged attention) for throughput, static-cache compiled `generate` for one stream.
 
@@ -51,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_shapes import write_model_dir  # noqa: E402
 from lora import kernel_rows as lora_kernel_rows, markdown as lora_markdown, mix_rows as lora_mix_rows  # noqa: E402
 from moe_kernel import markdown as moe_markdown, moe_rows  # noqa: E402
+from deterministic import markdown as deterministic_markdown, rows as deterministic_rows  # noqa: E402
 
 
 def importable_checkout() -> None:
@@ -526,6 +529,8 @@ def markdown(result: dict) -> str:
         lines += ["", moe_markdown(result["moe"])]
     if result.get("lora_mix") or result.get("lora_kernel"):
         lines += ["", lora_markdown(result.get("lora_mix"), result.get("lora_kernel"))]
+    if result.get("deterministic"):
+        lines += ["", deterministic_markdown(result["deterministic"])]
     lines += [""] + [f"- {verdict}: {text}" for verdict, text in result["targets"]]
     if result["skipped"]:
         lines += [""] + [f"- skipped: {text}" for text in result["skipped"]]
@@ -600,6 +605,14 @@ def main(argv: list[str] | None = None) -> dict:
         attempt(result, "LoRA adapters mixed", left, 120, lambda: result.__setitem__("lora_mix", lora_mix_rows(
             write_model_dir(lora_shape, os.path.join(root, lora_shape)), args.device, load_format="dummy",
             out_len=32 if args.quick else 64, label=lora_shape)))
+    release(args.device)
+    save()
+    with tempfile.TemporaryDirectory() as root:
+        shape = "smollm2-135m" if args.device == "cuda" else "tiny"
+        streams, tokens = (64, 32 if args.quick else 64) if args.device == "cuda" else (4, 8)
+        attempt(result, "deterministic", left, 60, lambda: result.__setitem__("deterministic", deterministic_rows(
+            write_model_dir(shape, os.path.join(root, shape)), args.device, "bfloat16", "dummy", streams=streams,
+            tokens=tokens, rounds=2 if args.device == "cuda" else 1, label=shape)))
     release(args.device)
     save()
     with tempfile.TemporaryDirectory() as root:

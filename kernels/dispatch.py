@@ -41,15 +41,36 @@ def use_triton(tensor: torch.Tensor) -> bool:
     """Whether a linear on this tensor runs the Triton kernel: on CUDA, or anywhere
     when PAGEDSERVE_FORCE_TRITON=1; and only for 16-bit activations, the only ones the
     Triton GEMMs take (a float32 engine's quantized linears run the reference)."""
-    wanted = tensor.is_cuda or os.environ.get(FORCE_ENV, "0") == "1"
-    return wanted and tensor.dtype in (torch.bfloat16, torch.float16)
+    return triton_wanted(tensor.device) and tensor.dtype in (torch.bfloat16, torch.float16)
 
 
-def attention_kernels(name: str, device: torch.device) -> tuple[WriteCacheFn, AttendFn]:
+def triton_wanted(device: torch.device) -> bool:
+    """Whether an engine on `device` runs the Triton kernels: on CUDA, or anywhere when
+    PAGEDSERVE_FORCE_TRITON=1 (with TRITON_INTERPRET=1 on CPU, as tests do)."""
+    return device.type == "cuda" or os.environ.get(FORCE_ENV, "0") == "1"
+
+
+def attention_kernels(name: str, device: torch.device, batch_invariant: bool = False) -> tuple[WriteCacheFn, AttendFn]:
     """(write_cache, attend) for an `attention_backend` setting: "torch" the references,
     "cpu" the CPU attention with the reference cache write (ValueError off CPU), "auto"
     the Triton kernels on CUDA and the CPU attention on CPU, anything else the Triton
-    kernels (ImportError when triton or what they need is missing)."""
+    kernels (ImportError when triton or what they need is missing). batch_invariant
+    (`deterministic`): the CPU attention's batch-invariant form on CPU, the Triton kernels'
+    batch-invariant launch on a GPU (ValueError where the setting names another attention)."""
+    if batch_invariant and device.type == "cpu" and not triton_wanted(device):
+        if name not in ("auto", "cpu"):
+            raise ValueError(f"deterministic runs the CPU attention's batch-invariant form, not {name!r}")
+        from .cpu.cache_write import write_kv_cache_cpu
+        from .cpu.paged_attention import paged_attention_cpu_batch_invariant
+
+        return write_kv_cache_cpu, paged_attention_cpu_batch_invariant
+    if batch_invariant:
+        if name not in ("auto", "triton"):
+            raise ValueError(f"deterministic runs the Triton attention's batch-invariant launch, not {name!r} on {device.type}")
+        from .triton.cache_write import write_kv_cache_triton
+        from .triton.paged_attention import paged_attention_triton
+
+        return write_kv_cache_triton, functools.partial(paged_attention_triton, batch_invariant=True)
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         if device.type != "cpu":
             raise ValueError(f"the CPU attention runs on CPU tensors only, not {device.type}")
@@ -89,14 +110,15 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
     return fp8_matmul_ref(x, w, bias)
 
 
-def fused_moe(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              batch_invariant: bool = False) -> torch.Tensor:
     """The mixture-of-experts MLP of a flat batch (layout: kernels/moe.py): the fused Triton kernel where
-    `use_triton` (16-bit activations on CUDA), else the torch reference (one pair of matmuls per expert
-    with tokens: the CPU path)."""
+    `use_triton` (16-bit activations on CUDA; batch_invariant: its launch whose tiles do not depend on
+    the batch), else the torch reference (one pair of matmuls per expert with tokens: the CPU path)."""
     if use_triton(x):
         from .triton.moe import fused_moe_triton
 
-        return fused_moe_triton(x, experts, topk_weights, topk_ids)
+        return fused_moe_triton(x, experts, topk_weights, topk_ids, batch_invariant=batch_invariant)
     return fused_moe_ref(x, experts, topk_weights, topk_ids)
 
 
@@ -110,6 +132,29 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
 
         return add_lora_triton(out, x, a, b, scaling, token_slots)
     return add_lora_ref(out, x, a, b, scaling, token_slots, groups)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose every row is summed in one order whatever the row count (kernels/triton/
+    batch_invariant.py): `deterministic` on a GPU, where cuBLAS picks its algorithm by the rows."""
+    from .triton.batch_invariant import matmul
+
+    return matmul(x, weight, bias)
+
+
+def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rounds_once: bool,
+                       offset: float) -> torch.Tensor:
+    """The model's RMSNorm (its rounding order) one row a program: `deterministic` on a GPU."""
+    from .triton.batch_invariant import rms_norm
+
+    return rms_norm(x, weight, eps, rounds_once, offset)
+
+
+def invariant_log_softmax(rows: torch.Tensor) -> torch.Tensor:
+    """log_softmax of float32 rows [R, V], one row a program: `deterministic` on a GPU."""
+    from .triton.batch_invariant import log_softmax
+
+    return log_softmax(rows)
 
 
 @functools.cache
@@ -156,4 +201,5 @@ def build_cpu_kernels(report: Callable[[str], None] | None = None) -> dict[str, 
 
 
 __all__ = ["FORCE_ENV", "attention_kernels", "build_cpu_kernels", "first_max_index", "fp8_linear",
-           "fused_add_rms_norm", "fused_moe", "fused_rms_norm", "fused_rotary", "fused_silu_mul", "int4_linear", "use_triton"]
+           "fused_add_rms_norm", "fused_moe", "fused_rms_norm", "fused_rotary", "fused_silu_mul", "int4_linear",
+           "invariant_linear", "invariant_log_softmax", "invariant_rms_norm", "triton_wanted", "use_triton"]

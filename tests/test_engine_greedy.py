@@ -60,19 +60,23 @@ def test_deterministic_greedy_is_the_same_alone_and_beside_others(model, dtype, 
     """`deterministic`: one request's greedy tokens and their logprobs, bit for bit, alone
     and beside five others of other lengths whose prefill chunks share its steps (the bundled
     model in half precision gave other tokens from the 45th without it; a float32 checkpoint
-    that is not GGUF-exact multiplies a few rows through the C GEMV by default)."""
-    if torch.cuda.is_available():
-        pytest.skip("deterministic is implemented on CPU only (refused on CUDA)")
+    that is not GGUF-exact multiplies a few rows through the C GEMV by default). A second target,
+    100 random token ids (a flat distribution, where the last bits decide), is cut into other
+    prefill chunks alone (64 + 36) than beside the others: with AMX, oneDNN's bf16 GEMMs gave its
+    first token another logprob. On a GPU the same check runs the batch-invariant Triton launches
+    (tests/test_batch_invariant.py on CPU)."""
     if model == "bundled":
         engine_prompts, path = request.getfixturevalue("prompts"), ""
     else:
         engine_prompts, path = request.getfixturevalue("small_prompts"), request.getfixturevalue("small_llama")
     engine = LLMEngine(model=path, dtype=dtype, deterministic=True, enable_prefix_caching=False,
                        max_num_batched_tokens=64, **GPU_SHARE)
-    target, others = engine_prompts[1], [p for p in engine_prompts if p is not engine_prompts[1]][:5]
+    others = [p for p in engine_prompts if p is not engine_prompts[1]][:5]
+    flat = torch.randint(100, engine.model_config.vocab_size, (100,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=0)
-    alone, = engine.generate([target], params, use_tqdm=False)
-    beside = engine.generate([target, *others], params, use_tqdm=False)[0]
-    assert beside.token_ids == alone.token_ids
-    assert [p.logprob for p in beside.logprobs] == [p.logprob for p in alone.logprobs]
+    for target in (engine_prompts[1], flat):
+        alone, = engine.generate([target], params, use_tqdm=False)
+        beside = engine.generate([others[0], target, *others[1:]], params, use_tqdm=False)[1]
+        assert beside.token_ids == alone.token_ids
+        assert [p.logprob for p in beside.logprobs] == [p.logprob for p in alone.logprobs]
     assert_engine_idle(engine)

@@ -38,5 +38,8 @@ def test_the_gpu_check_runs_every_section_on_cpu(tmp_path):
     assert [row["run"] for row in result["lora_mix"]] == ["LoRA off, base model", "LoRA on, base model",
                                                          "LoRA on, one adapter", "LoRA on, 4 adapters mixed"]
     assert all(row["tok_s"] > 0 for row in result["lora_mix"]) and all(row["ref_ms"] > 0 for row in result["lora_kernel"])
+    off, on = result["deterministic"]
+    assert (off["deterministic"], on["deterministic"]) == (False, True) and on["single_tok_s"] > 0 and on["batch_tok_s"] > 0
+    assert on["differs_at"] is None  # beside 15 others as alone (here the CPU backend's setting; on a GPU the Triton launches)
     assert len(result["targets"]) == 9  # every target has its line (NOT MEASURED on a tiny model)
     assert (tmp_path / "gpu.md").read_text().count("| pagedserve |") == 3

@@ -15,6 +15,7 @@ from torch import nn
 from pagedserve.kernels.cpu.native_build import build_all
 
 from ..config import EngineConfig
+from ..errors import ConfigError
 from ..model_config import ModelConfig
 from ..model_loader import CheckpointWeightHook
 from ..models.llama import LlamaForCausalLM
@@ -47,6 +48,9 @@ class CpuBackend:
         layouts measured (the batch-invariant ones with `deterministic`, the default ones with
         several ranks, whose shards all keep the same), and its layers as one C call."""
         config = self.config
+        if config.deterministic and (model_config.attn_logit_softcapping or model_config.attention_sinks):
+            raise ConfigError("deterministic", "has no batch-invariant CPU attention for soft-capped scores or "
+                                               "attention sinks (Gemma 2, gpt-oss); set deterministic=false")
         if config.deterministic:
             layouts = BATCH_INVARIANT_LAYOUTS
         elif tensor_parallel:

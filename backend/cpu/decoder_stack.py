@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.kernels.cpu import decoder_stack as decoder_stack_cpu
 from pagedserve.kernels.cpu.cache_write import write_kv_cache_cpu
-from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu, step_plan
+from pagedserve.kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_cpu_batch_invariant, step_plan
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache
 from ..model_config import ModelConfig
@@ -40,7 +40,8 @@ class LlamaCStack:
                 output_rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """The final norm's output for the step (for the rows `output_rows` names, ascending, where
         given), or None where the C loop does not apply."""
-        if (not self.enabled or input_ids.device.type != "cpu" or kernels.attend is not paged_attention_cpu
+        invariant = kernels.attend is paged_attention_cpu_batch_invariant  # `deterministic`: decode-only steps
+        if (not self.enabled or input_ids.device.type != "cpu" or not (invariant or kernels.attend is paged_attention_cpu)
                 or kernels.write_cache is not write_kv_cache_cpu or torch.compiler.is_compiling()):
             return None
         stack = self.stack(kv_caches)
@@ -49,6 +50,8 @@ class LlamaCStack:
         model = self.model
         window = model.config.layer_window(0)  # every layer's (computes_layers_of)
         plan = step_plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, stack.block_size).windowed(window)
+        if invariant and plan.prefills:  # its prompts run row by row as decodes, in Python (paged_attention_cpu)
+            return None
         chunks, rest = plan.native_prefills(model.config.head_dim) if plan.prefills else (None, [])
         if rest:  # prompts longer than the C prefill takes, or cut by the window: SDPA, in Python
             return None

@@ -17,7 +17,10 @@ The forms, in the order `method_for` tries them:
   (kernels/cpu/block_matmul.py), the same values in a sixth or a third of the bytes.
 - `Pairs`: where the CPU has AVX512-BF16 but no AMX, a bf16 weight is packed in pairs of
   inputs for the C kernel of kernels/cpu/bf16_matmul.py, which beats oneDNN at the 6-128
-  rows of decode steps, with no kernel per shape and so no buckets.
+  rows of decode steps, with no kernel per shape and so no buckets. With `batch_invariant`
+  on every CPU the kernel builds for: it sums a row in one order at any row count, where
+  oneDNN's bf16 kernels do not (with AMX the first row of a 4096 x 4096 layer differs between
+  a step of 32 rows, 64 and 1,024; tests/cpu/test_linear_methods.py).
 - `Transposed`: float32 stored [in, out], which MKL multiplies faster than x @ W^T at a few
   rows on a Xeon with AVX-512.
 - `OneDnnPacked`: otherwise the weight packed once into oneDNN's blocked layout (an unpacked
@@ -166,6 +169,10 @@ class OneDnnPacked:
 
     packed: torch.Tensor
     gemv_rows: int = 0
+    min_rows: int = 1
+    """Fewer rows are padded to this many: 2 with `batch_invariant`, since oneDNN multiplies a lone
+    row by another kernel than two or more, which sums it in another order (float32 and float16,
+    from 2,048 inputs on an AMX Xeon; tests/cpu/test_linear_methods.py)."""
 
     @property
     def reads_plain_weight(self) -> bool:
@@ -175,7 +182,7 @@ class OneDnnPacked:
         if x.dim() != 2:
             return self._matmul(layer, x)
         rows = x.shape[0]
-        bucket = row_bucket(rows, EXACT_ROWS)
+        bucket = max(row_bucket(rows, EXACT_ROWS), self.min_rows)
         if bucket != rows:
             padded = x.new_zeros((bucket, x.shape[1]))
             padded[:rows] = x
@@ -219,8 +226,9 @@ def few_rows_of(method: LinearMethod | None) -> int:
 
 def method_for(layer: Linear, float32_layout: str = "transposed", batch_invariant: bool = False) -> LinearMethod | None:
     """The fastest way to multiply a CPU layer's weight: half precision packed for oneDNN (or
-    in pairs), float32 as `float32_layout` says, exact GGUF blocks whatever it says (summed in
-    one order at every row count where `batch_invariant`); None where nothing applies."""
+    in pairs), float32 as `float32_layout` says, exact GGUF blocks whatever it says; None where
+    nothing applies. `batch_invariant`: blocks summed in one order at every row count, bf16 in
+    pairs wherever the C kernel is built, and a lone row padded to two for oneDNN."""
     weight = layer.weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
@@ -230,7 +238,7 @@ def method_for(layer: Linear, float32_layout: str = "transposed", batch_invarian
         blocks = as_blocks(weight)
         if blocks is not None:
             return Blocks(dataclasses.replace(blocks, batch_invariant=batch_invariant))
-    if weight.dtype == torch.bfloat16 and bf16_matmul_cpu.native():
+    if weight.dtype == torch.bfloat16 and (bf16_matmul_cpu.native() or (batch_invariant and bf16_matmul_cpu.LIBRARY.get())):
         pairs = pack_pairs(weight, layer.bias)
         if pairs is not None:
             return Pairs(pairs)
@@ -243,7 +251,8 @@ def method_for(layer: Linear, float32_layout: str = "transposed", batch_invarian
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
     except RuntimeError:  # oneDNN packs fp16 only on CPUs with avx512_fp16 or avx_ne_convert
         return None
-    return OneDnnPacked(packed, GEMV_MAX_ROWS if weight.dtype == torch.float32 and float32_layout == "both" else 0)
+    return OneDnnPacked(packed, GEMV_MAX_ROWS if weight.dtype == torch.float32 and float32_layout == "both" else 0,
+                        2 if batch_invariant else 1)
 
 
 def pack(layer: Linear, float32_layout: str = "transposed", batch_invariant: bool = False) -> bool:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.dispatch import fused_add_rms_norm, fused_rms_norm, fused_rotary, fused_silu_mul
+from pagedserve.kernels.dispatch import fused_add_rms_norm, fused_rms_norm, fused_rotary, fused_silu_mul, invariant_rms_norm
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache, attention
 from ..model_config import ModelConfig
@@ -48,6 +48,8 @@ class RMSNorm(nn.Module):
         """ModelConfig.norm_rounds_once: the weight multiplies the float32 row (OLMo 2's order)."""
         self.offset = offset
         """ModelConfig.norm_weight_offset: (offset + weight) multiplies, in float32 (Gemma)."""
+        self.batch_invariant = False
+        """`deterministic` on a GPU (backend/batch_invariant.py): one row a program, whatever the batch."""
 
     @classmethod
     def of(cls, config: ModelConfig, size: int) -> RMSNorm:
@@ -57,6 +59,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """transformers' RMSNorm; on CPU one C pass (kernels/cpu/rms_norm.py) where it is built
         and rounds as this norm does (Llama's order, or any order in float32)."""
+        if self.batch_invariant:
+            return invariant_rms_norm(x, self.weight, self.eps, self.rounds_once, self.offset)
         fused = fused_rms_norm(x, self.weight, self.eps) if self._c_rounds_alike(x) else None
         if fused is not None:
             return fused
@@ -71,7 +75,8 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream after adding delta, and its norm (on CPU one C pass)."""
-        fused = fused_add_rms_norm(h, delta, self.weight, self.eps) if self._c_rounds_alike(h) else None
+        c_pass = self._c_rounds_alike(h) and not self.batch_invariant
+        fused = fused_add_rms_norm(h, delta, self.weight, self.eps) if c_pass else None
         if fused is not None:
             return fused
         h = h + delta

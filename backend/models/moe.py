@@ -62,10 +62,12 @@ class SparseMoeBlock(nn.Module):
         """This rank's rows of gate / up (its columns of down: the same slice along dim 1)."""
         self.loaded: set[tuple[int, str]] = set()
         """The (expert, projection) tensors the loader has copied in."""
+        self.batch_invariant = False
+        """`deterministic` on a GPU (backend/batch_invariant.py): the fused kernels' batch-invariant launch."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.rounded, self.softmax_after_topk)
-        out = fused_moe(x, self.experts, weights, ids)
+        out = fused_moe(x, self.experts, weights, ids, self.batch_invariant)
         return out if self.collectives is None else self.collectives.all_reduce(out)
 
     @property

@@ -182,6 +182,8 @@ class StepPlan:
     chunks: tuple[int, PrefillChunks | None, list[PrefillPlan]] | None = None
     """(head dim, the C prefill's chunks, the rest) once `native_prefills` built them."""
     windows: dict[int, StepPlan] = field(default_factory=dict)
+    row_decodes: dict[tuple[tuple[int, ...], int | None], DecodePlan] = field(default_factory=dict)
+    """`as_decodes`' plans, by (chunk starts, window)."""
 
     def windowed(self, window: int | None) -> StepPlan:
         """This step under a sliding window (the plan itself for None), built once per window size."""
@@ -193,6 +195,24 @@ class StepPlan:
             decode = None if self.decode is None else self.decode.windowed(window)
             self.windows[window] = StepPlan(decode, [p.windowed(window) for p in self.prefills])
         return self.windows[window]
+
+    def as_decodes(self, starts: list[int], window: int | None, chunk_keys: int | None) -> DecodePlan:
+        """Every query row of the prefill chunks starting at `starts` as a decode of the keys up to
+        its own (through a table of its chunk's key slots, block size 1), under `window` (this plan
+        must be the unwindowed one): `batch_invariant`'s route for prefills. Built once a step."""
+        key = (tuple(starts), window)
+        if key not in self.row_decodes:
+            chunks = [p for p in self.prefills if p.start in set(starts)]
+            width = max(p.slots.numel() for p in chunks)
+            rows, tables, lens = [], [], []
+            for p in chunks:
+                q_len, seq_len = p.end - p.start, p.slots.numel()
+                rows.append(torch.arange(p.start, p.end))
+                tables.append(F.pad(p.slots, (0, width - seq_len)).to(torch.int32).expand(q_len, width))
+                lens.append(torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32))
+            plan = DecodePlan(torch.cat(rows), torch.cat(tables).contiguous(), torch.cat(lens), 1, chunk_keys)
+            self.row_decodes[key] = plan if window is None else plan.windowed(window)
+        return self.row_decodes[key]
 
     def native_prefills(self, head_dim: int) -> tuple[PrefillChunks | None, list[PrefillPlan]]:
         """The prefills the C loop takes, in its layout (built once a step, on first use), and
@@ -224,10 +244,19 @@ def paged_attention_cpu(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """CPU twin of `paged_attention_ref` (same arguments, the sliding window included; max_seq_len
     is not needed). Soft-capped scores (Gemma 2) and attention sinks (gpt-oss) take the reference
     itself: neither the C loops nor torch's flash kernel have them.
+
+    batch_invariant (`deterministic`): each query row's output the same whatever else the step
+    holds and however its prompt was chunked. Every prefill row runs as a decode of the keys up to
+    its own (the C decode reads one row's keys in one order whatever the batch), since which of the
+    C prefill and SDPA takes a chunk depends on its length, and SDPA's blocking too; the torch-op
+    decode (no C compiler, float16 or fp8 caches) splits every context into CHUNK_KEYS keys whatever
+    the batch. It reads each prompt's keys once per row instead of once per 16 rows: prompts cost
+    more (benchmarks/deterministic.py). Not with a soft cap or sinks.
 
     Keyword-only, for tests and benchmarks: chunk_keys forces the torch-op decode's split
     size (capped at the longest context rounded up to CHUNK_KEYS, which means no split);
@@ -235,24 +264,35 @@ def paged_attention_cpu(
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     if query.shape[1] % num_kv_heads or query.shape[2] != head_dim:
         raise ValueError(f"query {tuple(query.shape)} does not match cache {tuple(key_cache.shape)}")
+    if batch_invariant and (softcap is not None or sinks is not None):
+        raise ValueError("the CPU attention has no batch-invariant form with soft-capped scores or attention sinks")
     if softcap is not None or sinks is not None:
         return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                                    k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap, sinks=sinks)
     out = query.new_empty(query.shape)  # contiguous even when the query is a view
     if query.shape[0] == 0:
         return out
-    plan = step_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1], chunk_keys).windowed(window)
+    if batch_invariant and chunk_keys is None:
+        chunk_keys = CHUNK_KEYS
+    unwindowed = step_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1], chunk_keys)
+    plan = unwindowed.windowed(window)
     torch_decode = plan.decode is not None and not (
         native and _native_decode(query, key_cache, value_cache, out, plan.decode, scale))
-    prefills = plan.prefills
+    prefills, row_decodes = plan.prefills, None
+    if prefills and batch_invariant:
+        row_decodes = unwindowed.as_decodes([p.start for p in prefills], window, chunk_keys)
+        prefills = []
+        if native and _native_decode(query, key_cache, value_cache, out, row_decodes, scale):
+            row_decodes = None
     if prefills and native:
         prefills = _native_prefill(query, key_cache, value_cache, out, plan, scale)
-    if not (torch_decode or prefills):  # the C loops took everything (the usual CPU step)
+    if not (torch_decode or prefills or row_decodes):  # the C loops took everything (the usual CPU step)
         return out
     ks, vs = kv_scales(key_cache, k_scale, v_scale)
     keys, values = KVRows(key_cache, ks, query.dtype), KVRows(value_cache, vs, query.dtype)
-    if torch_decode and plan.decode is not None:  # torch_decode implies a decode plan
-        out.index_copy_(0, plan.decode.tokens, _decode(query, keys, values, plan.decode, scale))
+    for decode in (plan.decode if torch_decode else None, row_decodes):
+        if decode is not None:
+            out.index_copy_(0, decode.tokens, _decode(query, keys, values, decode, scale))
     for prefill in prefills:
         out[prefill.start : prefill.end] = _prefill(query, keys, values, prefill, scale)
     return out
@@ -429,4 +469,11 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
 
 
-__all__ = ["CHUNK_KEYS", "StepPlan", "build_plan", "choose_chunk_keys", "paged_attention_cpu", "step_plan"]
+def paged_attention_cpu_batch_invariant(*args: object, **kwargs: object) -> torch.Tensor:
+    """`paged_attention_cpu` with batch_invariant=True (`deterministic`): a function of its own, which
+    backend/cpu/decoder_stack.py recognises (its decode-only steps are the same C decode)."""
+    return paged_attention_cpu(*args, batch_invariant=True, **kwargs)  # type: ignore[arg-type]
+
+
+__all__ = ["CHUNK_KEYS", "StepPlan", "build_plan", "choose_chunk_keys", "paged_attention_cpu",
+           "paged_attention_cpu_batch_invariant", "step_plan"]

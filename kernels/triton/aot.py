@@ -208,6 +208,7 @@ _KERNELS = {  # module -> its @triton.jit kernels the launchers call
     "fp8": ("_fp8_gemm_kernel", "_per_token_quant_kernel"),
     "moe": ("_moe_gate_up_kernel", "_moe_down_kernel"),
     "lora": ("_lora_shrink_kernel", "_lora_expand_kernel"),
+    "batch_invariant": ("_matmul_kernel", "_rms_norm_kernel", "_log_softmax_kernel"),
 }
 _LOCK = threading.RLock()
 
@@ -304,6 +305,8 @@ def _device_model(target: Target, sms: int, log: List[Launch]):
         (m.moe, "interpreting", lambda: False),
         (m.moe, "native_fp8", native),
         (m.lora, "interpreting", lambda: False),
+        (m.batch_invariant, "interpreting", lambda: False),
+        (m.batch_invariant, "_num_sms", lambda device: sms),
     ]
     for mod, kernels in _KERNELS.items():
         for k in kernels:
@@ -440,6 +443,40 @@ def _record_lora(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) ->
     return out
 
 
+def _record_invariant(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -> List[Tuple[str, Launch]]:
+    """`deterministic`'s launches (kernels/triton/batch_invariant.py, the attention's batch-invariant
+    launch): the GEMM on each linear and the LM head (its tiles depend on N, never on M), the norm in
+    its three rounding orders over the hidden width and a head (Qwen3's query / key norms), the
+    logprobs' log-softmax over the vocabulary, and the attention on a decode batch and a prompt chunk."""
+    bi = m.batch_invariant
+    out = []
+    linears = {**model.linears(), "lm_head": (model.vocab, model.hidden)}
+    for name, (n, k) in linears.items():
+        log.clear()
+        bi.matmul(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
+        if name == "qkv_proj":  # biased (Qwen2, gpt-oss)
+            bi.matmul(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype), torch.empty(n, dtype=dtype))
+        out += [(f"{model.name} {name} deterministic", launch) for launch in log]
+    for width in (model.hidden, model.head_dim):
+        for rounds_once, offset in ((False, 0.0), (True, 0.0), (False, 1.0)):
+            log.clear()
+            bi.rms_norm(torch.empty(4, width, dtype=dtype), torch.empty(width, dtype=dtype), 1e-6, rounds_once, offset)
+            out += [(f"{model.name} norm of {width} deterministic", launch) for launch in log]
+    log.clear()
+    bi.log_softmax(torch.empty(4, model.vocab))
+    out += [(f"{model.name} logprobs deterministic", launch) for launch in log]
+    cache = torch.empty(4, KV_BLOCK_SIZE, model.kv_heads, model.head_dim, dtype=dtype)
+    sinks = torch.empty(model.heads) if model.sinks else None
+    for label, q_lens, seq_lens in (("decode B=64 ctx=8192", [1] * 64, [8192] * 64), ("prefill T=2048", [2048], [2048])):
+        log.clear()
+        query, tables, lens, starts = _attention_batch(model, dtype, q_lens, seq_lens)
+        m.paged_attention.paged_attention_triton(query, cache, cache, tables, lens, starts, model.head_dim ** -0.5,
+                                                 window=model.window, softcap=model.softcap, sinks=sinks,
+                                                 batch_invariant=True)
+        out += [(f"{model.name} {label} deterministic", launch) for launch in log]
+    return out
+
+
 _TIMED = " (timed candidate)"  # a GEMM's or the MoE kernels' candidate after the first: launched only by timed_choice
 
 
@@ -554,6 +591,7 @@ def enumerate_configs(target: Target, dtypes: Iterable[torch.dtype] = DTYPES,
                         recorded += _record_attention(m, log, model, dtype, kv_fp8)
                     if dtype != torch.float32:
                         recorded += _record_gemms(m, log, model, dtype)
+                    recorded += _record_invariant(m, log, model, dtype)
             for moe in MOE_MODELS:
                 for dtype in dtypes:
                     if dtype != torch.float32:
@@ -576,6 +614,7 @@ _DOMINATED = {  # kernel -> the constexpr whose largest value stands for the oth
     "_paged_attention_kernel": "NUM_SPLITS",
     "_split_reduce_kernel": "NUM_SPLITS",
     "_splitk_reduce_kernel": "SPLIT_K",
+    "_rms_norm_kernel": "BLOCK",
 }
 
 

@@ -301,15 +301,21 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     *,
     block_m: int | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Triton twin of `fused_moe_ref` (block_m: a row-tile override for tests). The tiles are the
-    fastest of `_candidates` for this shape, timed once (`timed_choice`; the first where untimed)."""
+    fastest of `_candidates` for this shape, timed once (`timed_choice`; the first where untimed).
+    batch_invariant (`deterministic`): the decode regime's first tile whatever the token count, and
+    each token's experts summed one after the other, so a token's output does not depend on the batch."""
     tokens, hidden = x.shape
     if experts.hidden != hidden:
         raise ValueError(f"expert weights of hidden width {experts.hidden} do not match the activations' {hidden}")
     if tokens == 0:
         return torch.zeros_like(x)
     num_pairs = tokens * topk_ids.shape[1]
+    if batch_invariant:
+        fixed = _candidates(1, experts.num_experts, experts.group_size)[0]
+        return _launch(x, experts, topk_weights, topk_ids, fixed, ordered_sum=True)
     candidates = _candidates(num_pairs, experts.num_experts, experts.group_size)
     if block_m is not None:
         return _launch(x, experts, topk_weights, topk_ids, dataclasses.replace(candidates[0], block_m=block_m))
@@ -320,8 +326,10 @@ def fused_moe_triton(
 
 
 def _launch(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            config: GemmConfig) -> torch.Tensor:
-    """Both kernels with `config`'s tiles (see the module docstring)."""
+            config: GemmConfig, ordered_sum: bool = False) -> torch.Tensor:
+    """Both kernels with `config`'s tiles (see the module docstring); ordered_sum: each token's
+    top-k outputs added in order by elementwise adds (torch's reduction over them may group the
+    adds by the batch's size)."""
     tokens, hidden = x.shape
     num_experts, inter, form = experts.num_experts, experts.inter, experts.form
     top_k = topk_ids.shape[1]
@@ -357,7 +365,13 @@ def _launch(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor,
         act.stride(0), w2.weight.stride(0), w2.weight.stride(1), partial.stride(0), *w2.strides, b2.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, HAS_BIAS=has_bias, **forms, **launch,
     )
-    return partial.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+    per_choice = partial.view(tokens, top_k, hidden)
+    if not ordered_sum:
+        return per_choice.sum(1, dtype=torch.float32).to(x.dtype)
+    total = per_choice[:, 0].float()
+    for j in range(1, top_k):
+        total += per_choice[:, j]
+    return total.to(x.dtype)
 
 
 __all__ = ["align_by_expert", "fused_moe_triton"]

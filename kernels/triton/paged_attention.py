@@ -144,11 +144,13 @@ def _paged_attention_kernel(
     last_key = context + tok  # inclusive causal limit of each row
 
     # Keys this q-block can see: [0, context + its last token + 1), with a sliding window
-    # from its first token's window on (the later tokens' masks cut the rest).
+    # from the tile holding its first token's window start on (the rows' masks cut the rest). The
+    # tiles start at multiples of BLOCK_N whatever the q-block, so a query's keys fall in the same
+    # tiles however its prompt was cut into chunks (the batch-invariant launch relies on it).
     kv_end = context + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
     kv_first = kv_end * 0
     if SLIDING:
-        kv_first = tl.maximum(context + q_block * BLOCK_Q - window + 1, 0)
+        kv_first = tl.maximum(context + q_block * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
     if NUM_SPLITS == 1:
         kv_lo = kv_first
         kv_hi = kv_end
@@ -268,9 +270,10 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, block_n
 
 
 def _tiles(num_tokens: int, num_seqs: int, group_pad: int, head_dim_pad: int, interpret: bool,
-           elem_bytes: int = 2) -> tuple[int, int]:
+           elem_bytes: int = 2, batch_invariant: bool = False) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N). GPU: 16 rows for decode-dominated batches (the minimum
-    tl.dot tile; a decode fills GROUP of them), 64 once queries are long, 64 keys; 32
+    tl.dot tile; a decode fills GROUP of them) and always with `batch_invariant` (a row's
+    products then take one tl.dot shape whatever the batch), 64 once queries are long, 64 keys; 32
     rows and 32 keys instead when a row of the dot operands (head_dim_pad x elem_bytes,
     the query dtype) exceeds 256 bytes (head_dim > 128 in 16-bit, > 64 in float32), so
     the K/V stages fit shared memory on every target (float32 head 128 at 64 x 64 needs
@@ -282,7 +285,7 @@ def _tiles(num_tokens: int, num_seqs: int, group_pad: int, head_dim_pad: int, in
     avg_q = num_tokens / max(num_seqs, 1)
     row_bytes = head_dim_pad * elem_bytes
     wide = row_bytes > 256
-    block_m = 16 if avg_q < 8 else (32 if wide else 64)
+    block_m = 16 if avg_q < 8 or batch_invariant else (32 if wide else 64)
     block_n = 16 if row_bytes > 512 else 32 if wide else 64
     return max(block_m, group_pad), block_n
 
@@ -305,9 +308,12 @@ def paged_attention_triton(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Triton twin of `paged_attention_ref` (window: its sliding window, None for full causal;
-    softcap: its score soft cap; sinks: each head's sink logit).
+    softcap: its score soft cap; sinks: each head's sink logit). batch_invariant (`deterministic`):
+    tiles that do not depend on the batch and no split over the keys, so each query's output is
+    the same whatever else the step holds and however its prompt was chunked.
 
     Tuning overrides (keyword-only, for tests/benchmarks): num_splits forces the
     split-KV path (1 = off, a power of two); max_seq_len spares the one host
@@ -341,7 +347,8 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    auto_m, auto_n = _tiles(num_tokens, num_seqs, group_pad, head_dim_pad, interpret, query.element_size())
+    auto_m, auto_n = _tiles(num_tokens, num_seqs, group_pad, head_dim_pad, interpret, query.element_size(),
+                            batch_invariant)
     block_m = max(block_m or auto_m, group_pad)
     block_n = block_n or auto_n
     if block_m & (block_m - 1) or block_n & (block_n - 1):
@@ -351,7 +358,11 @@ def paged_attention_triton(
     block_q = block_m // group_pad
     num_q_blocks = num_tokens // block_q + num_seqs
 
-    if num_splits is None:
+    if batch_invariant:
+        if num_splits not in (None, 1):
+            raise ValueError("batch_invariant attention does not split the keys (num_splits=1)")
+        num_splits = 1
+    elif num_splits is None:
         programs = num_q_blocks * num_kv_heads
         sms = _num_sms(query.device)
         if programs >= sms:

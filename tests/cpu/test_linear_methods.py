@@ -153,3 +153,26 @@ def test_a_layer_without_a_method_is_nn_linear_and_packing_declines_what_no_form
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     assert layer.reads_plain_weight
     assert not pack(layer) and layer.method is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_batch_invariant_methods_give_a_row_the_same_bits_at_every_row_count(dtype):
+    """`deterministic`'s methods: a row's outputs the same bits multiplied alone, beside a few rows or
+    many. The plain ones are not on every CPU: oneDNN multiplies a lone float32 / float16 row by
+    another kernel than two or more (from 2,048 inputs), and with AMX its bf16 kernels change with
+    the row count at many shapes; the batch-invariant bf16 method is the C pairs kernel."""
+    if not onednn_packs(dtype):
+        pytest.skip(f"oneDNN packs no {dtype} weight on this CPU")
+    g = torch.Generator().manual_seed(3)
+    layer = Linear(2048, 512, bias=True, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(512, 2048, generator=g) * 0.02)
+        layer.bias.copy_(torch.randn(512, generator=g))
+    assert pack(layer, "onednn", batch_invariant=True)
+    if dtype == torch.bfloat16 and bf16_matmul_cpu.LIBRARY.get() is not None:
+        assert isinstance(layer.method, Pairs)
+    x = torch.randn(300, 2048, generator=g).to(dtype)
+    with torch.inference_mode():
+        every = layer(x)
+        for rows in (1, 2, 7, 33, 48, 64, 129):
+            assert torch.equal(layer(x[:rows]), every[:rows]), rows

@@ -127,6 +127,22 @@ class Batch:
     def scales(self) -> dict:
         return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
+    def one_sequence(self, i: int, q_from: int = 0, q_to: int | None = None) -> tuple:
+        """`args()` for sequence i alone, or for only its new tokens [q_from, q_to): an earlier chunk
+        of its prompt, whose context ends at that chunk's last token (the batch-invariance tests)."""
+        starts, lens = self.query_start_loc.tolist(), self.seq_lens.tolist()
+        q_len = starts[i + 1] - starts[i]
+        q_to = q_len if q_to is None else q_to
+        dev = self.query.device
+        return (self.query[starts[i] + q_from: starts[i] + q_to], self.key_cache, self.value_cache,
+                self.block_tables[i: i + 1], torch.tensor([lens[i] - (q_len - q_to)], dtype=torch.int32, device=dev),
+                torch.tensor([0, q_to - q_from], dtype=torch.int32, device=dev), self.scale)
+
+    def rows_of(self, i: int) -> slice:
+        """Sequence i's rows of the flat batch."""
+        starts = self.query_start_loc.tolist()
+        return slice(starts[i], starts[i + 1])
+
     def reference(self) -> torch.Tensor:
         return paged_attention_ref(*self.ref_args(), **self.scales())
 

@@ -98,7 +98,8 @@ def test_enumeration_follows_the_launchers(results):
     context, soft-capped scores at head dim 256 (Gemma 2), attention sinks (gpt-oss), every model's
     head group, the MoE kernels' two row tiles, fp8 experts (decoded in software before sm_89, per
     channel and block-wise), int8, 4-bit and MXFP4 experts and biased ones with the clamped
-    SwiGLU, block-wise FP8 and int8 weights, the INT4 weight dequantized for prompt-sized M."""
+    SwiGLU, block-wise FP8 and int8 weights, the INT4 weight dequantized for prompt-sized M,
+    `deterministic`'s GEMM at both its column tiles and its norm in every rounding order."""
     by_target = {t: [cfg for cfg, r in results if r.target == t] for t in TARGETS}
 
     def values(target, kernel, name):
@@ -131,7 +132,9 @@ def test_enumeration_follows_the_launchers(results):
         assert {cfg.kernel for cfg in by_target[t]} >= {
             "_write_kv_kernel", "_paged_attention_kernel", "_split_reduce_kernel", "_w4a16_kernel",
             "_splitk_reduce_kernel", "_fp8_gemm_kernel", "_dequant_kernel", "_moe_gate_up_kernel", "_moe_down_kernel",
-            "_lora_shrink_kernel", "_lora_expand_kernel"}
+            "_lora_shrink_kernel", "_lora_expand_kernel", "_matmul_kernel", "_rms_norm_kernel", "_log_softmax_kernel"}
+        assert values(t, "_matmul_kernel", "BLOCK_N") == {32, 64}  # deterministic: by the weight's rows and the SMs
+        assert values(t, "_rms_norm_kernel", "ORDER") == {0, 1, 2}
         assert values(t, "_moe_gate_up_kernel", "BLOCK_M") == ({16, 32, 64, 128} if t == "sm_90" else {16, 64})  # timed
         assert values(t, "_lora_shrink_kernel", "BLOCK_M") == {16, 64}
         assert values(t, "_lora_shrink_kernel", "BLOCK_R") == values(t, "_lora_expand_kernel", "BLOCK_K") == {16, 32, 64}

@@ -36,6 +36,7 @@ from pagedserve.kernels.cpu.paged_attention import (
     build_plan,
     choose_chunk_keys,
     paged_attention_cpu,
+    paged_attention_cpu_batch_invariant,
     step_plan,
 )
 
@@ -227,3 +228,26 @@ def test_a_step_the_c_decode_runs_never_builds_the_split_layout():
     assert rel_err(b.run(paged_attention_cpu), b.reference()) < TOL[torch.float32]
     assert step_plan(b.block_tables, b.seq_lens, b.query_start_loc, 16) is plan  # the plan the step ran
     assert "split" not in vars(plan.decode)
+
+
+@pytest.mark.parametrize("head_dim, window, dtype", [(64, None, torch.bfloat16), (16, None, torch.float32),
+                                                     (64, 300, torch.float32), (128, None, torch.float16)], ids=str)
+@pytest.mark.parametrize("native", [True, False], ids=["c-loops", "torch-ops"])
+def test_batch_invariant_rows_are_the_same_alone_beside_others_and_chunked(head_dim, window, dtype, native):
+    """`deterministic`'s form: a 1,100-token prompt's last 600 (past the C prefill's reach at head dim
+    64, where the default sends a chunk to SDPA whose blocking follows its length) and a decode give
+    the same bits in a mixed batch, alone, and (the prompt) cut into 250 + 350 tokens; at head dim
+    16 (SDPA's), under a window, a float16 cache (the torch-op decode), and on the torch ops, each
+    within the reference's bound."""
+    q_lens, seq_lens = [1, 600, 7, 1, 40], [300, 1100, 7, 2000, 900]
+    b = Batch(q_lens, seq_lens, 8, 2, head_dim, dtype=dtype, seed=head_dim, device=CPU)
+    attend = dict(window=window, native=native)
+    whole = paged_attention_cpu_batch_invariant(*b.args(), **attend)
+    ref = paged_attention_ref(*b.ref_args(), window=window)
+    assert rel_err(whole, ref) < TOL[dtype]
+    for i in (1, 3):
+        assert torch.equal(paged_attention_cpu_batch_invariant(*b.one_sequence(i), **attend), whole[b.rows_of(i)])
+    chunks = [paged_attention_cpu_batch_invariant(*b.one_sequence(1, lo, hi), **attend) for lo, hi in ((0, 250), (250, 600))]
+    assert torch.equal(torch.cat(chunks), whole[b.rows_of(1)])
+    with pytest.raises(ValueError, match="soft-capped"):
+        paged_attention_cpu(*b.args(), softcap=30.0, batch_invariant=True)
