@@ -167,8 +167,8 @@ class BlockManager:
         """Name the seq's blocks that are now full of computed tokens by their hash (only
         of tokens whose ids are known: a pending one is named once it arrives). Blocks
         named before are not looked at again (`seq.num_named_blocks`)."""
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.num_computed_tokens // self.block_size <= seq.num_named_blocks:
+            return  # no block newly full (most steps)
         num_full = min(min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size, len(seq.block_table))
         if num_full <= seq.num_named_blocks:
             return
@@ -197,6 +197,8 @@ class BlockManager:
 
         All or nothing: returns False and changes nothing when blocks run out.
         """
+        if not cached_prefix and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+            return True  # room in its blocks already: most decode steps
         num_tokens = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
         num_needed = cdiv(num_tokens, self.block_size) - len(seq.block_table) - len(cached_prefix)
         num_revived = sum(1 for block in cached_prefix if block.ref_count == 0)

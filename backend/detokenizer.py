@@ -109,9 +109,21 @@ class IncrementalDetokenizer:
         final=True renders pending tokens too (the sequence has ended), split
         characters and all.
         """
-        if self.rendered == len(self.token_ids):
+        ids = self.token_ids
+        if self.rendered == len(ids):
             return ""
-        if self.table is not None:
+        table = self.table
+        if table is not None:
+            stepped = self.stepped
+            if stepped + 1 == len(ids) and not self.pending:  # one new token, no character pending: most steps
+                token = ids[stepped]
+                if not (self.skip_special_tokens and token in table.special) and token < len(table.pieces):
+                    try:
+                        text = table.pieces[token].decode()
+                    except UnicodeDecodeError:
+                        return self._step_bytes(final)
+                    self.stepped = self.rendered = stepped + 1
+                    return text
             return self._step_bytes(final)
         text = ""
         if self.stream is not None:

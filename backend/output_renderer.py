@@ -46,11 +46,13 @@ class OutputRenderer:
         """Account for the token just appended to the sequence; True if a stop string hit."""
         if self.deferred:
             return False
-        delta = self.detokenizer.update()
-        self.text += delta
-        self.token_ends.append(len(self.text))
-        if self.detokenizer.num_rendered_output_tokens == len(self.token_ends):
-            self.boundaries.append(len(self.token_ends))
+        detokenizer, token_ends = self.detokenizer, self.token_ends
+        delta = detokenizer.update()
+        if delta:
+            self.text += delta
+        token_ends.append(len(self.text))
+        if detokenizer.rendered - self.num_prompt_tokens == len(token_ends):  # a clean text boundary
+            self.boundaries.append(len(token_ends))
         if delta and self.stops:
             return self._find_stop(len(self.text) - len(delta))
         return False
@@ -93,27 +95,29 @@ class OutputRenderer:
             if self.sent_tokens and end_token - self.sent_tokens < self.stream_interval:
                 return None  # not the first delta, and fewer than stream_interval tokens ready
             end_char, trim = self.token_ends[end_token - 1], 0
-        seq, prompt = self.seq, self.num_prompt_tokens
-        first = prompt + self.sent_tokens
+        seq, prompt, sent_tokens, sent_chars = self.seq, self.num_prompt_tokens, self.sent_tokens, self.sent_chars
+        first = prompt + sent_tokens
         logprobs, cumulative = [], None
         if self.wants_logprobs:
-            logprobs = seq.logprobs[self.sent_tokens : end_token]
+            logprobs = seq.logprobs[sent_tokens:end_token]
             self.cumulative_logprob += sum(lp.logprob for lp in logprobs)
             cumulative = self.cumulative_logprob
+        token_ids = seq.token_ids
         output = RequestOutput(
-            request_id=seq.request_id,
-            index=seq.sample_index,
-            new_token_ids=seq.token_ids[first : prompt + end_token],
-            context_token_ids=seq.token_ids[max(0, first - CONTEXT_TOKENS) : first],
-            text=self.text[self.sent_chars : end_char] if end_char > self.sent_chars else "",
-            finished=finished,
-            finish_reason=seq.finish_reason.value if finished and seq.finish_reason else None,
-            trim_chars=trim,
-            logprobs=logprobs,
-            num_prompt_tokens=prompt,
-            num_output_tokens=end_token,
-            num_cached_tokens=seq.num_cached_tokens,
-            cumulative_logprob=cumulative,
-        )
-        self.sent_tokens, self.sent_chars = end_token, max(end_char, self.sent_chars)
+            seq.request_id,
+            token_ids[first : prompt + end_token],
+            token_ids[max(0, first - CONTEXT_TOKENS) : first],
+            self.text[sent_chars:end_char] if end_char > sent_chars else "",
+            finished,
+            seq.finish_reason.value if finished and seq.finish_reason else None,
+            trim,
+            logprobs,
+            prompt,
+            end_token,
+            seq.num_cached_tokens,
+            cumulative,
+            None,
+            seq.sample_index,
+        )  # positional, in RequestOutput's field order: this runs for every request at every step
+        self.sent_tokens, self.sent_chars = end_token, max(end_char, sent_chars)
         return output

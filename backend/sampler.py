@@ -179,8 +179,8 @@ def _masks_before_draw(params: SamplingParams) -> bool:
 
 def _has_processors(seq: Sequence) -> bool:
     p = seq.params
-    return (p.needs_penalties or bool(p.bad_words_ids) or seq.num_output_tokens < p.min_tokens
-            or _masks_before_draw(p))
+    return (p.needs_penalties or bool(p.bad_words_ids) or (p.min_tokens > 0 and seq.num_output_tokens < p.min_tokens)
+            or (p.structured_outputs is not None and _masks_before_draw(p)))
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -77,8 +77,15 @@ class SamplingParams:
     def ending_token_ids(self, eos_token_ids: list[int]) -> frozenset[int]:
         """Token ids that end this request once min_tokens exist (and are masked before).
 
-        The one statement of the rule: the sampler masks these, the scheduler finishes on them."""
-        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+        The one statement of the rule: the sampler masks these, the scheduler finishes on them.
+        Kept per `eos_token_ids` list (the scheduler asks with its own for every request at every
+        step); the parameters do not change once a request holds them."""
+        kept = self.__dict__.setdefault("_ending", {})
+        entry = kept.get(id(eos_token_ids))
+        if entry is None or entry[0] is not eos_token_ids:
+            ending = frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+            entry = kept[id(eos_token_ids)] = (eos_token_ids, ending)
+        return entry[1]
 
     @property
     def needs_host_tokens(self) -> bool:

@@ -300,9 +300,10 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens and token in params.ending_token_ids(self.eos_token_ids):
+        outputs = seq.num_output_tokens
+        if outputs >= params.min_tokens and token in params.ending_token_ids(self.eos_token_ids):
             return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens:
+        if outputs >= params.max_tokens:
             return FinishReason.LENGTH
         if self.max_model_len is not None and len(seq.token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
