@@ -152,6 +152,8 @@ class PrefillPlan:
     window: int | None = None
     """Set where the sliding window hides some of `slots` from some query (a windowed plan)."""
     masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    table: torch.Tensor | None = None
+    """The sequence's block-table row (int32), for `StepPlan.as_decodes`."""
 
     @property
     def causal(self) -> bool:
@@ -184,6 +186,8 @@ class StepPlan:
     windows: dict[int, StepPlan] = field(default_factory=dict)
     row_decodes: dict[tuple[tuple[int, ...], int | None], DecodePlan] = field(default_factory=dict)
     """`as_decodes`' plans, by (chunk starts, window)."""
+    block_size: int = 0
+    """The cache's (the block tables' unit)."""
 
     def windowed(self, window: int | None) -> StepPlan:
         """This step under a sliding window (the plan itself for None), built once per window size."""
@@ -198,19 +202,20 @@ class StepPlan:
 
     def as_decodes(self, starts: list[int], window: int | None, chunk_keys: int | None) -> DecodePlan:
         """Every query row of the prefill chunks starting at `starts` as a decode of the keys up to
-        its own (through a table of its chunk's key slots, block size 1), under `window` (this plan
-        must be the unwindowed one): `batch_invariant`'s route for prefills. Built once a step."""
+        its own (its sequence's block-table row, repeated), under `window` (this plan must be the
+        unwindowed one): `batch_invariant`'s route for prefills. Built once a step."""
         key = (tuple(starts), window)
         if key not in self.row_decodes:
-            chunks = [p for p in self.prefills if p.start in set(starts)]
-            width = max(p.slots.numel() for p in chunks)
+            wanted = set(starts)
+            chunks = [p for p in self.prefills if p.start in wanted]
             rows, tables, lens = [], [], []
             for p in chunks:
+                assert p.table is not None  # build_plan sets it
                 q_len, seq_len = p.end - p.start, p.slots.numel()
                 rows.append(torch.arange(p.start, p.end))
-                tables.append(F.pad(p.slots, (0, width - seq_len)).to(torch.int32).expand(q_len, width))
+                tables.append(p.table.expand(q_len, -1))
                 lens.append(torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32))
-            plan = DecodePlan(torch.cat(rows), torch.cat(tables).contiguous(), torch.cat(lens), 1, chunk_keys)
+            plan = DecodePlan(torch.cat(rows), torch.cat(tables).contiguous(), torch.cat(lens), self.block_size, chunk_keys)
             self.row_decodes[key] = plan if window is None else plan.windowed(window)
         return self.row_decodes[key]
 
@@ -423,8 +428,9 @@ def build_plan(
     for i in np.flatnonzero(~is_decode).tolist():
         positions = np.arange(int(lens[i]))
         slots = tables[i, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        prefills.append(PrefillPlan(int(starts[i]), int(starts[i + 1]), torch.from_numpy(slots)))
-    return StepPlan(decode, prefills)
+        prefills.append(PrefillPlan(int(starts[i]), int(starts[i + 1]), torch.from_numpy(slots),
+                                    table=torch.from_numpy(tables[i].astype(np.int32))[None]))
+    return StepPlan(decode, prefills, block_size=block_size)
 
 
 def choose_chunk_keys(lens: torch.Tensor, requested: int | None = None) -> int:
