@@ -81,10 +81,11 @@ class SamplingParams:
         Kept per `eos_token_ids` list (the scheduler asks with its own for every request at every
         step); the parameters do not change once a request holds them."""
         kept = self.__dict__.setdefault("_ending", {})
-        entry = kept.get(id(eos_token_ids))
+        key = (id(eos_token_ids), tuple(self.stop_token_ids), self.ignore_eos)  # a caller may change its params
+        entry = kept.get(key)
         if entry is None or entry[0] is not eos_token_ids:
             ending = frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
-            entry = kept[id(eos_token_ids)] = (eos_token_ids, ending)
+            entry = kept[key] = (eos_token_ids, ending)
         return entry[1]
 
     @property

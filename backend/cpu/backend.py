@@ -48,6 +48,9 @@ class CpuBackend:
         layouts measured (the batch-invariant ones with `deterministic`, the default ones with
         several ranks, whose shards all keep the same), and its layers as one C call."""
         config = self.config
+        if config.deterministic and model_config.num_experts:
+            raise ConfigError("deterministic", "has no batch-invariant CPU form for mixture-of-experts models (each "
+                                               "expert multiplies the batch's rows for it); set deterministic=false")
         if config.deterministic and (model_config.attn_logit_softcapping or model_config.attention_sinks):
             raise ConfigError("deterministic", "has no batch-invariant CPU attention for soft-capped scores or "
                                                "attention sinks (Gemma 2, gpt-oss); set deterministic=false")

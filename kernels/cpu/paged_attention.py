@@ -174,7 +174,7 @@ class PrefillPlan:
         if seq_len <= window:
             return self
         first = max(0, seq_len - q_len - window + 1)
-        return PrefillPlan(self.start, self.end, self.slots[first:], window)
+        return PrefillPlan(self.start, self.end, self.slots[first:], window, table=self.table)
 
 
 @dataclass
@@ -197,7 +197,7 @@ class StepPlan:
             raise ValueError(f"window={window}: a sliding window holds at least one key")
         if window not in self.windows:
             decode = None if self.decode is None else self.decode.windowed(window)
-            self.windows[window] = StepPlan(decode, [p.windowed(window) for p in self.prefills])
+            self.windows[window] = StepPlan(decode, [p.windowed(window) for p in self.prefills], block_size=self.block_size)
         return self.windows[window]
 
     def as_decodes(self, starts: list[int], window: int | None, chunk_keys: int | None) -> DecodePlan:
