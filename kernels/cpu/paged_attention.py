@@ -184,8 +184,8 @@ class StepPlan:
     chunks: tuple[int, PrefillChunks | None, list[PrefillPlan]] | None = None
     """(head dim, the C prefill's chunks, the rest) once `native_prefills` built them."""
     windows: dict[int, StepPlan] = field(default_factory=dict)
-    row_decodes: dict[tuple[tuple[int, ...], int | None], DecodePlan] = field(default_factory=dict)
-    """`as_decodes`' plans, by (chunk starts, window)."""
+    row_decodes: dict[int | None, DecodePlan] = field(default_factory=dict)
+    """`as_decodes`' plans, by window."""
     block_size: int = 0
     """The cache's (the block tables' unit)."""
 
@@ -200,24 +200,21 @@ class StepPlan:
             self.windows[window] = StepPlan(decode, [p.windowed(window) for p in self.prefills], block_size=self.block_size)
         return self.windows[window]
 
-    def as_decodes(self, starts: list[int], window: int | None, chunk_keys: int | None) -> DecodePlan:
-        """Every query row of the prefill chunks starting at `starts` as a decode of the keys up to
-        its own (its sequence's block-table row, repeated), under `window` (this plan must be the
-        unwindowed one): `batch_invariant`'s route for prefills. Built once a step."""
-        key = (tuple(starts), window)
-        if key not in self.row_decodes:
-            wanted = set(starts)
-            chunks = [p for p in self.prefills if p.start in wanted]
+    def as_decodes(self, window: int | None, chunk_keys: int | None) -> DecodePlan:
+        """Every query row of the step's prefill chunks as a decode of the keys up to its own (its
+        sequence's block-table row, repeated), under `window` (this plan must be the unwindowed
+        one): `batch_invariant`'s route for prefills. Built once a step."""
+        if window not in self.row_decodes:
             rows, tables, lens = [], [], []
-            for p in chunks:
+            for p in self.prefills:
                 assert p.table is not None  # build_plan sets it
                 q_len, seq_len = p.end - p.start, p.slots.numel()
                 rows.append(torch.arange(p.start, p.end))
                 tables.append(p.table.expand(q_len, -1))
                 lens.append(torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32))
             plan = DecodePlan(torch.cat(rows), torch.cat(tables).contiguous(), torch.cat(lens), self.block_size, chunk_keys)
-            self.row_decodes[key] = plan if window is None else plan.windowed(window)
-        return self.row_decodes[key]
+            self.row_decodes[window] = plan if window is None else plan.windowed(window)
+        return self.row_decodes[window]
 
     def native_prefills(self, head_dim: int) -> tuple[PrefillChunks | None, list[PrefillPlan]]:
         """The prefills the C loop takes, in its layout (built once a step, on first use), and
@@ -285,7 +282,7 @@ def paged_attention_cpu(
         native and _native_decode(query, key_cache, value_cache, out, plan.decode, scale))
     prefills, row_decodes = plan.prefills, None
     if prefills and batch_invariant:
-        row_decodes = unwindowed.as_decodes([p.start for p in prefills], window, chunk_keys)
+        row_decodes = unwindowed.as_decodes(window, chunk_keys)
         prefills = []
         if native and _native_decode(query, key_cache, value_cache, out, row_decodes, scale):
             row_decodes = None
