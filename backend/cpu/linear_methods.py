@@ -15,9 +15,10 @@ The forms, in the order `method_for` tries them:
 - `Blocks`: a float32 weight that is exactly a GGUF Q4_1 or Q8_0 one (the bundled model's
   layers, its embedding) is multiplied through those blocks at every step
   (kernels/cpu/block_matmul.py), the same values in a sixth or a third of the bytes.
-- `Pairs`: where the CPU has AVX512-BF16 but no AMX, a bf16 weight is packed in pairs of
-  inputs for the C kernel of kernels/cpu/bf16_matmul.py, which beats oneDNN at the 6-128
-  rows of decode steps, with no kernel per shape and so no buckets. With `batch_invariant`
+- `Pairs`: where the CPU has AVX512-BF16 (and, if it has AMX, the kernel its tiles), a bf16
+  weight is packed in pairs of inputs for the C kernel of kernels/cpu/bf16_matmul.py, which
+  beats oneDNN at the 1-128 rows of decode steps (with AMX level from 64 rows), with no kernel
+  per shape and so no buckets. With `batch_invariant`
   on every CPU the kernel builds for: it sums a row in one order at any row count, where
   oneDNN's bf16 kernels do not (with AMX the first row of a 4096 x 4096 layer differs between
   a step of 32 rows, 64 and 1,024; tests/cpu/test_linear_methods.py).
@@ -71,9 +72,11 @@ AVX512-BF16 doubles float32's rate (2-core Zen 4, every decoder linear: the bloc
 1 and 8 rows, oneDNN's bf16 ahead at 32; benchmarks/RESULTS.md, "Zen 4: CPU kernels")."""
 
 FEW_ROWS_BESIDE_PAIRS = 4
-"""FEW_ROWS where the layer has `Pairs` (the C AVX512-BF16 kernel, from 5 rows faster than the
-blocks: every decoder linear on a 2-core Zen 4, the blocks ahead at 4 rows, the pairs at 6
-and 8; benchmarks/RESULTS.md, "Zen 4: CPU kernels")."""
+"""FEW_ROWS where the layer has `Pairs` and the C kernel runs VDPBF16PS (from 5 rows faster than
+the blocks: every decoder linear on a 2-core Zen 4, the blocks ahead at 4 rows, the pairs at 6
+and 8; benchmarks/RESULTS.md, "Zen 4: CPU kernels"). With AMX tiles the pairs are ahead from
+one row (a single stream's decode, bf16: 67.9-69.9 tok/s with the blocks, 72.6-75.3 without,
+Xeon with AMX), so no blocks are kept beside them."""
 
 PACK_ROWS_HINT = 64
 """The row count oneDNN picks the packed layout for: measured best over 1-256 rows."""
@@ -137,7 +140,7 @@ class Blocks:
 
 @dataclass(frozen=True)
 class Pairs:
-    """A bf16 weight packed for the C AVX512-BF16 kernel; the layer keeps no oneDNN copy."""
+    """A bf16 weight packed for the C kernel (AMX tiles or AVX512-BF16); the layer keeps no oneDNN copy."""
 
     pairs: PairWeight
     reads_plain_weight = False
@@ -262,7 +265,7 @@ def pack(layer: Linear, float32_layout: str = "transposed", batch_invariant: boo
     if method is None:
         return False
     kept = layer.method
-    if isinstance(kept, FewRowBlocks):
+    if isinstance(kept, FewRowBlocks) and not (isinstance(method, Pairs) and bf16_matmul_cpu.instructions() == "AMX tiles"):
         rows = FEW_ROWS_BESIDE_PAIRS if isinstance(method, Pairs) else FEW_ROWS
         method = FewRowBlocks(kept.blocks, method, rows)
     layer.method = method

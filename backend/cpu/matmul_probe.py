@@ -88,7 +88,7 @@ class MatmulTimes:
 
     def summary(self) -> str:
         blocks = "" if self.float32_blocks is None else f" / {self.float32_blocks * 1e3:.2f} ms GGUF blocks (C)"
-        bf16 = "C, AVX512-BF16" if bf16_matmul_cpu.native() else "oneDNN"
+        bf16 = f"C, {bf16_matmul_cpu.instructions()}" if bf16_matmul_cpu.native() else "oneDNN"
         return (f"[{self.in_features} -> {self.out_features}] matmul at {' and '.join(map(str, PROBE_ROWS))} rows: "
                 f"bfloat16 {self.bfloat16 * 1e3:.2f} ms ({bf16}), "
                 f"float32 {self.float32_transposed * 1e3:.2f} ms transposed "

@@ -27,11 +27,20 @@
  * Zen 4; benchmarks/RESULTS.md, "Zen 4: CPU kernels" and "Figures behind design choices in the
  * code").
  *
+ * With AMX (a Xeon from Sapphire Rapids on) the same layout is what a tile multiply reads for its
+ * second operand: a group's 16 pairs of inputs are 16 rows of 64 bytes, one B tile. So where the
+ * build has AMX and the process may use its tiles (bf16_matmul_amx()), TDPBF16PS does the work,
+ * 32 rows x 2 groups at a time: beside oneDNN's AMX kernel it saves the per-call overhead at decode
+ * sizes and needs no second copy of the weight, and the C decoder stack (decoder_stack.c) runs
+ * on it (benchmarks/RESULTS.md, "Xeon (AMX): CPU kernels").
+ *
  * Without AVX512-BF16 a plain loop over the same layout computes the same sums (in another
  * order): tests check the layout and the leftovers with it on any CPU; engines use this kernel
- * only where bf16_matmul_native() and the CPU has no AMX (kernels/cpu/bf16_matmul.py's native()).
+ * only where bf16_matmul_native() (kernels/cpu/bf16_matmul.py's native()). Every path sums a row
+ * in one order whatever the row count (`deterministic` relies on it).
  * Built at first use by kernels/cpu/native_build.py (-O3 -march=native -fopenmp).
  */
+#define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
 
 #include "cpu_dtypes.h"
@@ -111,6 +120,128 @@ static inline void tile(const uint16_t* x, int64_t in, const uint32_t* w, int64_
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 32      /* rows a block covers: two A tiles of 16 */
+#define AMX_CHUNK 256    /* rows per pass over the weights: each core reads a panel once per pass */
+#define STREAM_BYTES (1 << 20) /* outputs larger than this bypass the cache (an LM head's logits) */
+
+static int amx_state; /* 0: not asked, 1: the kernel may use tiles, -1: it may not */
+
+/* Linux hands a process AMX's 8 KB tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM
+ * for XFEATURE_XTILEDATA); asked once, for every thread of the process. 1 where granted. */
+int bf16_matmul_amx(void) {
+    if (!amx_state) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0 ? 1 : -1;
+    return amx_state > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Tiles 0, 1: rows 0-15 and 16-31 of x (A); 2, 3: two groups' weights (B); 4-7: the four sums
+ * (C) of A i x B j at 4 + 2 i + j. A and C tiles hold `m` rows in all (the last block's fewer
+ * rows: a tile of more would read past x). */
+static void configure_tiles(int m) {
+    TileConfig c __attribute__((aligned(64)));
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int m0 = m > 16 ? 16 : m, m1 = m - m0;
+    c.rows[2] = c.rows[3] = 16;
+    c.rows[0] = c.rows[4] = c.rows[5] = m0;
+    c.rows[1] = c.rows[6] = c.rows[7] = m1;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = c.rows[t] ? 64 : 0;
+    __asm__ volatile("ldtilecfg %0" : : "m"(c)); /* not _tile_loadconfig: gcc 12 dropped stores to c before it */
+}
+
+/* m (<= 32) rows of x times one or two groups of w: TWO_A whether m > 16, TWO_B two groups. */
+static inline __attribute__((always_inline)) void amx_block(const uint16_t* x, int64_t in, int m, const uint32_t* w,
+                                                            int64_t gstride, const float* bias, uint16_t* y,
+                                                            int64_t out, int stream, const int TWO_A,
+                                                            const int TWO_B) {
+    _tile_zero(4);
+    if (TWO_B) _tile_zero(5);
+    if (TWO_A) _tile_zero(6);
+    if (TWO_A && TWO_B) _tile_zero(7);
+    for (int64_t k = 0; k < in / 32; ++k) { /* 16 pairs of inputs a step */
+        _tile_loadd(2, w + k * 16 * GROUP, 64);
+        _tile_loadd(0, x + k * 32, in * 2);
+        _tile_dpbf16ps(4, 0, 2);
+        if (TWO_B) {
+            _tile_loadd(3, w + gstride + k * 16 * GROUP, 64);
+            _tile_dpbf16ps(5, 0, 3);
+        }
+        if (TWO_A) {
+            _tile_loadd(1, x + 16 * in + k * 32, in * 2);
+            _tile_dpbf16ps(6, 1, 2);
+            if (TWO_B) _tile_dpbf16ps(7, 1, 3);
+        }
+    }
+    float c[AMX_ROWS][2 * GROUP] __attribute__((aligned(64)));
+    _tile_stored(4, &c[0][0], sizeof c[0]);
+    if (TWO_B) _tile_stored(5, &c[0][GROUP], sizeof c[0]);
+    if (TWO_A) _tile_stored(6, &c[16][0], sizeof c[0]);
+    if (TWO_A && TWO_B) _tile_stored(7, &c[16][GROUP], sizeof c[0]);
+    for (int r = 0; r < m; ++r)
+        for (int v = 0; v < (TWO_B ? 2 : 1); ++v) {
+            __m512 s = _mm512_load_ps(&c[r][GROUP * v]);
+            if (bias) s = _mm512_add_ps(s, _mm512_loadu_ps(bias + GROUP * v));
+            const __m256i h = (__m256i)_mm512_cvtneps_pbh(s);
+            __m256i* to = (__m256i*)(y + r * out + GROUP * v);
+            if (stream)
+                _mm256_stream_si256(to, h);
+            else
+                _mm256_storeu_si256(to, h);
+        }
+}
+
+/* bf16_matmul with tiles: `in` a multiple of 32. Threads take (pass, pair of groups) items from a
+ * shared counter, pass-major, and run the pass's rows over their pair 32 at a time, so at decode
+ * sizes each core streams its own part of the weight once. */
+static void amx_matmul(const uint16_t* x, const uint32_t* w, const float* bias, uint16_t* y, int rows, int64_t in,
+                       int64_t groups, int num_threads) {
+    const int64_t out = groups * GROUP, gstride = in / 2 * GROUP;
+    const int64_t panels = (groups + 1) / 2, items = (rows + AMX_CHUNK - 1) / AMX_CHUNK * panels;
+    const int stream = (int64_t)rows * out * 2 > STREAM_BYTES && ((uintptr_t)y & 31) == 0;
+    int64_t counter = 0;
+#pragma omp parallel num_threads(num_threads) if (out * in >= 65536)
+    {
+        int configured = 0; /* the row count the tiles are set up for */
+        for (int64_t item = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED); item < items;
+             item = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED)) {
+            const int64_t r0 = item / panels * AMX_CHUNK, g0 = item % panels * 2;
+            const int pass_rows = rows - r0 < AMX_CHUNK ? (int)(rows - r0) : AMX_CHUNK;
+            const int two = groups - g0 >= 2;
+            const uint32_t* ws = w + g0 * gstride;
+            const float* bs = bias ? bias + g0 * GROUP : 0;
+            for (int r = 0; r < pass_rows; r += AMX_ROWS) {
+                const int m = pass_rows - r < AMX_ROWS ? pass_rows - r : AMX_ROWS;
+                if (m != configured) configure_tiles(configured = m);
+                const uint16_t* xs = x + (r0 + r) * in;
+                uint16_t* ys = y + (r0 + r) * out + g0 * GROUP;
+                if (m > 16 && two)
+                    amx_block(xs, in, m, ws, gstride, bs, ys, out, stream, 1, 1);
+                else if (m > 16)
+                    amx_block(xs, in, m, ws, gstride, bs, ys, out, stream, 1, 0);
+                else if (two)
+                    amx_block(xs, in, m, ws, gstride, bs, ys, out, stream, 0, 1);
+                else
+                    amx_block(xs, in, m, ws, gstride, bs, ys, out, stream, 0, 0);
+            }
+        }
+        if (configured) _tile_release();
+        if (stream) _mm_sfence();
+    }
+}
+#else
+int bf16_matmul_amx(void) { return 0; }
+#endif
+
 /* Every row of x times one panel of NV groups (a constant), pulling `next` into L2 meanwhile. */
 static inline __attribute__((always_inline)) void panel_rows(const uint16_t* x, int64_t in, int rows,
                                                              const uint32_t* w, int64_t gstride, const float* bias,
@@ -138,6 +269,12 @@ static inline __attribute__((always_inline)) void panel_rows(const uint16_t* x, 
  * [groups * GROUP] or NULL; `in` even. */
 void bf16_matmul(const uint16_t* x, const uint32_t* w, const float* bias, uint16_t* y, int rows, int64_t in,
                  int64_t groups, int num_threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (amx_state > 0 && in % 32 == 0) { /* every call alike, so a row's sums never change order */
+        amx_matmul(x, w, bias, y, rows, in, groups, num_threads);
+        return;
+    }
+#endif
     const int64_t out = groups * GROUP, gstride = in / 2 * GROUP;
     const int64_t panels = (groups + PANEL - 1) / PANEL;
     const int64_t items = (rows + MC - 1) / MC * panels; /* (pass, panel) pairs, pass-major */

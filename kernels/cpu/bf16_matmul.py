@@ -1,11 +1,14 @@
-"""bf16 matmuls for CPUs with AVX512-BF16, in C (kernels/cpu/bf16_matmul.c), over a weight
-packed once at load as pairs of inputs (`PairWeight`).
+"""bf16 matmuls for CPUs with AVX512-BF16 or AMX, in C (kernels/cpu/bf16_matmul.c), over a
+weight packed once at load as pairs of inputs (`PairWeight`).
 
 Where the CPU has AVX512-BF16 but no AMX, oneDNN's bf16 kernel leaves much of the
 arithmetic unused at the row counts of decode steps (8-128 rows) and splits each matmul
 between threads up front; this one comes near the VDPBF16PS peak from 32 rows and hands work
 out a panel at a time (the .c file says how; benchmarks/RESULTS.md, "Zen 4: CPU kernels" and
-"Figures behind design choices in the code", has the times).
+"Figures behind design choices in the code", has the times). With AMX the pairs are AMX's own
+operand layout and the kernel multiplies with tiles: level with oneDNN's AMX kernel or ahead at
+decode sizes, and it lets the one-call C decoder stack run (benchmarks/RESULTS.md, "Xeon (AMX):
+CPU kernels").
 backend/cpu/linear_methods.py packs every bf16 layer this way where `native()` says the CPU has
 the instruction, and keeps no oneDNN copy then. Sums are float32, rounded to bf16 once, as
 oneDNN's; only their order differs. Built at first use (kernels/cpu/native_build.py);
@@ -30,6 +33,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.bf16_matmul.argtypes = [p, p, p, p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     library.bf16_matmul.restype = None
     library.bf16_matmul_native.restype = ctypes.c_int
+    library.bf16_matmul_amx.restype = ctypes.c_int
+    library.bf16_matmul_amx()  # asks Linux for the tile state once (where built with AMX): the kernel uses tiles from here on
 
 
 LIBRARY = NativeLibrary(Path(__file__).with_name("bf16_matmul.c"), "CPU bf16 matmul", "oneDNN's bf16 matmul",
@@ -40,11 +45,27 @@ GROUP = 16
 
 
 def native() -> bool:
-    """Whether engines should use the kernel here: the CPU runs its AVX512-BF16 code and has no
-    AMX, whose tiles oneDNN uses for bf16 at several times VDPBF16PS's rate. Elsewhere its
-    plain loop serves the tests."""
+    """Whether engines should use the kernel here: the CPU runs its AVX512-BF16 code and, where it
+    has AMX, the library multiplies with tiles too (else oneDNN's AMX kernel, at several times
+    VDPBF16PS's rate, stays). Elsewhere its plain loop serves the tests."""
     library = LIBRARY.get()
-    return library is not None and bool(library.bf16_matmul_native()) and not has_amx()
+    return library is not None and bool(library.bf16_matmul_native()) and (not has_amx() or uses_tiles(library))
+
+
+def instructions() -> str:
+    """What the kernel multiplies with here ("AMX tiles", "AVX512-BF16", "plain loop"), for reports."""
+    library = LIBRARY.get()
+    if library is None:
+        return "not built"
+    if uses_tiles(library):
+        return "AMX tiles"
+    return "AVX512-BF16" if library.bf16_matmul_native() else "plain loop"
+
+
+def uses_tiles(library: ctypes.CDLL) -> bool:
+    """Whether the library multiplies with AMX tiles: built with AMX, and the process granted
+    the tile state."""
+    return bool(library.bf16_matmul_amx())
 
 
 @functools.cache
@@ -108,4 +129,4 @@ def pair_matmul(x: torch.Tensor, weight: PairWeight) -> torch.Tensor | None:
     return out if groups * GROUP == weight.out_features else out[:, :weight.out_features].contiguous()
 
 
-__all__ = ["GROUP", "LIBRARY", "PairWeight", "native", "pack_pairs", "pair_matmul"]
+__all__ = ["GROUP", "LIBRARY", "PairWeight", "instructions", "native", "pack_pairs", "pair_matmul", "uses_tiles"]

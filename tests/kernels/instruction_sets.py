@@ -4,10 +4,11 @@ on a CPU without it, kernels/cpu/cpu_simde.h), every kernel library rebuilt for 
 record of the variants the session ran and could not, which tests/conftest.py prints at the end
 of the run (`make test`'s "C kernel instruction sets" line). A plain module (not collected).
 
-The kernels have four forms, chosen at compile time by the -march they are built for: AVX-512
-with AVX512-BF16 (bf16 products in pairs: the matmul, prefill and decode attention), AVX-512
-without it, AVX2 and FMA, and plain C (no vector code: several kernels then decline and torch
-runs). "native" is the CPU's own code (-march=native), whichever of them that is.
+The kernels have five forms, chosen at compile time by the -march they are built for: AMX (the
+bf16 matmul's tiles; otherwise the next form's code), AVX-512 with AVX512-BF16 (bf16 products in
+pairs: the matmul, prefill and decode attention), AVX-512 without it, AVX2 and FMA, and plain C
+(no vector code: several kernels then decline and torch runs). "native" is the CPU's own code
+(-march=native), whichever of them that is. SIMDe cannot stand in for AMX.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Variant:
 
 
 VARIANTS = (
+    Variant("amx", "sapphirerapids", frozenset(AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile"})),
     Variant("avx512bf16", "cooperlake", frozenset(AVX512 | {"avx512_bf16"}), "simde-avx512bf16"),
     Variant("avx512", "skylake-avx512", frozenset(AVX512), "simde-avx512"),
     Variant("avx2", "haswell", frozenset({"avx2", "fma"})),

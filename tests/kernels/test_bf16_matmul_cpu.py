@@ -59,18 +59,45 @@ def test_products_within_one_bf16_rounding(rows, out_features, bias):
 
 
 @built
-@pytest.mark.parametrize("variant", ["x86-64", "native", "avx512bf16"])
+@pytest.mark.parametrize("variant", ["x86-64", "native", "avx512bf16", "amx"])
 def test_every_instruction_set_the_cpu_runs_computes_the_same_products(variant, monkeypatch):
-    """The plain loop (x86-64), the CPU's own code, and the AVX512-BF16 tiles (natively, or
-    emulated by SIMDe where the CPU lacks them: tests/kernels/instruction_sets.py)."""
+    """The plain loop (x86-64), the CPU's own code, the AVX512-BF16 tiles (natively, or emulated
+    by SIMDe where the CPU lacks them: tests/kernels/instruction_sets.py) and AMX's (natively
+    only). 320 inputs go to AMX's tiles where built, 336 (not a whole tile's 32) never do."""
     library = bf16_matmul_cpu.LIBRARY.load(march="native" if variant == "native" else march_for(variant))
     monkeypatch.setattr(bf16_matmul_cpu.LIBRARY, "get", lambda: library)
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    assert library.bf16_matmul_native() == (variant == "avx512bf16" or (variant == "native" and "avx512_bf16" in flags))
+    assert library.bf16_matmul_native() == (variant in ("avx512bf16", "amx") or (variant == "native" and "avx512_bf16" in flags))
+    assert bf16_matmul_cpu.uses_tiles(library) == (variant == "amx" or (variant == "native" and "amx_bf16" in flags))
     g = torch.Generator().manual_seed(5)
-    for rows in (1, 5, 14, 70):
-        x, weight = torch.randn(rows, 320, generator=g).bfloat16(), torch.randn(40, 320, generator=g).bfloat16()
-        assert_matches(x, weight, torch.randn(40, generator=g))
+    for rows in (1, 5, 14, 16, 17, 33, 70):
+        for inputs in (320, 336):
+            x, weight = torch.randn(rows, inputs, generator=g).bfloat16(), torch.randn(40, inputs, generator=g).bfloat16()
+            assert_matches(x, weight, torch.randn(40, generator=g))
+
+
+@built
+def test_a_row_sums_in_one_order_at_every_row_count():
+    """`deterministic` packs bf16 layers in pairs because a row's product is the same bits
+    alone or among any number of rows (oneDNN's is not): on AMX's tiles, at their edges (16 and
+    32 rows a block, 256 a pass) and past them, and on the VDPBF16PS path (336 inputs)."""
+    g = torch.Generator().manual_seed(11)
+    for inputs in (576, 336):
+        weight = pack_pairs(torch.randn(1000, inputs, generator=g).bfloat16())
+        x = torch.randn(300, inputs, generator=g).bfloat16()
+        alone = pair_matmul(x[:1].contiguous(), weight)
+        for rows in (2, 15, 16, 17, 32, 33, 257, 300):
+            assert torch.equal(pair_matmul(x[:rows].contiguous(), weight)[:1], alone), (inputs, rows)
+
+
+@built
+def test_a_large_output_streams_past_the_cache_with_the_same_result():
+    """Outputs over a megabyte (an LM head's logits at many rows) are stored around the cache on
+    AMX's path: the same bits as stored through it (the first 40 rows' outputs are under it)."""
+    g = torch.Generator().manual_seed(12)
+    weight = pack_pairs(torch.randn(8192, 128, generator=g).bfloat16())
+    x = torch.randn(80, 128, generator=g).bfloat16()
+    assert torch.equal(pair_matmul(x, weight)[:40], pair_matmul(x[:40].contiguous(), weight))
 
 
 @built
