@@ -34,10 +34,11 @@
  * sizes and needs no second copy of the weight, and the C decoder stack (decoder_stack.c) runs
  * on it (benchmarks/RESULTS.md, "Xeon (AMX): CPU kernels").
  *
- * Without AVX512-BF16 a plain loop over the same layout computes the same sums (in another
- * order): tests check the layout and the leftovers with it on any CPU; engines use this kernel
- * only where bf16_matmul_native() (kernels/cpu/bf16_matmul.py's native()). Every path sums a row
- * in one order whatever the row count (`deterministic` relies on it).
+ * Without AVX512-BF16 the weights are widened to float32 and multiplied by FMAs (AVX-512 or
+ * AVX2), and without those a plain loop computes the same sums: engines use the kernel there only
+ * under `deterministic`, elsewhere only where bf16_matmul_native() (kernels/cpu/bf16_matmul.py's
+ * native()); tests check the layout and the leftovers with each. Every path sums a row in one
+ * order whatever the row count (`deterministic` relies on it).
  * Built at first use by kernels/cpu/native_build.py (-O3 -march=native -fopenmp).
  */
 #define _GNU_SOURCE /* syscall() */
@@ -73,6 +74,7 @@ static inline Ahead ahead_share(Ahead next, int64_t gstride, int i, int tiles) {
 #include <immintrin.h>
 
 int bf16_matmul_native(void) { return 1; }
+int bf16_matmul_widened(void) { return 0; }
 
 /* ROWS rows of x (row stride `in`) times NV groups of w (group stride gstride pairs x GROUP),
  * rounded to bf16 into y (row stride `out`). ROWS and NV constants at each call. */
@@ -101,8 +103,100 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
             _mm256_storeu_si256((__m256i*)(y + r * out + GROUP * v), (__m256i)_mm512_cvtneps_pbh(s));
         }
 }
+#elif defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+
+int bf16_matmul_native(void) { return 0; }
+int bf16_matmul_widened(void) { return 1; }
+
+/* Without AVX512-BF16, for `deterministic` (backend/cpu/linear_methods.py packs bf16 layers in
+ * pairs there whatever the CPU, for a row's one order of sums): each pair's weights widened to
+ * float32 (the low halves shifted up, the high halves masked) and multiplied by FMAs, input by
+ * input, so a row's sums run in input order at any row count. VEC outputs a vector; a group is
+ * 16 / VEC vectors; RB rows a block keep the accumulators in registers. */
+#if defined(__AVX512F__)
+#define VEC 16
+#define RB 8
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vbroadcast(uint32_t bits) { return _mm512_castsi512_ps(_mm512_set1_epi32((int)bits)); }
+static inline void vpair(const uint32_t* w, vec* low, vec* high) {
+    const __m512i v = _mm512_loadu_si512(w);
+    *low = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *high = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline void vstore(uint16_t* y, vec s, const float* bias) {
+    float f[VEC];
+    _mm512_storeu_ps(f, bias ? _mm512_add_ps(s, _mm512_loadu_ps(bias)) : s);
+    for (int i = 0; i < VEC; ++i) y[i] = f32_to_bf16(f[i]);
+}
+#else
+#define VEC 8
+#define RB 4
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vbroadcast(uint32_t bits) { return _mm256_castsi256_ps(_mm256_set1_epi32((int)bits)); }
+static inline void vpair(const uint32_t* w, vec* low, vec* high) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)w);
+    *low = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *high = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline void vstore(uint16_t* y, vec s, const float* bias) {
+    float f[VEC];
+    _mm256_storeu_ps(f, bias ? _mm256_add_ps(s, _mm256_loadu_ps(bias)) : s);
+    for (int i = 0; i < VEC; ++i) y[i] = f32_to_bf16(f[i]);
+}
+#endif
+#define PARTS (GROUP / VEC) /* vectors a group's outputs fill */
+
+/* Up to RB rows (R, a constant) of x times one group of w. */
+static inline __attribute__((always_inline)) void widened_block(const uint16_t* x, int64_t in, const uint32_t* w,
+                                                                const float* bias, uint16_t* y, int64_t out,
+                                                                const int R) {
+    vec acc[RB][PARTS];
+    for (int r = 0; r < R; ++r)
+        for (int h = 0; h < PARTS; ++h) acc[r][h] = vzero();
+    const uint32_t* xp = (const uint32_t*)x;
+    const int64_t pairs = in / 2;
+    for (int64_t k = 0; k < pairs; ++k) {
+        vec low[PARTS], high[PARTS];
+        for (int h = 0; h < PARTS; ++h) vpair(w + k * GROUP + h * VEC, &low[h], &high[h]);
+        for (int r = 0; r < R; ++r) {
+            const uint32_t both = xp[r * pairs + k];
+            const vec even = vbroadcast(both << 16), odd = vbroadcast(both & 0xffff0000u);
+            for (int h = 0; h < PARTS; ++h) acc[r][h] = vfma(odd, high[h], vfma(even, low[h], acc[r][h]));
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int h = 0; h < PARTS; ++h) vstore(y + r * out + h * VEC, acc[r][h], bias ? bias + h * VEC : 0);
+}
+
+static inline void tile(const uint16_t* x, int64_t in, const uint32_t* w, int64_t gstride, const float* bias,
+                        uint16_t* y, int64_t out, const int ROWS, const int NV, Ahead ahead) {
+    (void)ahead;
+    for (int v = 0; v < NV; ++v)
+        for (int r = 0; r < ROWS; r += RB) {
+            const uint16_t* xs = x + r * in;
+            const uint32_t* ws = w + v * gstride;
+            const float* bs = bias ? bias + GROUP * v : 0;
+            uint16_t* ys = y + r * out + GROUP * v;
+            switch (ROWS - r < RB ? ROWS - r : RB) {
+                case 8: widened_block(xs, in, ws, bs, ys, out, 8); break;
+                case 7: widened_block(xs, in, ws, bs, ys, out, 7); break;
+                case 6: widened_block(xs, in, ws, bs, ys, out, 6); break;
+                case 5: widened_block(xs, in, ws, bs, ys, out, 5); break;
+                case 4: widened_block(xs, in, ws, bs, ys, out, 4); break;
+                case 3: widened_block(xs, in, ws, bs, ys, out, 3); break;
+                case 2: widened_block(xs, in, ws, bs, ys, out, 2); break;
+                default: widened_block(xs, in, ws, bs, ys, out, 1); break;
+            }
+        }
+}
 #else
 int bf16_matmul_native(void) { return 0; }
+int bf16_matmul_widened(void) { return 0; }
 
 static inline void tile(const uint16_t* x, int64_t in, const uint32_t* w, int64_t gstride, const float* bias,
                         uint16_t* y, int64_t out, const int ROWS, const int NV, Ahead ahead) {

@@ -33,6 +33,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.bf16_matmul.argtypes = [p, p, p, p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     library.bf16_matmul.restype = None
     library.bf16_matmul_native.restype = ctypes.c_int
+    library.bf16_matmul_widened.restype = ctypes.c_int
     library.bf16_matmul_amx.restype = ctypes.c_int
     library.bf16_matmul_amx()  # asks Linux for the tile state once (where built with AMX): the kernel uses tiles from here on
 
@@ -47,19 +48,23 @@ GROUP = 16
 def native() -> bool:
     """Whether engines should use the kernel here: the CPU runs its AVX512-BF16 code and, where it
     has AMX, the library multiplies with tiles too (else oneDNN's AMX kernel, at several times
-    VDPBF16PS's rate, stays). Elsewhere its plain loop serves the tests."""
+    VDPBF16PS's rate, stays). Elsewhere it widens the weights to float32 (or, without AVX2,
+    runs a plain loop): `deterministic`'s and the tests' only."""
     library = LIBRARY.get()
     return library is not None and bool(library.bf16_matmul_native()) and (not has_amx() or uses_tiles(library))
 
 
 def instructions() -> str:
-    """What the kernel multiplies with here ("AMX tiles", "AVX512-BF16", "plain loop"), for reports."""
+    """What the kernel multiplies with here, for reports: "AMX tiles", "AVX512-BF16", "float32
+    FMAs" (weights widened: `deterministic` only), "plain loop"."""
     library = LIBRARY.get()
     if library is None:
         return "not built"
     if uses_tiles(library):
         return "AMX tiles"
-    return "AVX512-BF16" if library.bf16_matmul_native() else "plain loop"
+    if library.bf16_matmul_native():
+        return "AVX512-BF16"
+    return "float32 FMAs" if library.bf16_matmul_widened() else "plain loop"
 
 
 def uses_tiles(library: ctypes.CDLL) -> bool:

@@ -59,16 +59,19 @@ def test_products_within_one_bf16_rounding(rows, out_features, bias):
 
 
 @built
-@pytest.mark.parametrize("variant", ["x86-64", "native", "avx512bf16", "amx"])
+@pytest.mark.parametrize("variant", ["x86-64", "avx2", "avx512", "native", "avx512bf16", "amx"])
 def test_every_instruction_set_the_cpu_runs_computes_the_same_products(variant, monkeypatch):
-    """The plain loop (x86-64), the CPU's own code, the AVX512-BF16 tiles (natively, or emulated
-    by SIMDe where the CPU lacks them: tests/kernels/instruction_sets.py) and AMX's (natively
-    only). 320 inputs go to AMX's tiles where built, 336 (not a whole tile's 32) never do."""
+    """The plain loop (x86-64), the weights widened to float32 (AVX2, AVX-512: `deterministic`'s
+    path on CPUs without AVX512-BF16), the CPU's own code, the AVX512-BF16 tiles (natively, or
+    emulated by SIMDe where the CPU lacks them: tests/kernels/instruction_sets.py) and AMX's
+    (natively only). 320 inputs go to AMX's tiles where built, 336 (not a whole tile's 32) never do."""
     library = bf16_matmul_cpu.LIBRARY.load(march="native" if variant == "native" else march_for(variant))
     monkeypatch.setattr(bf16_matmul_cpu.LIBRARY, "get", lambda: library)
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     assert library.bf16_matmul_native() == (variant in ("avx512bf16", "amx") or (variant == "native" and "avx512_bf16" in flags))
     assert bf16_matmul_cpu.uses_tiles(library) == (variant == "amx" or (variant == "native" and "amx_bf16" in flags))
+    assert library.bf16_matmul_widened() == (variant in ("avx2", "avx512") or (
+        variant == "native" and "avx2" in flags and "avx512_bf16" not in flags))
     g = torch.Generator().manual_seed(5)
     for rows in (1, 5, 14, 16, 17, 33, 70):
         for inputs in (320, 336):
@@ -77,10 +80,15 @@ def test_every_instruction_set_the_cpu_runs_computes_the_same_products(variant, 
 
 
 @built
-def test_a_row_sums_in_one_order_at_every_row_count():
+@pytest.mark.parametrize("variant", ["native", "avx2"])
+def test_a_row_sums_in_one_order_at_every_row_count(variant, monkeypatch):
     """`deterministic` packs bf16 layers in pairs because a row's product is the same bits
     alone or among any number of rows (oneDNN's is not): on AMX's tiles, at their edges (16 and
-    32 rows a block, 256 a pass) and past them, and on the VDPBF16PS path (336 inputs)."""
+    32 rows a block, 256 a pass) and past them, on the VDPBF16PS path (336 inputs), and with the
+    weights widened to float32 (AVX2: 4 rows a block)."""
+    if variant != "native":
+        library = bf16_matmul_cpu.LIBRARY.load(march=march_for(variant))
+        monkeypatch.setattr(bf16_matmul_cpu.LIBRARY, "get", lambda: library)
     g = torch.Generator().manual_seed(11)
     for inputs in (576, 336):
         weight = pack_pairs(torch.randn(1000, inputs, generator=g).bfloat16())
