@@ -55,6 +55,17 @@ def test_preemption_under_a_tiny_kv_cache_matches_transformers(prompts, hf_oracl
     assert engine.stats().num_preemptions > 0
 
 
+def test_deterministic_bf16_without_the_c_matmul_is_refused_naming_the_fix(monkeypatch):
+    """Without a C compiler bf16 layers would go to oneDNN, whose kernels sum a row in another
+    order at other row counts (AMX): `deterministic` could not keep its promise, so it is refused."""
+    from pagedserve.backend.errors import ConfigError
+    from pagedserve.kernels.cpu import bf16_matmul as bf16_matmul_cpu
+
+    monkeypatch.setattr(bf16_matmul_cpu.LIBRARY, "get", lambda: None)
+    with pytest.raises(ConfigError, match="deterministic.*C compiler.*dtype=float32"):
+        LLMEngine(dtype="bfloat16", deterministic=True, device="cpu", num_kv_blocks=64)
+
+
 @pytest.mark.parametrize("model, dtype", [("bundled", "bfloat16"), ("bundled", "float32"), ("random llama", "float32")])
 def test_deterministic_greedy_is_the_same_alone_and_beside_others(model, dtype, request):
     """`deterministic`: one request's greedy tokens and their logprobs, bit for bit, alone

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.kernels.cpu import bf16_matmul as bf16_matmul_cpu
 from pagedserve.kernels.cpu.native_build import build_all
 
 from ..config import EngineConfig
@@ -54,6 +55,10 @@ class CpuBackend:
         if config.deterministic and (model_config.attn_logit_softcapping or model_config.attention_sinks):
             raise ConfigError("deterministic", "has no batch-invariant CPU attention for soft-capped scores or "
                                                "attention sinks (Gemma 2, gpt-oss); set deterministic=false")
+        if config.deterministic and dtype == torch.bfloat16 and bf16_matmul_cpu.LIBRARY.get() is None:
+            raise ConfigError("deterministic", "needs the C bf16 matmul on CPU (oneDNN's bf16 kernels sum a row in "
+                                               "another order at other row counts), and it is not built here: install "
+                                               "a C compiler (gcc, or set CC), or set dtype=float32")
         if config.deterministic:
             layouts = BATCH_INVARIANT_LAYOUTS
         elif tensor_parallel:
