@@ -101,7 +101,7 @@ def test_auto_runs_eagerly_on_cpu_with_packed_half_precision_weights(small_llama
     eager = LLMEngine(model=small_llama, dtype="bfloat16")
     assert eager.runner.compiled is None
     if onednn_packs(torch.bfloat16):  # else the weights stay plain (no avx512_bf16 / avx512bw)
-        # packed for oneDNN, or in pairs for the C kernel where the CPU has AVX512-BF16 and no AMX
+        # packed for oneDNN, or in pairs for the C kernel where the CPU has AVX512-BF16 (and, with AMX, the kernel its tiles)
         assert all(isinstance(m.method, (OneDnnPacked, Pairs))
                    for m in eager.runner.model.modules() if isinstance(m, Linear))
 

@@ -20,7 +20,7 @@ from ..kernels.instruction_sets import build_every_kernel_for, runs_avx2
 pytestmark = pytest.mark.skipif(decoder_stack_cpu.kernels() is None,
                                 reason="the C decoder stack needs a C compiler and a CPU with AVX2 or AVX-512")
 bf16_pairs = pytest.mark.skipif(not bf16_matmul_cpu.native(),
-                                reason="bf16 engines multiply weights in pairs on CPUs with AVX512-BF16 and no AMX")
+                                reason="bf16 engines multiply weights in pairs only with AVX512-BF16 (and, with AMX, a kernel built for its tiles)")
 
 
 @pytest.fixture(scope="module")
