@@ -183,10 +183,12 @@ static inline void tile(const uint16_t* x, int64_t in, const uint32_t* w, int64_
             const float* bs = bias ? bias + GROUP * v : 0;
             uint16_t* ys = y + r * out + GROUP * v;
             switch (ROWS - r < RB ? ROWS - r : RB) {
+#if RB == 8
                 case 8: widened_block(xs, in, ws, bs, ys, out, 8); break;
                 case 7: widened_block(xs, in, ws, bs, ys, out, 7); break;
                 case 6: widened_block(xs, in, ws, bs, ys, out, 6); break;
                 case 5: widened_block(xs, in, ws, bs, ys, out, 5); break;
+#endif
                 case 4: widened_block(xs, in, ws, bs, ys, out, 4); break;
                 case 3: widened_block(xs, in, ws, bs, ys, out, 3); break;
                 case 2: widened_block(xs, in, ws, bs, ys, out, 2); break;
