@@ -57,8 +57,10 @@ class CpuBackend:
                                                "attention sinks (Gemma 2, gpt-oss); set deterministic=false")
         if config.deterministic and dtype == torch.bfloat16 and bf16_matmul_cpu.LIBRARY.get() is None:
             raise ConfigError("deterministic", "needs the C bf16 matmul on CPU (oneDNN's bf16 kernels sum a row in "
-                                               "another order at other row counts), and it is not built here: install "
-                                               "a C compiler (gcc, or set CC), or set dtype=float32")
+                                               "another order at other row counts), and it is not available here (the "
+                                               "log says why: no C compiler, a failed build, or PAGEDSERVE_NATIVE_CPU=0): "
+                                               "install a C compiler (gcc, or set CC), unset PAGEDSERVE_NATIVE_CPU, or "
+                                               "set dtype=float32")
         if config.deterministic:
             layouts = BATCH_INVARIANT_LAYOUTS
         elif tensor_parallel:
