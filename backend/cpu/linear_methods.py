@@ -265,8 +265,8 @@ def pack(layer: Linear, float32_layout: str = "transposed", batch_invariant: boo
     if method is None:
         return False
     kept = layer.method
-    tiles = isinstance(method, Pairs) and layer.in_features % 32 == 0 and bf16_matmul_cpu.instructions() == "AMX tiles"
-    if isinstance(kept, FewRowBlocks) and not tiles:  # (the kernel takes tiles for whole tiles of 32 inputs)
+    tiles = isinstance(method, Pairs) and bf16_matmul_cpu.multiplies_in_tiles(layer.in_features)
+    if isinstance(kept, FewRowBlocks) and not tiles:
         rows = FEW_ROWS_BESIDE_PAIRS if isinstance(method, Pairs) else FEW_ROWS
         method = FewRowBlocks(kept.blocks, method, rows)
     layer.method = method

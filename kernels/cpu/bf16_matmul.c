@@ -115,6 +115,7 @@ int bf16_matmul_widened(void) { return 1; }
  * input, so a row's sums run in input order at any row count. VEC outputs a vector; a group is
  * 16 / VEC vectors; RB rows a block keep the accumulators in registers. */
 #if defined(__AVX512F__)
+#include "cpu_avx512.h"
 #define VEC 16
 #define RB 8
 typedef __m512 vec;
@@ -127,11 +128,10 @@ static inline void vpair(const uint32_t* w, vec* low, vec* high) {
     *high = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 static inline void vstore(uint16_t* y, vec s, const float* bias) {
-    float f[VEC];
-    _mm512_storeu_ps(f, bias ? _mm512_add_ps(s, _mm512_loadu_ps(bias)) : s);
-    for (int i = 0; i < VEC; ++i) y[i] = f32_to_bf16(f[i]);
+    store16(y, 0, bias ? _mm512_add_ps(s, _mm512_loadu_ps(bias)) : s, 0xffff, DTYPE_BF16);
 }
 #else
+#include "cpu_avx2.h"
 #define VEC 8
 #define RB 4
 typedef __m256 vec;
@@ -144,9 +144,7 @@ static inline void vpair(const uint32_t* w, vec* low, vec* high) {
     *high = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
 }
 static inline void vstore(uint16_t* y, vec s, const float* bias) {
-    float f[VEC];
-    _mm256_storeu_ps(f, bias ? _mm256_add_ps(s, _mm256_loadu_ps(bias)) : s);
-    for (int i = 0; i < VEC; ++i) y[i] = f32_to_bf16(f[i]);
+    store8(y, 0, bias ? _mm256_add_ps(s, _mm256_loadu_ps(bias)) : s, DTYPE_BF16);
 }
 #endif
 #define PARTS (GROUP / VEC) /* vectors a group's outputs fill */
@@ -366,7 +364,8 @@ static inline __attribute__((always_inline)) void panel_rows(const uint16_t* x, 
 void bf16_matmul(const uint16_t* x, const uint32_t* w, const float* bias, uint16_t* y, int rows, int64_t in,
                  int64_t groups, int num_threads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    if (amx_state > 0 && in % 32 == 0) { /* every call alike, so a row's sums never change order */
+    /* whole tile steps only (bf16_matmul.py's TILE_INPUTS); every call alike, so a row's sums never change order */
+    if (amx_state > 0 && in % 32 == 0) {
         amx_matmul(x, w, bias, y, rows, in, groups, num_threads);
         return;
     }

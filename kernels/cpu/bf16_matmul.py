@@ -35,7 +35,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.bf16_matmul_native.restype = ctypes.c_int
     library.bf16_matmul_widened.restype = ctypes.c_int
     library.bf16_matmul_amx.restype = ctypes.c_int
-    library.bf16_matmul_amx()  # asks Linux for the tile state once (where built with AMX): the kernel uses tiles from here on
+    library.bf16_matmul_amx()  # asks Linux for the tile state once (where built with AMX): tiles from here on
 
 
 LIBRARY = NativeLibrary(Path(__file__).with_name("bf16_matmul.c"), "CPU bf16 matmul", "oneDNN's bf16 matmul",
@@ -65,6 +65,16 @@ def instructions() -> str:
     if library.bf16_matmul_native():
         return "AVX512-BF16"
     return "float32 FMAs" if library.bf16_matmul_widened() else "plain loop"
+
+
+TILE_INPUTS = 32
+"""Inputs one AMX tile step takes (bf16_matmul.c): a weight goes to the tiles only when its
+inputs are a whole number of them (else the VDPBF16PS loop)."""
+
+
+def multiplies_in_tiles(in_features: int) -> bool:
+    """Whether the kernel multiplies a weight of `in_features` inputs with AMX tiles here."""
+    return in_features % TILE_INPUTS == 0 and instructions() == "AMX tiles"
 
 
 def uses_tiles(library: ctypes.CDLL) -> bool:
@@ -134,4 +144,5 @@ def pair_matmul(x: torch.Tensor, weight: PairWeight) -> torch.Tensor | None:
     return out if groups * GROUP == weight.out_features else out[:, :weight.out_features].contiguous()
 
 
-__all__ = ["GROUP", "LIBRARY", "PairWeight", "instructions", "native", "pack_pairs", "pair_matmul", "uses_tiles"]
+__all__ = ["GROUP", "LIBRARY", "TILE_INPUTS", "PairWeight", "instructions", "multiplies_in_tiles", "native", "pack_pairs",
+           "pair_matmul", "uses_tiles"]
