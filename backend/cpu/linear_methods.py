@@ -15,13 +15,12 @@ The forms, in the order `method_for` tries them:
 - `Blocks`: a float32 weight that is exactly a GGUF Q4_1 or Q8_0 one (the bundled model's
   layers, its embedding) is multiplied through those blocks at every step
   (kernels/cpu/block_matmul.py), the same values in a sixth or a third of the bytes.
-- `Pairs`: where the CPU has AVX512-BF16 (and, if it has AMX, the kernel its tiles), a bf16
-  weight is packed in pairs of inputs for the C kernel of kernels/cpu/bf16_matmul.py, which
-  beats oneDNN at the 1-128 rows of decode steps (with AMX level from 64 rows), with no kernel
-  per shape and so no buckets. With `batch_invariant`
-  on every CPU the kernel builds for: it sums a row in one order at any row count, where
-  oneDNN's bf16 kernels do not (with AMX the first row of a 4096 x 4096 layer differs between
-  a step of 32 rows, 64 and 1,024; tests/cpu/test_linear_methods.py).
+- `Pairs`: where the CPU has AVX512-BF16 (and, with AMX, the kernel its tiles), a bf16 weight
+  is packed in pairs of inputs for the C kernel of kernels/cpu/bf16_matmul.py, which beats
+  oneDNN at the rows of decode steps, with no kernel per shape and so no buckets. With
+  `batch_invariant` on every CPU the kernel builds for: it sums a row in one order at any row
+  count, where oneDNN's bf16 kernels do not (with AMX the first row of a 4096 x 4096 layer
+  differs between a step of 32 rows, 64 and 1,024; tests/cpu/test_linear_methods.py).
 - `Transposed`: float32 stored [in, out], which MKL multiplies faster than x @ W^T at a few
   rows on a Xeon with AVX-512.
 - `OneDnnPacked`: otherwise the weight packed once into oneDNN's blocked layout (an unpacked
@@ -74,9 +73,8 @@ AVX512-BF16 doubles float32's rate (2-core Zen 4, every decoder linear: the bloc
 FEW_ROWS_BESIDE_PAIRS = 4
 """FEW_ROWS where the layer has `Pairs` and the C kernel runs VDPBF16PS (from 5 rows faster than
 the blocks: every decoder linear on a 2-core Zen 4, the blocks ahead at 4 rows, the pairs at 6
-and 8; benchmarks/RESULTS.md, "Zen 4: CPU kernels"). With AMX tiles the pairs are ahead from
-one row (a single stream's decode, bf16: 67.9-69.9 tok/s with the blocks, 72.6-75.3 without,
-Xeon with AMX), so no blocks are kept beside them."""
+and 8; benchmarks/RESULTS.md, "Zen 4: CPU kernels"). AMX tiles are ahead of the blocks from one
+row ("Xeon (AMX): CPU kernels"), so no blocks are kept beside them."""
 
 PACK_ROWS_HINT = 64
 """The row count oneDNN picks the packed layout for: measured best over 1-256 rows."""
@@ -259,8 +257,8 @@ def method_for(layer: Linear, float32_layout: str = "transposed", batch_invarian
 
 
 def pack(layer: Linear, float32_layout: str = "transposed", batch_invariant: bool = False) -> bool:
-    """Give the layer its method (`method_for`), under the few-row blocks it kept at load; False
-    where no layout applies (the layer keeps what it had)."""
+    """Give the layer its method (`method_for`), under the few-row blocks it kept at load (dropped
+    where AMX tiles take the weight); False where no layout applies (the layer keeps what it had)."""
     method = method_for(layer, float32_layout, batch_invariant)
     if method is None:
         return False
