@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Iterable, Sequence as Seq, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -431,3 +431,15 @@ class LLMEngine:
                     if output.finished:
                         bar.update(1)
         return [completions[r] for r in order]
+
+    def chat(
+        self,
+        conversations: Seq[dict] | Seq[Seq[dict]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[Completion]:
+        """`generate` over chat messages rendered with the model's chat template, as vLLM's `LLM.chat`:
+        one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+        many = bool(conversations) and not isinstance(conversations[0], dict)
+        chats = cast("list[Seq[dict]]", list(conversations) if many else [conversations])
+        return self.generate([self.encode(messages=list(chat)) for chat in chats], params, use_tqdm)

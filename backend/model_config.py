@@ -108,8 +108,9 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     """The sampling fields generation_config.json sets away from transformers' defaults (temperature,
-    top_p, top_k, min_p, repetition_penalty: vLLM's `get_diff_sampling_param`): what a request that
-    asks for the model's defaults (`use_model_defaults`, the OpenAI gateway's) gets where it is silent."""
+    top_p, top_k, min_p, repetition_penalty: vLLM's `get_diff_sampling_param`), or the bundled model's
+    card's (model_files.DEFAULT_SAMPLING): what a request that asks for the model's defaults
+    (`use_model_defaults`: the CLI's, LLMClient's, the OpenAI gateway's) gets where it is silent."""
     bos_token_id: int | None = None
     checkpoint_dtype: str = "float32"
     source_group_size: int | None = None

@@ -39,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--url", default="localhost:8001", help="gRPC endpoint")
         command.add_argument("--model-name", default="llm")
         command.add_argument("--max-tokens", type=int, default=256)
-        command.add_argument("--temperature", type=float, default=None)
-        command.add_argument("--top-p", type=float, default=None)
+        command.add_argument("--temperature", type=float, default=None,
+                             help="default: the served model's recommended (the bundled model's card: 0.2)")
+        command.add_argument("--top-p", type=float, default=None,
+                             help="default: the served model's recommended (the bundled model's card: 0.9)")
         command.add_argument("--top-k", type=int, default=None)
         command.add_argument("--seed", type=int, default=None)
         command.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
@@ -239,14 +241,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from .client import LLMClient
 
     client = LLMClient(args.url, args.model_name)
-    messages = [{"role": "user", "content": args.prompt}] if args.chat_template else None
-    prompt = None if messages else args.prompt
     if args.stream:
-        for chunk in client.stream(prompt, messages, **_sampling(args)):
+        for chunk in client.stream(args.prompt, chat_template=args.chat_template, **_sampling(args)):
             print(chunk.text, end="", flush=True)
         print()
     else:
-        print(client.generate(prompt, messages, **_sampling(args)))
+        print(client.generate(args.prompt, chat_template=args.chat_template, **_sampling(args)))
     return 0
 
 

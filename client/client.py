@@ -25,21 +25,32 @@ class Chunk:
 DEFAULT_RETURNS = ("return_finish_reason", "return_num_output_tokens")
 """The return_* flags this client's Chunk reads."""
 
+USE_MODEL_DEFAULTS = "use_model_defaults"
+"""`llm`'s one sampling key beyond vLLM's: true fills the sampling fields a request leaves out from
+the served model's recommendation (its generation_config.json; the bundled model's card), as vLLM's
+OpenAI server does. Without it `llm` keeps vLLM's own defaults (temperature 1.0), as Triton's vLLM
+backend does."""
+
 
 def llm_values(
     prompt: str | None = None,
     messages: list[dict[str, str]] | None = None,
     stream: bool = True,
     returns: tuple[str, ...] = DEFAULT_RETURNS,
+    model_defaults: bool = False,
     **sampling: Any,
 ) -> dict[str, Any]:
     """`llm`'s inputs as Python values in the Triton vLLM-backend style (the same over gRPC
     and HTTP): the prompt as text or chat messages, the return_* flags named in `returns`
-    set, the sampling parameters as JSON (None ones left out)."""
+    set, the sampling parameters as JSON (None ones left out; `model_defaults`: the served
+    model's recommended sampling fills the fields left out, USE_MODEL_DEFAULTS)."""
     values: dict[str, Any] = {"messages": json.dumps(messages)} if messages is not None else {"text_input": prompt or ""}
     values |= {"stream": stream, "exclude_input_in_output": True}
     values |= {flag: True for flag in returns}
-    values["sampling_parameters"] = json.dumps({k: v for k, v in sampling.items() if v is not None})
+    chosen = {k: v for k, v in sampling.items() if v is not None}
+    if model_defaults:
+        chosen[USE_MODEL_DEFAULTS] = True
+    values["sampling_parameters"] = json.dumps(chosen)
     return values
 
 
@@ -49,10 +60,26 @@ def build_inputs(
     messages: list[dict[str, str]] | None = None,
     stream: bool = True,
     returns: tuple[str, ...] = DEFAULT_RETURNS,
+    model_defaults: bool = False,
     **sampling: Any,
 ) -> list[Any]:
     """llm_values as InferInputs; `module` is tritonclient.grpc, .grpc.aio or .http."""
-    return infer_inputs(module, llm_values(prompt, messages, stream, returns, **sampling))
+    return infer_inputs(module, llm_values(prompt, messages, stream, returns, model_defaults, **sampling))
+
+
+def as_messages(prompt: str | None, messages: list[dict[str, str]] | None,
+                chat_template: bool) -> list[dict[str, str]] | None:
+    """The request's chat messages: `messages` as given, or with `chat_template` the prompt as one
+    user message (the server renders the model's chat template); None for a raw prompt."""
+    if messages is not None:
+        if chat_template:
+            raise ValueError("chat_template wraps a prompt: pass a prompt or messages, not both")
+        return messages
+    if chat_template:
+        if prompt is None:
+            raise ValueError("chat_template needs a prompt to wrap as a user message")
+        return [{"role": "user", "content": prompt}]
+    return None
 
 
 def infer_inputs(module: Any, values: dict[str, Any]) -> list[Any]:
@@ -106,23 +133,32 @@ def chunk_or_raise(result: Any, error: Exception | None) -> Chunk:
 
 
 class LLMClient:
-    """Blocking client: `stream()` yields Chunks as tokens arrive; `generate()` returns the text."""
+    """Blocking client: `stream()` yields Chunks as tokens arrive; `generate()` returns the text.
 
-    def __init__(self, url: str = "localhost:8001", model: str = "llm"):
+    An instruct model wants its chat template: give `messages`, or a prompt with
+    `chat_template=True`. Sampling fields a call leaves out take the served model's recommended
+    values (`model_defaults`, on by default, as with vLLM's OpenAI server: the bundled model samples
+    at temperature 0.2, top_p 0.9); `model_defaults=False` gives vLLM's own defaults (temperature
+    1.0), what the `llm` model applies to a request that does not ask for the model's."""
+
+    def __init__(self, url: str = "localhost:8001", model: str = "llm", model_defaults: bool = True):
         self.url = url
         self.model = model
+        self.model_defaults = model_defaults
 
-    def stream(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **sampling: Any) -> Iterator[Chunk]:
+    def stream(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, *,
+               chat_template: bool = False, **sampling: Any) -> Iterator[Chunk]:
         import tritonclient.grpc as grpcclient
+
+        inputs = build_inputs(grpcclient, prompt, as_messages(prompt, messages, chat_template), stream=True,
+                              model_defaults=self.model_defaults, **sampling)
 
         results: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(self.url)
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         answered = False
         try:
-            client.async_stream_infer(
-                self.model, build_inputs(grpcclient, prompt, messages, stream=True, **sampling), request_id=uuid.uuid4().hex
-            )
+            client.async_stream_infer(self.model, inputs, request_id=uuid.uuid4().hex)
             while True:
                 chunk = chunk_or_raise(*results.get())
                 answered = chunk.final
@@ -136,24 +172,29 @@ class LLMClient:
             client.stop_stream(cancel_requests=not answered)
             client.close()
 
-    def generate(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **sampling: Any) -> str:
-        return "".join(chunk.text for chunk in self.stream(prompt, messages, **sampling))
+    def generate(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, *,
+                 chat_template: bool = False, **sampling: Any) -> str:
+        return "".join(chunk.text for chunk in self.stream(prompt, messages, chat_template=chat_template, **sampling))
 
 
 class AsyncLLMClient:
-    """asyncio client over tritonclient.grpc.aio; one gRPC stream per request."""
+    """asyncio client over tritonclient.grpc.aio; one gRPC stream per request. `chat_template` and
+    `model_defaults` as LLMClient's."""
 
-    def __init__(self, url: str = "localhost:8001", model: str = "llm"):
+    def __init__(self, url: str = "localhost:8001", model: str = "llm", model_defaults: bool = True):
         import tritonclient.grpc.aio as aioclient
 
         self._module = aioclient
         self.client = aioclient.InferenceServerClient(url)
         self.model = model
+        self.model_defaults = model_defaults
 
     async def stream(
-        self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **sampling: Any
+        self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, *,
+        chat_template: bool = False, **sampling: Any
     ) -> AsyncIterator[Chunk]:
-        inputs = build_inputs(self._module, prompt, messages, stream=True, **sampling)
+        inputs = build_inputs(self._module, prompt, as_messages(prompt, messages, chat_template), stream=True,
+                              model_defaults=self.model_defaults, **sampling)
         async with contextlib.aclosing(self.results(inputs)) as results:
             async for result in results:
                 yield parse_result(result)
@@ -185,8 +226,10 @@ class AsyncLLMClient:
             if not final:
                 call.cancel()
 
-    async def generate(self, prompt: str | None = None, **sampling: Any) -> str:
-        return "".join([chunk.text async for chunk in self.stream(prompt, **sampling)])
+    async def generate(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, *,
+                       chat_template: bool = False, **sampling: Any) -> str:
+        return "".join([chunk.text async for chunk in self.stream(prompt, messages, chat_template=chat_template,
+                                                                  **sampling)])
 
     async def close(self) -> None:
         await self.client.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.backend import InvalidRequestError, LLMEngine, QueueFullError, SamplingParams
+from pagedserve.backend.model_files import DEFAULT_SAMPLING
 
 from .conftest import GPU_SHARE, assert_engine_idle
 
@@ -20,12 +21,25 @@ def test_max_tokens_ends_with_length(engine):
 
 
 def test_a_request_without_sampling_parameters_takes_the_checkpoints_generation_config(engine, monkeypatch):
-    """vLLM's LLM.get_default_sampling_params: its own defaults where the checkpoint sets nothing (the
-    bundled GGUF), the generation_config.json's temperature and top_p where it does."""
-    assert engine.default_sampling_params() == SamplingParams()
+    """vLLM's LLM.get_default_sampling_params: the bundled model's card's recommendation (its GGUF has
+    no generation_config.json), a checkpoint's generation_config.json where it sets one, vLLM's own
+    defaults where it sets nothing."""
+    defaults = engine.default_sampling_params()
+    assert (defaults.temperature, defaults.top_p) == (DEFAULT_SAMPLING["temperature"], DEFAULT_SAMPLING["top_p"])
     monkeypatch.setattr(engine.model_config, "generation_defaults", {"temperature": 0.6, "top_p": 0.9})
     defaults = engine.default_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (0.6, 0.9, SamplingParams().max_tokens)
+    monkeypatch.setattr(engine.model_config, "generation_defaults", {})
+    assert engine.default_sampling_params() == SamplingParams()
+
+
+def test_chat_answers_a_conversation_or_several(engine):
+    """vLLM's LLM.chat: messages rendered with the model's chat template (a raw prompt of the same
+    question gets the instruct model's end token), one conversation or a list of them."""
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    [one] = engine.chat(CAPITAL, greedy, use_tqdm=False)
+    assert "Paris" in one.text
+    assert [c.text for c in engine.chat([CAPITAL, CAPITAL], greedy, use_tqdm=False)] == [one.text, one.text]
 
 
 def test_chat_template_kwargs_reach_the_template_from_the_python_api(engine):

@@ -22,12 +22,15 @@ from pagedserve.kernels.numerics import cdiv
 
 from ..errors import ConfigError
 from ..model_config import ModelConfig
+from ..model_files import DEFAULT_SAMPLING, is_default_model
 from . import Checkpoint
 
 
 def read_gguf_checkpoint(path: str) -> Checkpoint:
     reader = GGUFFile(path)
     config = gguf_model_config(reader)
+    if is_default_model(path):
+        config.generation_defaults = dict(DEFAULT_SAMPLING)
     return Checkpoint(config, _gguf_tensors(reader, config), len(reader.tensors))
 
 

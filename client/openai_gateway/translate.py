@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..client import USE_MODEL_DEFAULTS
 from .config import knob
 from .errors import OpenAIError, unsupported
 from .replies import ReplyPlan, reasoning_for
@@ -36,9 +37,6 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "use_beam_search": (None, False),
 }
-USE_MODEL_DEFAULTS = "use_model_defaults"
-"""The `llm` model's sampling key asking for the served model's generation_config defaults where the
-request is silent (the gateway's generation_config auto)."""
 _GRAMMAR_KEYS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "guided_decoding_backend")
 """vLLM's structured-output fields (an extension OpenAI-speaking tools send to vLLM): passed to
