@@ -15,6 +15,7 @@ if not torch.cuda.is_available():  # Triton kernels run through the interpreter 
 from pagedserve.backend import LLMEngine  # noqa: E402
 from pagedserve.backend.model_files import default_model_path  # noqa: E402
 
+from . import determinism  # noqa: E402
 
 LONG_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -196,14 +197,27 @@ def pytest_sessionstart(session) -> None:
     build_all()
 
 
+def pytest_collection_modifyitems(items) -> None:
+    determinism.mark(items)
+
+
+def pytest_runtest_logreport(report) -> None:
+    determinism.record(report)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """Which ISA variants of the C kernels the run tested (natively or emulated by SIMDe) and
     which it could not on this CPU (tests/kernels/instruction_sets.py), so that a green run on an
-    AVX2 machine says what it did not check."""
+    AVX2 machine says what it did not check; and on which paths `deterministic` was checked to the
+    bit here (tests/determinism.py)."""
     import sys
 
     sets = sys.modules.get(f"{__package__}.kernels.instruction_sets") if __package__ else None
     line = sets.summary() if sets is not None else None
     if line:
         terminalreporter.write_sep("-", "C kernel instruction sets")
+        terminalreporter.write_line(line)
+    line = determinism.summary()
+    if line:
+        terminalreporter.write_sep("-", "deterministic, checked to the bit")
         terminalreporter.write_line(line)

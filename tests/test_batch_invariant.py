@@ -12,18 +12,25 @@ from pagedserve.backend.errors import ConfigError
 from pagedserve.kernels.dispatch import FORCE_ENV
 
 from .conftest import GPU_SHARE, assert_engine_idle
+from .interpreter import row_uniform_dot
 
 ON_GPU = torch.cuda.is_available()
 
 
 @pytest.fixture
 def triton_kernels(monkeypatch):
-    """The engine's Triton kernels: forced onto CPU tensors where there is no GPU."""
-    if not ON_GPU:
-        monkeypatch.setenv(FORCE_ENV, "1")
-    return {} if ON_GPU else {"attention_backend": "triton"}
+    """The engine's Triton kernels: forced onto CPU tensors where there is no GPU, in the interpreter
+    with a dot that sums each row of a tile alike, as a GPU's MMA does (tests/interpreter.py: numpy's
+    own matmul does not on every CPU)."""
+    if ON_GPU:
+        yield {}
+        return
+    monkeypatch.setenv(FORCE_ENV, "1")
+    with row_uniform_dot():
+        yield {"attention_backend": "triton"}
 
 
+@pytest.mark.bit_exact("triton")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_greedy_is_the_same_alone_and_beside_others(dtype, small_llama, small_prompts, triton_kernels):
     """The target's prompt runs alone (one chunk), then beside four others of 7 to 164 tokens whose

@@ -66,6 +66,7 @@ def test_deterministic_bf16_without_the_c_matmul_is_refused_naming_the_fix(monke
         LLMEngine(dtype="bfloat16", deterministic=True, device="cpu", num_kv_blocks=64)
 
 
+@pytest.mark.bit_exact("engine")
 @pytest.mark.parametrize("model, dtype", [("bundled", "bfloat16"), ("bundled", "float32"), ("random llama", "float32")])
 def test_deterministic_greedy_is_the_same_alone_and_beside_others(model, dtype, request):
     """`deterministic`: one request's greedy tokens and their logprobs, bit for bit, alone

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
+import time
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from benchmarks.soak import IDLE_GAUGES, read_metrics
+from pagedserve.client.process import ServerProcess, free_port, http_status
 from pagedserve.client.repository import write_repository
 from pagedserve.client.triton_server import TritonServer, TritonServerError
 
@@ -41,6 +44,19 @@ def server(tmp_path_factory):
         yield triton
     finally:
         triton.stop()
+
+
+@contextlib.contextmanager
+def gateway_process(command: list[str], log_file, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`pagedserve openai` run as `command` on a free port (given with --port), its base URL once its
+    /health answers 200; stopped at the end."""
+    port = free_port()
+    process = ServerProcess([*command, "--port", str(port)], log_file, name="pagedserve openai", env=env).start()
+    try:
+        process.wait_ready(lambda: http_status(f"http://localhost:{port}/health") == 200, time.monotonic() + 60)
+        yield f"http://localhost:{port}"
+    finally:
+        process.stop()
 
 
 def failed_load_log(repository, log_file, timeout: float, lines: int = 300, models: list[str] | None = None) -> str:

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
 from benchmarks.fuzz import GATEWAY_KEY, Bystander, Report, bystander_text, cases, send
-from pagedserve.client.process import ServerProcess, free_port, http_status
 
-from .conftest import metric, wait_idle
+from .conftest import gateway_process, metric, wait_idle
 
 EXAMPLES = 250
 BUDGET_S = 6.0
@@ -24,16 +22,10 @@ BUDGET_S = 6.0
 
 @pytest.fixture(scope="module")
 def gateway(server, tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("fuzz_gateway") / "gateway.log"
-    process = ServerProcess([sys.executable, "-m", "pagedserve.client.cli", "openai", "--port", str(port),
-                             "--triton-url", server.grpc_url], log, name="pagedserve openai",
-                            env={**os.environ, "PAGEDSERVE_API_KEY": GATEWAY_KEY}).start()
-    process.wait_ready(lambda: http_status(f"http://localhost:{port}/health") == 200, time.monotonic() + 60)
-    try:
-        yield f"http://localhost:{port}"
-    finally:
-        process.stop()
+    command = [sys.executable, "-m", "pagedserve.client.cli", "openai", "--triton-url", server.grpc_url]
+    with gateway_process(command, log, env={**os.environ, "PAGEDSERVE_API_KEY": GATEWAY_KEY}) as url:
+        yield url
 
 
 def test_every_input_gets_a_result_or_a_named_error_and_harms_no_bystander(server, gateway):

@@ -18,11 +18,11 @@ import pytest
 
 from pagedserve.backend.model_files import resolve_model_path
 from pagedserve.backend.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
-from pagedserve.client.process import ServerProcess, free_port, http_status
+from pagedserve.client.process import http_status
 from pagedserve.client.repository import write_repository
 from pagedserve.client.triton_server import TritonServer
 
-from .conftest import ENGINE, llm_inputs, stream_request, tensor, texts, wait_idle
+from .conftest import ENGINE, gateway_process, llm_inputs, stream_request, tensor, texts, wait_idle
 
 KEY = "test-key"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
@@ -43,18 +43,10 @@ def triton(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gateway(triton, tmp_path_factory):
     """Base URL of `pagedserve openai` (API key required)."""
-    import time
-
-    port = free_port()
     log = tmp_path_factory.mktemp("openai_gateway") / "gateway.log"
-    command = [sys.executable, "-m", "pagedserve.client.cli", "openai", "--port", str(port),
-               "--triton-url", triton.grpc_url, "--api-key", KEY]
-    process = ServerProcess(command, log, name="pagedserve openai").start()
-    process.wait_ready(lambda: http_status(f"http://localhost:{port}/health") == 200, time.monotonic() + 60)
-    try:
-        yield f"http://localhost:{port}"
-    finally:
-        process.stop()
+    command = [sys.executable, "-m", "pagedserve.client.cli", "openai", "--triton-url", triton.grpc_url, "--api-key", KEY]
+    with gateway_process(command, log) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,11 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from pagedserve.client.process import ServerProcess, free_port, http_status
+from .conftest import gateway_process
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 PAGEDSERVE = str(Path(sys.executable).with_name("pagedserve"))
@@ -90,16 +89,10 @@ def check_for(text: str):
 def gateway(server, tmp_path_factory):
     """`pagedserve openai` as the README's block starts it, on a free port in front of the test server."""
     line = next(c for _, block in use_it_blocks() for c in commands(block) if "pagedserve openai" in c)
-    port = free_port()
     command = [PAGEDSERVE if word.endswith("pagedserve") else word for word in line.split()]
-    command += ["--port", str(port), "--triton-url", server.grpc_url]
     log = tmp_path_factory.mktemp("readme_gateway") / "gateway.log"
-    process = ServerProcess(command, log, name="pagedserve openai").start()
-    process.wait_ready(lambda: http_status(f"http://localhost:{port}/health") == 200, time.monotonic() + 60)
-    try:
-        yield f"localhost:{port}"
-    finally:
-        process.stop()
+    with gateway_process([*command, "--triton-url", server.grpc_url], log) as url:
+        yield url.removeprefix("http://")
 
 
 def on_test_servers(text: str, server, gateway: str | None) -> str:

@@ -2,9 +2,11 @@
 kernels' `batch_invariant` launches): each against its torch reference within rounding, and a row's
 result to the bit the same alone, beside other rows, and (attention) however its prompt was chunked.
 
-On CPU the kernels run in the interpreter, whose products are numpy's: there the bit-for-bit checks
-test the launchers' logic (fixed tiles, tiles aligned to key positions under a sliding window, the
-experts summed in order), not a GPU's instructions; on a GPU the same tests run compiled.
+On CPU the kernels run in the interpreter, with a dot that sums every row of a tile alike as a GPU's
+MMA does (tests/interpreter.py: numpy's own matmul, the interpreter's, does not on every CPU): there
+the bit-for-bit checks test the launchers' logic (fixed tiles, tiles aligned to key positions under a
+sliding window, the experts summed in order), not a GPU's instructions; on a GPU the same tests run
+compiled.
 Bounds, max |out - ref| / max |ref|: float32 1e-5, bfloat16 1e-2 (both sides round the output).
 """
 
@@ -15,6 +17,7 @@ import torch
 
 from pagedserve.kernels.moe import route
 
+from ..interpreter import row_uniform_dot
 from .paged_batch import DEVICE, Batch
 from .test_moe import TOL as MOE_TOL, experts
 
@@ -28,7 +31,15 @@ from pagedserve.kernels.triton.paged_attention import paged_attention_triton  # 
 if not torch.cuda.is_available() and not interpreting():
     pytest.skip("no CUDA and the kernels were imported without TRITON_INTERPRET=1", allow_module_level=True)
 
+pytestmark = pytest.mark.bit_exact("triton")
+
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def mma_like_dot():
+    with row_uniform_dot():
+        yield
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -42,18 +53,19 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tor
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_matmul_is_f_linear_and_each_row_is_the_same_in_any_batch(dtype):
-    """x @ W^T + b at a shape no tile divides (K 200, N 150); then rows 3 and 40 computed among 1, 7,
-    70 and 130 rows give the same bits."""
+    """x @ W^T + b at a shape no tile divides (K 200, N 150); then each of the first 70 rows alone
+    (the first row of its tile) gives the bits it has at its place among 130 rows, as do rows 3 and
+    40 first among 7 and 70."""
     w, b = randn(150, 200, dtype=dtype, seed=1) * 0.1, randn(150, dtype=dtype, seed=2)
     x = randn(130, 200, dtype=dtype, seed=3)
     out = bi.matmul(x, w, b)
     assert out.dtype == dtype and out.shape == (130, 150)
     assert rel_err(out, torch.nn.functional.linear(x.float(), w.float(), b.float())) < TOL[dtype]
-    for rows in (1, 7, 70):
+    differs = [i for i in range(70) if not torch.equal(bi.matmul(x[i: i + 1], w, b)[0], out[i])]
+    assert not differs, f"rows {differs} differ alone and among 130"
+    for rows in (7, 70):
         for i in (3, 40):
-            if i < rows or rows == 1:
-                part = bi.matmul(x[i: i + rows], w, b)
-                assert torch.equal(part[0], out[i])
+            assert torch.equal(bi.matmul(x[i: i + rows], w, b)[0], out[i])
     assert bi.matmul(x[:0], w).shape == (0, 150)
     assert bi.matmul(x[:5].view(5, 1, 200), w).shape == (5, 1, 150)
 
