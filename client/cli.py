@@ -217,9 +217,9 @@ def run_serve(args: argparse.Namespace) -> int:
         f"  HTTP     http://{server.http_url}\n"
         f"  metrics  {server.metrics_url}\n\n"
         f"try:\n"
-        f"  pagedserve generate \"What is the capital of France?\" --chat-template --stream\n"
+        f"  pagedserve generate \"Name the capital of France.\" --chat-template --stream\n"
         f"  curl -s -X POST http://{server.http_url}/v2/models/llm/generate "
-        f"-d '{{\"text_input\": \"The capital of France is\", \"sampling_parameters\": \"{{\\\"max_tokens\\\": 16}}\"}}'\n\n"
+        f"-d '{{\"text_input\": \"The capital of France is\", \"sampling_parameters\": \"{{\\\"max_tokens\\\": 8, \\\"temperature\\\": 0}}\"}}'\n\n"
         f"Ctrl-C stops the server.",
         flush=True,
     )

@@ -246,8 +246,9 @@ def test_32_async_streams_at_once_match_the_grpc_path(gateway, triton):
 
     through_gateway = asyncio.run(all_of_them())
     assert all(through_gateway)
-    for seed in (0, 13, 31):
-        results, error = stream_request(triton, llm_inputs(messages=CHAT, max_tokens=24, temperature=0.8, seed=seed))
+    for seed in (0, 13, 31):  # the gateway asks for the model's defaults (the bundled model's top_p) too
+        results, error = stream_request(triton, llm_inputs(messages=CHAT, max_tokens=24, temperature=0.8, seed=seed,
+                                                           use_model_defaults=True))
         assert error is None
         assert "".join(texts(results)) == through_gateway[seed]
     wait_idle(triton)

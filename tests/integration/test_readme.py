@@ -17,7 +17,7 @@ from .conftest import gateway_process
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 PAGEDSERVE = str(Path(sys.executable).with_name("pagedserve"))
-QUESTION = "What is the capital of France?\n\n"
+QUESTION = "Name the capital of France.\n\n"
 """What `pagedserve chat` is typed: one question, then the empty line that ends the chat."""
 
 
