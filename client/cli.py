@@ -219,7 +219,8 @@ def run_serve(args: argparse.Namespace) -> int:
         f"try:\n"
         f"  pagedserve generate \"Name the capital of France.\" --chat-template --stream\n"
         f"  curl -s -X POST http://{server.http_url}/v2/models/llm/generate "
-        f"-d '{{\"text_input\": \"The capital of France is\", \"sampling_parameters\": \"{{\\\"max_tokens\\\": 8, \\\"temperature\\\": 0}}\"}}'\n\n"
+        f"-d '{{\"text_input\": \"The capital of France is\", "
+        f"\"sampling_parameters\": \"{{\\\"max_tokens\\\": 8, \\\"temperature\\\": 0}}\"}}'\n\n"
         f"Ctrl-C stops the server.",
         flush=True,
     )
