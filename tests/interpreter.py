@@ -16,26 +16,30 @@ kernels, and nothing a GPU does.
 
 `k_ordered_dot` is the interpreter's dot with every output summed from k = 0 up, the same code for
 each row, as an MMA tile treats its rows alike; the bit-for-bit tests install it
-(`row_uniform_dot`) so that they check our launches' part of the promise on every CPU, and
+(`use_row_uniform_dot`) so that they check our launches' part of the promise on every CPU, and
 `blas_rows_uniform` says whether this machine's BLAS would have kept it too (the suite's summary
 line). On a GPU none of this applies: the tests run the compiled kernels as they are served.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
+import pytest
 
 TILE_ROWS = (16, 32, 64)
 """Row counts of the tiles the probe multiplies (the BLOCK_M values our launches use)."""
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether Triton kernels run in the interpreter (the kernels' own switch; imported here only when
+    asked, so collecting the tests does not import triton)."""
+    from pagedserve.kernels.triton.gemm import interpreting as kernels_interpreting
+
+    return kernels_interpreting()
 
 
 def k_ordered_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
@@ -55,20 +59,12 @@ def k_ordered_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_n
     return TensorHandle(acc, d.dtype.scalar)
 
 
-@contextlib.contextmanager
-def row_uniform_dot() -> Iterator[None]:
-    """The interpreter's tl.dot replaced by `k_ordered_dot` while the block runs (no-op off the interpreter)."""
-    if not interpreting():
-        yield
-        return
-    from triton.runtime.interpreter import InterpreterBuilder
+def use_row_uniform_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter's tl.dot replaced by `k_ordered_dot` for the test (nothing off the interpreter)."""
+    if interpreting():
+        from triton.runtime.interpreter import InterpreterBuilder
 
-    original = InterpreterBuilder.create_dot
-    InterpreterBuilder.create_dot = k_ordered_dot  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        InterpreterBuilder.create_dot = original  # type: ignore[method-assign]
+        monkeypatch.setattr(InterpreterBuilder, "create_dot", k_ordered_dot)
 
 
 @functools.cache

@@ -12,7 +12,7 @@ from pagedserve.backend.errors import ConfigError
 from pagedserve.kernels.dispatch import FORCE_ENV
 
 from .conftest import GPU_SHARE, assert_engine_idle
-from .interpreter import row_uniform_dot
+from .interpreter import use_row_uniform_dot
 
 ON_GPU = torch.cuda.is_available()
 
@@ -23,11 +23,10 @@ def triton_kernels(monkeypatch):
     with a dot that sums each row of a tile alike, as a GPU's MMA does (tests/interpreter.py: numpy's
     own matmul does not on every CPU)."""
     if ON_GPU:
-        yield {}
-        return
+        return {}
     monkeypatch.setenv(FORCE_ENV, "1")
-    with row_uniform_dot():
-        yield {"attention_backend": "triton"}
+    use_row_uniform_dot(monkeypatch)
+    return {"attention_backend": "triton"}
 
 
 @pytest.mark.bit_exact("triton")

@@ -17,7 +17,7 @@ import torch
 
 from pagedserve.kernels.moe import route
 
-from ..interpreter import row_uniform_dot
+from ..interpreter import use_row_uniform_dot
 from .paged_batch import DEVICE, Batch
 from .test_moe import TOL as MOE_TOL, experts
 
@@ -37,9 +37,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture(autouse=True)
-def mma_like_dot():
-    with row_uniform_dot():
-        yield
+def mma_like_dot(monkeypatch):
+    use_row_uniform_dot(monkeypatch)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
