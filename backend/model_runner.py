@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.dispatch import read_tuned_configs
+
 from .attention import AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
 from .compiled_forward import CompiledForward
 from .cuda_graphs import DecodeGraphs
@@ -92,6 +94,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.attention_kernels = select_attention_kernels(attention_backend, device, batch_invariant)
+        read_tuned_configs(device)  # before any warm-up: the tiles the graphs capture are the committed ones
         self.kv_caches = self.allocate_kv(num_blocks, kv_dtype)
         self.compiled = CompiledForward(model, device) if compile_max_tokens else None
         if self.compiled:

@@ -341,13 +341,7 @@ def static_report(targets: List[str], dtypes: List[torch.dtype], reduced: bool) 
         rows.setdefault(cfg.key, [cfg, {}])[1][r.target] = r
 
     def cell(r) -> str:
-        if r is None:
-            return "-"
-        if not r.ok:
-            return f"FAIL: {r.error}"
-        flags = (" SPILLS" if r.spills else "") + (" SMEM>LIMIT" if not r.smem_ok else "")
-        return (f"{r.registers}r {r.spills}sp {r.shared / 1024:.1f}K {r.warps_per_sm}w "
-                f"({r.occupancy_limit}){flags}")
+        return "-" if r is None else r.cell
 
     lines = [f"{len(results)} compiles ({len(rows)} configurations) for {', '.join(targets)} in {seconds:.0f} s "
              f"(triton {__import__('triton').__version__}, ptxas of the wheel)",
@@ -369,6 +363,8 @@ def static_report(targets: List[str], dtypes: List[torch.dtype], reduced: bool) 
         lines.append("")
     bad = [r for _, r in results if not r.ok or r.spills or not r.smem_ok]
     lines.append(f"{len(bad)} of {len(results)} compiles failed, spilled or exceed shared memory")
+    lines += ["", "Programs one decode token's quantized GEMMs launch (Llama-3-8B, M = 1):", ""]
+    lines += aot.programs_table([row for t in targets for row in aot.decode_programs(aot.TARGETS[t])])
     return "\n".join(lines)
 
 

@@ -86,6 +86,17 @@ def attention_kernels(name: str, device: torch.device, batch_invariant: bool = F
     return write_kv_cache_triton, paged_attention_triton
 
 
+def read_tuned_configs(device: torch.device) -> int:
+    """Read this GPU's committed kernel choices once, at model load (kernels/triton/tuned.py: no
+    timing on the request path where the file has the shape); how many it holds, 0 off CUDA or
+    without a file (the launchers' heuristics then)."""
+    if device.type != "cuda":
+        return 0
+    from .triton.tuned import for_device
+
+    return len(for_device(device).entries)
+
+
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with a packed INT4 weight; returns x.dtype [..., N]."""
     if use_triton(x):

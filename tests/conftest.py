@@ -208,8 +208,8 @@ def pytest_runtest_logreport(report) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """Which ISA variants of the C kernels the run tested (natively or emulated by SIMDe) and
     which it could not on this CPU (tests/kernels/instruction_sets.py), so that a green run on an
-    AVX2 machine says what it did not check; and on which paths `deterministic` was checked to the
-    bit here (tests/determinism.py)."""
+    AVX2 machine says what it did not check; the static kernel report (tests/kernels/static_report.py);
+    and on which paths `deterministic` was checked to the bit here (tests/determinism.py)."""
     import sys
 
     sets = sys.modules.get(f"{__package__}.kernels.instruction_sets") if __package__ else None
@@ -217,6 +217,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if line:
         terminalreporter.write_sep("-", "C kernel instruction sets")
         terminalreporter.write_line(line)
+    report = sys.modules.get(f"{__package__}.kernels.static_report") if __package__ else None
+    if report is not None and report.summary():
+        terminalreporter.write_sep("-", "static kernel report (compiled for sm_80 / sm_89 / sm_90, no GPU)")
+        for text in report.summary():
+            terminalreporter.write_line(text)
     line = determinism.summary()
     if line:
         terminalreporter.write_sep("-", "deterministic, checked to the bit")

@@ -1,6 +1,7 @@
 """benchmarks/gpu.py, the one command a lent GPU runs, dry-run on CPU (`--device cpu --quick`,
-a tiny random model): every section of it runs here (pagedserve in bf16, fp8 and int4, the
-transformers peer, the served model under tritonserver), so it cannot rot between GPU runs."""
+a tiny random model): every section of it runs here (the kernel table, pagedserve in bf16, fp8 and
+int4, the step profile, the transformers peer, the served model under tritonserver), so it cannot
+rot between GPU runs."""
 
 from __future__ import annotations
 
@@ -41,5 +42,22 @@ def test_the_gpu_check_runs_every_section_on_cpu(tmp_path):
     off, on = result["deterministic"]
     assert (off["deterministic"], on["deterministic"]) == (False, True) and on["single_tok_s"] > 0 and on["batch_tok_s"] > 0
     assert on["differs_at"] is None  # beside 15 others as alone (here the CPU backend's setting; on a GPU the Triton launches)
-    assert len(result["targets"]) == 9  # every target has its line (NOT MEASURED on a tiny model)
-    assert (tmp_path / "gpu.md").read_text().count("| pagedserve |") == 3
+    kernels = result["kernels"]  # one tiny shape at M 1 and 16; our Triton kernels through the interpreter
+    kinds = {("bf16", False), ("fp8", False), ("fp8", True), ("int4", False), ("int4", True)}  # True: the vendor's
+    assert sorted((row["family"], row["vendor"], row["m"]) for row in kernels) == sorted(
+        (family, vendor, m) for family, vendor in kinds for m in (1, 16))
+    assert all(row["us"] > 0 and row["gb_s"] > 0 for row in kernels if not row["vendor"]), kernels
+    vendor = {row["family"]: row for row in kernels if row["vendor"] and row["m"] == 16}
+    assert vendor["fp8"]["us"] > 0 and vendor["fp8"]["diff_vs_ours"] < 0.05  # torch._scaled_mm has a CPU kernel
+    assert vendor["int4"]["us"] is None and "absent on cpu" in vendor["int4"]["note"]  # tinygemm: CUDA only
+    assert all(row["vendor_over_ours"] > 0 for row in kernels if row["family"] == "fp8" and not row["vendor"])
+    profiled = {row["scenario"]: row for row in result["step_profile"]}
+    assert len(profiled) == 4 and {"decode, batch 1", "decode, batch 64", "decode, batch 256"} < set(profiled)
+    for row in profiled.values():
+        assert row["steps"] > 0 and row["wall_us"] > 0 and row["kernels"] > 0 and row["note"] is None, row
+        assert abs(sum(part["share"] for part in row["families"].values()) - 1) < 1e-3, row
+    assert len(result["targets"]) == 10  # every target has its line (NOT MEASURED on a tiny model)
+    assert result["targets"][-1][0] == "NOT MEASURED"  # the kernel target wants the 8B shapes
+    table = (tmp_path / "gpu.md").read_text()
+    assert table.count("| pagedserve |") == 3
+    assert "| tiny (256 x 256) | 16 |" in table and "| decode, batch 256 |" in table

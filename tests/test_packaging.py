@@ -58,12 +58,16 @@ def wheel(tmp_path_factory) -> Path:
     return next(out.glob("pagedserve-*.whl"))
 
 
+SHIPPED = (".py", ".c", ".h", ".json", ".md")
+"""Code, the C kernels' sources and the kernel choices tuned per GPU (kernels/triton/configs/)."""
+
+
 def test_every_module_of_the_tree_is_in_the_wheel(wheel):
     shipped = set(zipfile.ZipFile(wheel).namelist())
     tree = {f"pagedserve/{path.relative_to(ROOT).as_posix()}" for part in PARTS for path in (ROOT / part).rglob("*")
-            if path.suffix in (".py", ".c", ".h") and "__pycache__" not in path.parts}
+            if path.suffix in SHIPPED and "__pycache__" not in path.parts}
     assert tree - shipped == set()
-    modules = {name for name in shipped if name.startswith("pagedserve/") and name.endswith((".py", ".c", ".h"))}
+    modules = {name for name in shipped if name.startswith("pagedserve/") and name.endswith(SHIPPED)}
     assert modules - tree == set()  # nothing the tree no longer has
 
 

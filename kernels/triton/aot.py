@@ -24,8 +24,8 @@ in `_tiles` / `_candidates` or a new constexpr shows up by itself.
 Scenarios (per model, activation dtype, KV dtype): decode batches of 1..64
 sequences (the default max_num_seqs) over 512..8192 keys (both models' context),
 prefill chunks of 16..2048 tokens (the default max_num_batched_tokens) with and
-without cached context, one mixed batch; GEMMs at M = 1, 16, 64, 256, 2048 (every
-candidate regime: M <= 16, <= 64, > 64, with and without split-K) for each
+without cached context, one mixed batch; GEMMs at M = 1, 2, 4, 16, 64, 256, 2048 (every
+candidate regime: the GEMV's row tiles at M <= 4, M <= 16, <= 64, > 64, with and without split-K) for each
 quantized linear (`LlamaForCausalLM.packed_modules`: qkv, o, gate_up, down; the LM
 head is never quantized, so the vocabulary size is no GEMM shape here). INT4
 group sizes: what `int4_group_size` picks for K, and 32 (GGUF Q4_1 checkpoints).
@@ -192,7 +192,7 @@ KV_BLOCK_SIZE = 16  # EngineConfig.block_size default (a constexpr of index arit
 DECODE_BATCHES = (1, 4, 16, 64)
 CONTEXTS = (512, 2048, 8192)
 PREFILLS = ((16, 0), (64, 8192), (512, 0), (2048, 0))  # (new tokens, cached tokens before them)
-GEMM_MS = (1, 16, 64, 256, 2048)
+GEMM_MS = (1, 2, 4, 16, 64, 256, 2048)  # 1, 2, 4: the GEMV row tiles (triton/gemv.py)
 GGUF_GROUP_SIZE = 32  # Q4_1 blocks, kept as the INT4 group when re-quantizing a GGUF checkpoint
 FP8_BLOCK = 128  # block-wise FP8 checkpoints' weight_block_size (DeepSeek-V3, Qwen3): group scales of 128 columns
 
@@ -204,6 +204,7 @@ _KERNELS = {  # module -> its @triton.jit kernels the launchers call
     "paged_attention": ("_paged_attention_kernel", "_split_reduce_kernel"),
     "cache_write": ("_write_kv_kernel",),
     "gemm": ("_splitk_reduce_kernel",),
+    "gemv": ("_w4a16_gemv_kernel", "_w8a16_gemv_kernel"),
     "int4": ("_w4a16_kernel", "_dequant_kernel"),
     "fp8": ("_fp8_gemm_kernel", "_per_token_quant_kernel"),
     "moe": ("_moe_gate_up_kernel", "_moe_down_kernel"),
@@ -516,6 +517,150 @@ def _record_gemms(m, log: List[Launch], model: ModelShape, dtype: torch.dtype) -
     return out
 
 
+_COMMITTED = "committed "  # the label of a launch replayed from a committed choice (`_record_committed`)
+
+
+def _replay(m, key: Dict[str, Any], cfg) -> None:
+    """Launch what a committed choice (kernels/triton/tuned.py) makes its launcher launch, on empty
+    tensors of the key's shape. The whole-matmul choices (cuBLAS after a dequantization, torch._scaled_mm)
+    replay the kernels before them only."""
+    dtype = getattr(torch, key["dtype"])
+    kind = key["kernel"]
+    if kind == "lora":
+        tokens, slots, rank, k, n = key["m"], key["slots"], key["rank"], key["width_in"], key["width_out"]
+        m.lora.add_lora_triton(torch.empty(tokens, n, dtype=dtype), torch.empty(tokens, k, dtype=dtype),
+                               torch.empty(slots, rank, k, dtype=dtype), torch.empty(slots, n, rank, dtype=dtype),
+                               torch.empty(slots), torch.zeros(tokens, dtype=torch.int32), config=cfg)
+        return
+    if kind == "moe":
+        if key["form"] != "dense":
+            raise ValueError(f"committed MoE choices are replayed for experts in the model dtype, not {key['form']}")
+        experts, hidden, inter = key["experts"], key["hidden"], key["inter"]
+        weights = m.moe.ExpertWeights(torch.empty(experts, 2 * inter, hidden, dtype=dtype),
+                                      torch.empty(experts, hidden, inter, dtype=dtype))
+        pairs = key["pairs"]
+        m.moe._launch(torch.empty(pairs, hidden, dtype=dtype), weights, torch.empty(pairs, 1),
+                      torch.zeros(pairs, 1, dtype=torch.int64), cfg)
+        return
+    mm, n, k, group = key["m"], key["n"], key["k"], key["group"]
+    x, out = torch.empty(mm, k, dtype=dtype), torch.empty(mm, n, dtype=dtype)
+    if kind == "w4a16":
+        w4 = m.int4.Int4Weight(torch.empty(k // 8, n, dtype=torch.int32), torch.empty(k // group, n, dtype=dtype),
+                               torch.empty(k // group, n, dtype=dtype), group, (n, k))
+        if cfg.variant == "dequant":
+            m.int4.dequantize_int4_triton(w4, dtype)
+        else:
+            m.int4._launch(x, w4, None, out, cfg)
+        return
+    scale = torch.empty(n, math.ceil(k / group)) if group else torch.empty(n)
+    if key["codes"] == "int8":
+        weight = m.fp8.Int8Weight(torch.empty(n, k, dtype=torch.int8), scale, group)
+    else:
+        weight = m.fp8.Fp8Weight(torch.empty(n, k, dtype=torch.float8_e4m3fn), scale, group)
+    if cfg.block_m == 0:  # torch._scaled_mm: the per-token quantization before it
+        m.fp8.per_token_quant_fp8_triton(x)
+    else:
+        m.fp8._run(x, weight, None, out, cfg, key["mode"])
+
+
+def _record_committed(m, log: List[Launch], target: Target) -> List[Tuple[str, Launch]]:
+    """The launches of every choice committed for a GPU of `target`'s compute capability
+    (kernels/triton/tuned.py's folder: the file's `capability`), so that each is compiled and
+    checked like the launchers' own (a committed configuration must not spill)."""
+    from .tuned import config_dir, config_from, key_text
+
+    out = []
+    for path in sorted(config_dir().glob("*.json")):
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("capability") != target.name:
+            continue
+        for item in data["choices"]:
+            log.clear()
+            _replay(m, item["key"], config_from(item["config"]))
+            out += [(f"{_COMMITTED}{path.name} {key_text(item['key'])}", launch) for launch in log]
+    return out
+
+
+def decode_programs(target: Target, model_name: str = "Llama-3-8B") -> List[Dict[str, Any]]:
+    """What one decode token's quantized linears launch on `target` (its first GPU's SM count): per
+    linear of `model_name` at M = 1, the int4 (the engine's group for K) and the fp8 weight GEMMs'
+    (in the target's mode) untimed choice: the committed one where `configs/` has a file for this
+    capability, else the launcher's first candidate. Each kernel and its programs, to set beside the
+    SMs (a weight-bound launch with fewer programs than SMs leaves bandwidth unused)."""
+    from pagedserve.kernels.int4 import int4_group_size
+
+    from .tuned import config_dir, config_from, key_text
+
+    committed: Dict[str, Any] = {}
+    for path in sorted(config_dir().glob("*.json")):
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("capability") == target.name:
+            committed.update({key_text(item["key"]): config_from(item["config"]) for item in data["choices"]})
+    gpu, sms = target.gpus[0]
+    model = next(m for m in MODELS if m.name == model_name)
+    rows: List[Dict[str, Any]] = []
+    log: List[Launch] = []
+    with _device_model(target, sms, log) as m:
+        mode = m.fp8.default_mode(torch.device("cuda"))
+        for layer, (n, k) in model.linears().items():
+            group = int4_group_size(k)
+            keys = {f"int4 g{group}": {"kernel": "w4a16", "m": 1, "n": n, "k": k, "group": group, "dtype": "bfloat16",
+                                       "bias": False},
+                    "fp8": {"kernel": "fp8", "m": 1, "n": n, "k": k, "dtype": "bfloat16", "mode": mode,
+                                    "bias": False, "group": 0, "codes": "float8_e4m3fn"}}
+            for kind, key in keys.items():
+                cfg = committed.get(key_text(key))
+                if cfg is None:
+                    cfg = (m.int4._candidates(1, n, k, group) if key["kernel"] == "w4a16"
+                           else m.fp8._candidates(1, n, k, mode))[0]
+                log.clear()
+                _replay(m, key, cfg)
+                launches = [(launch.kernel, math.prod(launch.grid)) for launch in log]
+                if cfg.block_m == 0:  # a vendor matmul after our kernels (its programs are cuBLAS's to choose)
+                    launches.append(("cuBLAS" if cfg.variant == "dequant" else "torch._scaled_mm", 0))
+                rows.append(dict(target=target.name, gpu=gpu, sms=sms, layer=layer, n=n, k=k, kind=kind,
+                                 mode=key.get("mode", ""), committed=key_text(key) in committed, launches=launches))
+    return rows
+
+
+def programs_table(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """`decode_programs`' rows of several targets as a markdown table: one line a linear and weight
+    kind, one column a target, each cell its launches' programs (a reduction's after a `+`)."""
+    targets = list(dict.fromkeys((r["target"], r["gpu"], r["sms"]) for r in rows))
+    lines = ["| M = 1 (one decode token) | " + " | ".join(f"{t} {gpu} ({sms} SMs)" for t, gpu, sms in targets) + " |",
+             "|---|" + "---:|" * len(targets)]
+    for layer, n, k, kind in dict.fromkeys((r["layer"], r["n"], r["k"], r["kind"]) for r in rows):
+        cells = []
+        for t, _, _ in targets:
+            row = next(r for r in rows if (r["target"], r["layer"], r["kind"]) == (t, layer, kind))
+            parts = [f"{name.strip('_').removesuffix('_kernel')} {count}" if count else name
+                     for name, count in row["launches"]]
+            notes = [note for note in (row["mode"], "committed" if row["committed"] else "") if note]
+            cells.append(" + ".join(parts) + (f" ({', '.join(notes)})" if notes else ""))
+        lines.append(f"| {layer} {n}x{k} {kind} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def resource_lines(results: Sequence[Tuple[KernelConfig, "CompileResult"]]) -> List[str]:
+    """Per target: compiles, failures, spills, the most registers and shared memory and whose."""
+    lines = []
+    for target in dict.fromkeys(r.target for _, r in results):
+        mine = [(cfg, r) for cfg, r in results if r.target == target]
+        ok = [(cfg, r) for cfg, r in mine if r.ok]
+        regs = max(ok, key=lambda p: p[1].registers, default=None)
+        smem = max(ok, key=lambda p: p[1].shared, default=None)
+        committed = sum(any(u.startswith(_COMMITTED) for u in cfg.uses) for cfg, _ in mine)
+        text = (f"{target}: {len(mine)} configurations ({committed} committed choices), {len(mine) - len(ok)} failed, "
+                f"{sum(r.spills > 0 for _, r in ok)} spill")
+        if regs is not None and smem is not None:
+            text += (f"; most registers {regs[1].registers} ({regs[1].kernel} [{regs[1].config}]), most shared memory "
+                     f"{smem[1].shared / 1024:.1f} KiB ({smem[1].kernel} [{smem[1].config}])")
+        lines.append(text)
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------
 # Configurations
 
@@ -556,7 +701,7 @@ _SUMMARY_SKIP = {"DOT_FP32", "DOT_F32", "PRECISION", "FP8_MAX_C", "EPS", "GROUP_
                  "KV_BLOCK_SIZE", "BLOCK_SIZE"}
 _SUMMARY_TENSORS = {"q_ptr", "k_ptr", "key_ptr", "key_cache_ptr", "x_ptr", "a_ptr", "b_ptr", "part_ptr", "out_ptr"}
 _SHORT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
-                torch.float8_e4m3fn: "e4m3", torch.int32: "i32"}
+                torch.float8_e4m3fn: "e4m3", torch.int32: "i32", torch.int8: "i8"}
 
 
 def _config_key(launch: Launch) -> Tuple:
@@ -600,6 +745,7 @@ def enumerate_configs(target: Target, dtypes: Iterable[torch.dtype] = DTYPES,
                 for dtype in dtypes:
                     if dtype != torch.float32 and model.name in LORA_MODELS:
                         recorded += _record_lora(m, log, model, dtype)
+            recorded += _record_committed(m, log, target)
         for label, launch in recorded:
             key = _config_key(launch)
             cfg = configs.setdefault(key, KernelConfig(launch.kernel, key, launch))
@@ -712,6 +858,16 @@ class CompileResult:
     @property
     def smem_ok(self) -> bool:
         return self.shared <= self.smem_limit
+
+    @property
+    def cell(self) -> str:
+        """The result in a table cell: registers / thread, spilled words, shared KiB, resident warps
+        per SM (limiter), and what is wrong."""
+        if not self.ok:
+            return f"FAIL: {self.error}"
+        flags = (" SPILLS" if self.spills else "") + (" SMEM>LIMIT" if not self.smem_ok else "")
+        return (f"{self.registers}r {self.spills}sp {self.shared / 1024:.1f}K {self.warps_per_sm}w "
+                f"({self.occupancy_limit}){flags}")
 
 
 _RESULTS: Dict[Tuple[str, Tuple], CompileResult] = {}  # (target, config key) -> result, for the process
@@ -887,7 +1043,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 __all__ = [
     "CompileResult", "KernelConfig", "Launch", "MODELS", "ModelShape", "TARGETS", "Target",
-    "can_compile_in_process", "compile_all", "enumerate_configs", "occupancy", "representative",
+    "can_compile_in_process", "compile_all", "decode_programs", "enumerate_configs", "occupancy", "programs_table",
+    "representative", "resource_lines",
 ]
 
 

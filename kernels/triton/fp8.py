@@ -19,6 +19,11 @@ kernel with GROUP_K set: each K tile's product is scaled by its group's scale pe
 before it joins the fp32 accumulator (the channel form scales once, in the epilogue); the
 activations stay quantized per token.
 
+At M <= 4, in either mode and for int8 codes, the first candidates are `triton/gemv.py`'s W8A16
+GEMV (variant "gemv": the weight decoded in registers against the 16-bit activations, FMAs, no
+tensor cores and no per-token quantization; split-K reduced in the same launch), the untimed
+default there.
+
 Launch scaffolding (split-K with a deterministic reduction for small M, timed config
 choice, tile order) is shared with the INT4 kernel in `triton/gemm.py`. In "fp8" mode on a
 GPU, cuBLASLt's row-wise-scaled FP8 GEMM (`torch._scaled_mm`, the same product of the same
@@ -61,6 +66,7 @@ from .gemm import (
     store_tile,
     timed_choice,
 )
+from .gemv import GEMV, MAX_M, gemv_block_m, w8a16_gemv
 
 
 @triton.jit
@@ -164,6 +170,17 @@ def per_token_quant_fp8_triton(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
     return q, s
 
 
+GEMV_TILES = {
+    1: [(128, 128, 8), (64, 64, 4), (64, 128, 8), (256, 128, 16)],
+    2: [(128, 128, 8), (64, 64, 4), (64, 128, 8), (256, 128, 16)],
+    4: [(64, 128, 8), (64, 64, 4), (256, 128, 16), (128, 128, 8)],  # (128, 128, 8): up to 173 registers here
+}
+"""BLOCK_M -> (BLOCK_N, BLOCK_K, warps) of the GEMV candidates at M <= 4 (`triton/gemv.py`), the
+first the untimed default: BLOCK_N and BLOCK_K below the thread count (no layout conversion in
+the loop), 32 or 64 weight bytes a thread a K tile. Group scales cap BLOCK_K (`_candidates`); the
+split is `choose_split_k`'s (~2 programs per SM)."""
+
+
 def _candidates(m: int, n: int, k: int, mode: str, group: int = 0):
     """The tiles tried for one shape; with group scales (`group` > 0) each K tile must lie
     inside one group, so BLOCK_K is capped at the largest power of two dividing it."""
@@ -188,6 +205,9 @@ def _tiles(m: int, n: int, k: int, mode: str):
         configs = [GemmConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in raw] + whole_k
         if mode == "fp8":  # also without the per-token quantization (one kernel less per linear)
             configs += [dataclasses.replace(c, variant="w8a16") for c in configs[:2] + whole_k]
+        if m <= MAX_M:  # decode-sized: the GEMV kernel first (16-bit activations in either mode)
+            bm = gemv_block_m(m)
+            configs = [GemmConfig(bm, bn, bk, w, 2, variant=GEMV) for bn, bk, w in GEMV_TILES[bm]] + configs
         return configs
     elif m <= 64:
         raw = [(64, 64, 128, 4, 4), (32, 128, 128, 4, 4), (64, 128, 128, 4, 3)]
@@ -208,8 +228,9 @@ def _scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, bias, out: 
 
 
 def quantizes(cfg: GemmConfig, mode: str) -> bool:
-    """Whether a launch of `cfg` in `mode` takes per-token e4m3 activations."""
-    return mode == "fp8" and cfg.variant != "w8a16"
+    """Whether a launch of `cfg` in `mode` takes per-token e4m3 activations (not the W8A16
+    launches: variant "w8a16" and the GEMV)."""
+    return mode == "fp8" and cfg.variant not in ("w8a16", GEMV)
 
 
 def _run(x2: torch.Tensor, w: Fp8Weight, bias, out: torch.Tensor, cfg: GemmConfig, mode: str) -> torch.Tensor:
@@ -224,6 +245,10 @@ def _launch(a, a_scale, w: Fp8Weight, bias, out, cfg: GemmConfig, a_fp8: bool) -
     """The product into `out` (our kernel) or a new tensor (SCALED_MM); returns it."""
     if cfg is SCALED_MM:
         return _scaled_mm(a, a_scale, w, bias, out)
+    if cfg.variant == GEMV:
+        if a_fp8:
+            raise ValueError("the GEMV takes 16-bit activations (quantizes() is False for it)")
+        return w8a16_gemv(a, w, bias, out, cfg, native=native_fp8(a.device))
     m, k = a.shape
     n = w.weight.shape[0]
     tiles, split, k_per_split, dst = plan_split(cfg, m, n, k, out)

@@ -12,8 +12,9 @@ Split-K: decode-sized M (and any launch with fewer output tiles than SMs) gives 
 program a slice of K and writes an fp32 partial; `_splitk_reduce_kernel` sums the
 partials in a fixed order, adds the bias and casts (deterministic, unlike atomics).
 
-Configs: a handful per regime, timed once per key (device, M bucket, shape, dtype...)
-and cached, in the process and on disk (`gemm_choices/` of the cache directory, per GPU
+Configs: the choice committed for this GPU where `configs/` has its file (`tuned.py`, written
+by benchmarks/tune_kernels.py), else a handful per regime, timed once per key (device, M bucket,
+shape, dtype...) and cached, in the process and on disk (`gemm_choices/` of the cache directory, per GPU
 name and Triton version), so a restarted server does not time them again
 (`PAGEDSERVE_AUTOTUNE=0` turns timing off and takes the first candidate). Under
 TRITON_INTERPRET=1 the first candidate is used.
@@ -216,9 +217,16 @@ def _store_choice(key: Tuple, choice: GemmConfig) -> None:
 def timed_choice(key: Tuple, candidates: List[GemmConfig],
                  run: Callable[[GemmConfig], object]) -> GemmConfig:
     """Pick the fastest candidate once per key (the small 'autotune' of this package);
-    keys start with the kernel's name, so kernels share the cache without colliding."""
+    keys start with the kernel's name, so kernels share the cache without colliding. A choice
+    committed for this GPU (`triton/tuned.py`) comes first and is never timed."""
     if key in _TUNED:
         return _TUNED[key]
+    from .tuned import committed_choice
+
+    committed = committed_choice(key, candidates)
+    if committed is not None:
+        _TUNED[key] = committed
+        return committed
     stored = _stored_choice(key, candidates)
     if stored is not None:
         _TUNED[key] = stored

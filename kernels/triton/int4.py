@@ -15,7 +15,10 @@ the two terms for groups far from 0 (|b| >> 15 s; tested with such groups). Scal
 offsets share one row stride (both made contiguous at launch).
 
 Launch scaffolding (split-K for decode-sized M with a deterministic reduction, timed
-config choice, tile order) is shared with the FP8 kernel in `triton/gemm.py`. Under
+config choice, tile order) is shared with the FP8 kernel in `triton/gemm.py`. At M <= 4 the
+first candidates are `triton/gemv.py`'s GEMV (variant "gemv": the codes decoded in registers and
+multiplied with FMAs, no tensor cores; split-K reduced in the same launch), the untimed default
+there; the tiles here follow them in the timed choice. Under
 TRITON_INTERPRET=1 the dot runs in fp32, because the numpy interpreter stores bf16 as
 raw uint16 and would multiply the bit patterns.
 """
@@ -42,6 +45,7 @@ from .gemm import (
     store_tile,
     timed_choice,
 )
+from .gemv import GEMV, MAX_M, gemv_block_m, w4a16_gemv
 
 
 @triton.jit
@@ -132,10 +136,28 @@ def _fit_block_k(bk: int, group_size: int, k: int) -> int:
     return bk
 
 
+GEMV_TILES = {
+    1: [(512, 32, 4), (1024, 32, 8), (512, 64, 4), (256, 32, 2)],
+    2: [(512, 32, 4), (1024, 32, 8), (512, 64, 4), (256, 32, 2)],
+    4: [(512, 16, 4), (1024, 16, 8), (256, 16, 2)],  # BLOCK_K 32 here: 255 registers on sm_89
+}
+"""BLOCK_M -> (BLOCK_N, BLOCK_K, warps) of the GEMV candidates at M <= 4 (`triton/gemv.py`), the
+first the untimed default. BLOCK_N is 128 x warps (every warp along N, no layout conversion in
+the loop); each thread holds the x tile, so BLOCK_K is smaller at BLOCK_M 4. BLOCK_K shrinks to
+fit the group; the split is `choose_split_k`'s (~2 programs per SM)."""
+
+
 def _candidates(m: int, n: int, k: int, group_size: int) -> List[GemmConfig]:
     if interpreting():
         bm, bn = interpreter_tile(m, n)
         return [GemmConfig(bm, bn, _fit_block_k(128, group_size, k), split_k=1)]
+    gemv: List[GemmConfig] = []
+    if m <= MAX_M:  # decode-sized: the GEMV kernel first, then the tensor-core tiles
+        bm = gemv_block_m(m)
+        for bn, bk, warps in GEMV_TILES[bm]:
+            cfg = GemmConfig(bm, bn, _fit_block_k(bk, group_size, k), warps, 2, variant=GEMV)
+            if cfg not in gemv:
+                gemv.append(cfg)
     if m <= 16:
         raw = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 64, 4, 4), (16, 128, 64, 4, 4),
                (16, 128, 128, 4, 5), (16, 256, 64, 8, 4)]
@@ -144,7 +166,7 @@ def _candidates(m: int, n: int, k: int, group_size: int) -> List[GemmConfig]:
     else:
         # (128, 128, 128) with 2 stages: 3 stages need 112 KiB of shared memory, over sm_89's 99 KiB
         raw = [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 2)]
-    out = [DEQUANT_MATMUL] if m > 64 else []
+    out = [DEQUANT_MATMUL] if m > 64 else gemv
     for bm, bn, bk, warps, stages in raw:
         cfg = GemmConfig(bm, bn, _fit_block_k(bk, group_size, k), warps, stages)
         if cfg not in out:
@@ -163,6 +185,8 @@ def _launch(x2: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor], out: 
     if cfg.variant == "dequant":
         y = x2 @ dequantize_int4_triton(w, x2.dtype)
         return y if bias is None else y.add_(bias.to(y.dtype))
+    if cfg.variant == GEMV:
+        return w4a16_gemv(x2, w, bias, out, cfg)
     m, k = x2.shape
     n = w.out_features
     bk = cfg.block_k

@@ -14,19 +14,22 @@ Same layout and result as `add_lora_ref` (kernels/lora.py), within rounding.
 
 Tiles: BLOCK_M 16 for decode-sized batches, 64 once the average slot gets that many rows;
 BLOCK_R / BLOCK_K the rank rounded up to a power of two (16..64); BLOCK_N 64, BLOCK_K 64 along
-the input. Interpreter (TRITON_INTERPRET=1, CPU): the dot operands in float32 (its tl.dot
-multiplies bfloat16's raw bits).
+the input, where this GPU has no committed choice (`triton/tuned.py`). Interpreter
+(TRITON_INTERPRET=1, CPU): the dot operands in float32 (its tl.dot multiplies bfloat16's raw bits).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
 from ..numerics import cdiv
-from .gemm import interpreting
+from .gemm import GemmConfig, bucket_m, interpreting
 from .moe import align_by_expert
+from .tuned import choice
 
 
 @triton.jit
@@ -107,6 +110,22 @@ def lora_block_m(num_tokens: int, num_slots: int) -> int:
     return 16 if num_tokens < 64 * max(num_slots, 1) else 64
 
 
+def lora_config(num_tokens: int, num_slots: int) -> GemmConfig:
+    """The launch without a committed choice: block_m rows a program (`lora_block_m`), the expand
+    kernel's BLOCK_N (block_n) and the shrink kernel's BLOCK_K along the input (block_k) 64."""
+    return GemmConfig(32 if interpreting() else lora_block_m(num_tokens, num_slots), 64, 64, 4, 2)
+
+
+def _config(x: torch.Tensor, num_slots: int, rank: int, width_out: int, block_m: int | None) -> GemmConfig:
+    """`lora_config`, or this GPU's committed choice (`triton/tuned.py`; never timed here: the
+    kernels run inside every adapted linear of a captured decode step), or a test's row tile."""
+    default = lora_config(x.shape[0], num_slots)
+    if block_m is not None:
+        return dataclasses.replace(default, block_m=block_m)
+    key = ("lora", x.device, bucket_m(x.shape[0]), default.block_m, num_slots, rank, x.shape[1], width_out, x.dtype)
+    return choice(key, [default])
+
+
 def add_lora_triton(
     out: torch.Tensor,
     x: torch.Tensor,
@@ -116,8 +135,10 @@ def add_lora_triton(
     token_slots: torch.Tensor,
     *,
     block_m: int | None = None,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `add_lora_ref` (block_m: a row-tile override for tests); returns out."""
+    """Triton twin of `add_lora_ref` (block_m: a row-tile override for tests; config: the whole
+    launch, for the tuning sweep); returns out."""
     num_tokens, width_in = x.shape
     num_slots, rank = a.shape[0], a.shape[1]
     width_out = out.shape[1]
@@ -129,7 +150,8 @@ def add_lora_triton(
     if num_tokens == 0:
         return out
     x, a, b = x.contiguous(), a.contiguous(), b.contiguous()
-    block_m = block_m or (32 if interpreting() else lora_block_m(num_tokens, num_slots))
+    config = config or _config(x, num_slots, rank, width_out, block_m)
+    block_m = config.block_m
     ids = torch.where(token_slots < 0, num_slots, token_slots.to(torch.int64))
     sorted_rows, block_slots = align_by_expert(ids[:, None], num_slots + 1, block_m)
     blocks = block_slots.numel()
@@ -140,15 +162,17 @@ def add_lora_triton(
         x, a, shrunk, sorted_rows, block_slots,
         num_tokens, num_slots, rank, width_in,
         x.stride(0), a.stride(0), a.stride(1), shrunk.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, DOT_FP32=dot_fp32, num_warps=4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=config.block_k, DOT_FP32=dot_fp32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    _lora_expand_kernel[(blocks, cdiv(width_out, 64))](
+    _lora_expand_kernel[(blocks, cdiv(width_out, config.block_n))](
         shrunk, b, scaling, out, sorted_rows, block_slots,
         num_tokens, num_slots, rank, width_out,
         shrunk.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_r, DOT_FP32=dot_fp32, num_warps=4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_r, DOT_FP32=dot_fp32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
 
-__all__ = ["add_lora_triton", "lora_block_m"]
+__all__ = ["add_lora_triton", "lora_block_m", "lora_config"]

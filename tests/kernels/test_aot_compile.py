@@ -21,8 +21,8 @@ NUM_SPLITS > 1 the largest (the value enters scalar arithmetic only), of the red
 counts the largest. That is every tile shape, warp / stage count, split-K / split-KV / fp8 /
 window / soft-cap / sink branch of every kernel. Timed-only GEMM candidates (never the untimed
 first candidate; `timed_choice` skips one that fails to launch) are compiled on sm_90 alone
-(`aot.TIMED_TARGET`). ~140 compiles on sm_90, ~90 on sm_80 and sm_89 and ~43 more on sm_89,
-shared out among child processes, one per CPU core (PAGEDSERVE_AOT_JOBS overrides). float16
+(`aot.TIMED_TARGET`). ~270 compiles on sm_90, ~145 on sm_80 and ~205 on sm_89 (its float32 ones
+included), shared out among child processes, one per CPU core (PAGEDSERVE_AOT_JOBS overrides). float16
 (the same code as bfloat16 but for the type), float32 on the other targets and the unthinned
 set: `python benchmarks/kernels.py --static`.
 
@@ -132,7 +132,8 @@ def test_enumeration_follows_the_launchers(results):
         assert {cfg.kernel for cfg in by_target[t]} >= {
             "_write_kv_kernel", "_paged_attention_kernel", "_split_reduce_kernel", "_w4a16_kernel",
             "_splitk_reduce_kernel", "_fp8_gemm_kernel", "_dequant_kernel", "_moe_gate_up_kernel", "_moe_down_kernel",
-            "_lora_shrink_kernel", "_lora_expand_kernel", "_matmul_kernel", "_rms_norm_kernel", "_log_softmax_kernel"}
+            "_lora_shrink_kernel", "_lora_expand_kernel", "_matmul_kernel", "_rms_norm_kernel", "_log_softmax_kernel",
+            "_w4a16_gemv_kernel", "_w8a16_gemv_kernel"}
         assert values(t, "_matmul_kernel", "BLOCK_N") == {32, 64}  # deterministic: by the weight's rows and the SMs
         assert values(t, "_rms_norm_kernel", "ORDER") == {0, 1, 2}
         assert values(t, "_moe_gate_up_kernel", "BLOCK_M") == ({16, 32, 64, 128} if t == "sm_90" else {16, 64})  # timed
@@ -180,3 +181,54 @@ def test_fp8_gemm_mode_follows_capability(monkeypatch):
     w = quantize_fp8(torch.randn(16, 32)).to(device)
     with pytest.raises(ValueError, match="8.9"):
         ft.fp8_matmul_triton(torch.randn(2, 32, device=device).to(torch.bfloat16), w, mode="fp8")
+
+
+def test_static_report(results, request):
+    """The report `make test` prints (tests/kernels/static_report.py): every configuration's registers,
+    spills and shared memory per target, written in full to the pytest cache, and the programs one
+    decode token's quantized GEMMs launch on each target (Llama-3-8B, M = 1) against its SMs. Every
+    committed choice (kernels/triton/configs/) is among the compiled configurations; the spill test
+    above fails on any of them."""
+    from . import static_report
+
+    committed = [cfg for cfg, r in results if any(u.startswith("committed ") for u in cfg.uses)]
+    programs = [row for t in TARGETS for row in aot.decode_programs(aot.TARGETS[t])]
+    assert {row["layer"] for row in programs} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert all(count > 0 or name in ("cuBLAS", "torch._scaled_mm") for row in programs for name, count in row["launches"])
+    table = aot.programs_table(programs)
+    lines = [f"{cfg.kernel} [{r.config}] {r.target}: {r.cell} (e.g. {cfg.uses[0]})" for cfg, r in results]
+    folder = request.config.cache.mkdir("static_report")
+    path = folder / "static_report.md"
+    path.write_text("\n".join(["# Static kernel report", "", *aot.resource_lines(results), "",
+                               "## Programs at M = 1", "", *table, "", "## Every configuration", "", *lines, ""]))
+    static_report.LINES[:] = aot.resource_lines(results) + [f"{len(committed)} committed choices compiled", *table]
+    static_report.PATH[:] = [str(path)]
+
+
+def test_committed_choices_are_compiled_for_their_target(tmp_path, monkeypatch):
+    """A choice committed for a GPU (kernels/triton/tuned.py's file, its `capability`) is replayed as
+    its launcher would launch it, and enumerated with the target's own configurations (so the
+    spill and shared-memory checks cover it), on that target only."""
+    import json
+
+    from pagedserve.kernels.triton import tuned
+    from pagedserve.kernels.triton.gemm import GemmConfig
+
+    key = ("w4a16", torch.device("cuda"), 1, 4096, 4096, 128, torch.bfloat16, False)
+    choice = tuned.entry(key, GemmConfig(16, 32, 128, 4, 5, split_k=3))
+    (tmp_path / "Some_GPU.json").write_text(json.dumps({"device": "Some GPU", "capability": "sm_90", "choices": [choice]}))
+    monkeypatch.setenv(tuned.CONFIG_DIR_ENV, str(tmp_path))
+    small = [m for m in aot.MODELS if m.name == "SmolLM2-135M"]
+
+    def committed(target):
+        return [cfg for cfg in aot.enumerate_configs(aot.TARGETS[target], (torch.bfloat16,), small)
+                if any(u.startswith("committed Some_GPU.json kernel=w4a16|m=1|n=4096") for u in cfg.uses)]
+
+    found = committed("sm_90")
+    assert {cfg.kernel for cfg in found} == {"_w4a16_kernel", "_splitk_reduce_kernel"}
+    w4a16 = next(dict(cfg.key[1]) for cfg in found if cfg.kernel == "_w4a16_kernel")
+    assert (w4a16["BLOCK_N"], w4a16["BLOCK_K"], w4a16["SPLIT"]) == (32, 128, True)
+    assert committed("sm_80") == []
+    rows = aot.decode_programs(aot.TARGETS["sm_90"])
+    o_proj = next(r for r in rows if r["layer"] == "o_proj" and r["kind"].startswith("int4"))
+    assert o_proj["committed"] and o_proj["launches"] == [("_w4a16_kernel", 128 * 3), ("_splitk_reduce_kernel", 4)]
