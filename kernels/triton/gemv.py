@@ -92,6 +92,14 @@ def _row_mask(row, M, N, offs_n):
 
 
 @triton.jit
+def _row_pointers(x_ptr, row0, M, stride_xm):
+    """The four activation rows a program may multiply, from `row0`: rows past M read row M - 1
+    (no mask in the loop); their results are never stored."""
+    return (x_ptr + row0 * stride_xm, x_ptr + tl.minimum(row0 + 1, M - 1) * stride_xm,
+            x_ptr + tl.minimum(row0 + 2, M - 1) * stride_xm, x_ptr + tl.minimum(row0 + 3, M - 1) * stride_xm)
+
+
+@triton.jit
 def _store_partial(acc, part_ptr, pid_k, row, M, N, offs_n):
     """fp32 partial of K slice `pid_k` for output row `row`: part is [S, M, N]."""
     tl.store(part_ptr + (pid_k * M + row) * N + offs_n, acc, mask=_row_mask(row, M, N, offs_n))
@@ -175,18 +183,13 @@ def _w4a16_gemv_kernel(
     mask_n = offs_n < N
     offs_r = tl.arange(0, ROWS)
     row0 = pid_m * BLOCK_M
-    # rows past M read row M - 1 (no mask in the loop); their results are never stored
-    xr0 = x_ptr + row0 * stride_xm
-    xr1 = x_ptr + tl.minimum(row0 + 1, M - 1) * stride_xm
-    xr2 = x_ptr + tl.minimum(row0 + 2, M - 1) * stride_xm
-    xr3 = x_ptr + tl.minimum(row0 + 3, M - 1) * stride_xm
+    xr0, xr1, xr2, xr3 = _row_pointers(x_ptr, row0, M, stride_xm)
 
     acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum over the slice's tiles of s * (x . q) + b * sum(x)
     acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
+    k_begin, k_end = gemm.split_k_range(pid_k, K, k_per_split)
     for k0 in range(k_begin, k_end, BLOCK_K):
         packed = tl.load(qw_ptr + (k0 // 8 + offs_r)[:, None] * stride_qk + offs_n[None, :],
                          mask=mask_n[None, :], other=0)
@@ -248,18 +251,13 @@ def _w8a16_gemv_kernel(
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     row0 = pid_m * BLOCK_M
-    # rows past M read row M - 1 (no mask in the loop); their results are never stored
-    xr0 = x_ptr + row0 * stride_xm
-    xr1 = x_ptr + tl.minimum(row0 + 1, M - 1) * stride_xm
-    xr2 = x_ptr + tl.minimum(row0 + 2, M - 1) * stride_xm
-    xr3 = x_ptr + tl.minimum(row0 + 3, M - 1) * stride_xm
+    xr0, xr1, xr2, xr3 = _row_pointers(x_ptr, row0, M, stride_xm)
 
     acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
+    k_begin, k_end = gemm.split_k_range(pid_k, K, k_per_split)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + offs_k
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk
