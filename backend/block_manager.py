@@ -220,7 +220,25 @@ class BlockManager:
         """Release seq's blocks. Named blocks queue at the tail (tail blocks of the
         sequence first, so they are evicted first); unnamed ones go to the head,
         to be reused before any cached content is evicted."""
-        for block_id in reversed(seq.block_table):
+        self._release(seq.block_table)
+        seq.block_table = []
+        seq.num_named_blocks = 0
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks seq's first num_tokens need (speculative decoding's rejected
+        drafts); the rest are freed as `free` frees them. The table is a new list: the decode
+        graphs notice a changed table by its identity (backend/cuda_graphs.py)."""
+        keep = cdiv(num_tokens, self.block_size)
+        if keep >= len(seq.block_table):
+            return
+        self._release(seq.block_table[keep:])
+        seq.block_table = seq.block_table[:keep]
+        seq.num_named_blocks = min(seq.num_named_blocks, keep)
+
+    def _release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block, the last first; a block no one holds joins the free
+        queue: at its tail when named (evicted last, its content reusable), at its head otherwise."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -228,8 +246,6 @@ class BlockManager:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
-        seq.block_table = []
-        seq.num_named_blocks = 0
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:

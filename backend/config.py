@@ -138,6 +138,14 @@ class EngineConfig:
     its share of the weights and of the KV cache; rank 0 runs the engine and spawns the others. Must divide
     the attention heads, the intermediate size and the vocabulary. On CUDA one GPU per rank (NCCL), on CPU
     gloo."""
+    speculative_config: str | dict = ""
+    """Speculative decoding (vLLM's --speculative-config): a dict (Python API), a JSON object or
+    `key=value,key=value` (config.pbtxt, `pagedserve serve --set`) of vLLM's keys `method` (only "ngram",
+    prompt lookup, for now), `num_speculative_tokens` (required, >= 1), `prompt_lookup_min` and
+    `prompt_lookup_max` (both unset: 5 and 5; one unset: the other's value). Plain greedy requests verify
+    their drafts in the step's flat batch and give exactly the tokens they give without it (docs/engine-
+    settings.md); other requests decode as before. Empty: off. Refused with async_scheduling=on and several
+    ranks; async_scheduling=auto is off while speculating."""
 
     def __post_init__(self) -> None:
         self._coerce_types()
@@ -211,6 +219,7 @@ class EngineConfig:
         _at_least(self, "num_threads", 0)
         _at_least(self, "tensor_parallel_size", 1)
         self._validate_lora()
+        self._validate_speculative()
         if self.tensor_parallel_size > 1:
             self._validate_tensor_parallel()
         if self.model and not os.path.exists(self.model):
@@ -234,6 +243,19 @@ class EngineConfig:
                 raise ConfigError("enable_lora", f"adapters run in the eager step on one rank, their deltas in "
                                                  f"batches of any size (not batch-invariant); set {name} to "
                                                  f"{' or '.join(map(repr, neutral))} (got {getattr(self, name)!r})")
+
+    def _validate_speculative(self) -> None:
+        from .spec_decode.config import parse
+
+        self.speculative = parse(self.speculative_config)
+        """The parsed speculative_config, None when off."""
+        if self.speculative is None:
+            return
+        for name, neutral in (("async_scheduling", ("auto", "off")), ("tensor_parallel_size", (1,))):
+            if getattr(self, name) not in neutral:
+                raise ConfigError("speculative_config", f"is implemented for synchronous steps on one rank; set "
+                                                        f"{name} to {' or '.join(map(repr, neutral))} "
+                                                        f"(got {getattr(self, name)!r})")
 
     @property
     def compile_supported(self) -> bool:

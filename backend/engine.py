@@ -42,6 +42,7 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
+from .spec_decode import Speculator
 from .structured_output import GrammarCompiler
 from .tokenizer import apply_chat_template, encode_prompt
 
@@ -61,13 +62,16 @@ class InFlightStep:
     """A sampling request needs every token on the host before its next step (processors, logprobs)."""
     logits: torch.Tensor | None = None
     """The raw logits, kept where a request wants logprobs."""
+    counts: list[int] | None = None
+    """Speculative decoding: the logits rows (and staged tokens) of each sampling sequence; None: one each."""
 
 
 def async_scheduling_wanted(config: EngineConfig, device: torch.device) -> bool:
     """`async_scheduling: auto` overlaps on CUDA with one rank; on CPU the forward runs on the
-    engine's own thread, so there is nothing to overlap."""
+    engine's own thread, so there is nothing to overlap. Speculative decoding needs each step's
+    tokens on the host before the next is scheduled (the drafts follow them): auto is off then."""
     if config.async_scheduling == "auto":
-        return device.type == "cuda" and config.tensor_parallel_size == 1
+        return device.type == "cuda" and config.tensor_parallel_size == 1 and not config.speculative
     return config.async_scheduling == "on"
 
 
@@ -114,6 +118,8 @@ class LLMEngine:
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         num_blocks = num_kv_blocks(config, loaded.model.local_config, self.device, self.kv_dtype)
         self.max_model_len = max_model_len(config, self.model_config, num_blocks)
+        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
+        """Speculative decoding's proposer and verifier (speculative_config), else None."""
         self.scheduler = Scheduler(
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs,
@@ -123,6 +129,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
             max_loras=config.max_loras if self.lora is not None else 0,
+            speculator=self.speculator,
         )
         runner_args = (loaded.model, num_blocks, config.block_size, self.kv_dtype, self.device, config.attention_backend,
                        config.max_num_batched_tokens if compiled else 0)
@@ -328,11 +335,19 @@ class LLMEngine:
         batch.sampling_seqs = sampling_seqs  # in the order of the logits' rows, which the tokens follow
         if not sampling_seqs:
             return InFlightStep(batch, None)
-        tokens = self.sampler.sample(logits, sampling_seqs)
-        self.runner.remember(sampling_seqs, tokens)
-        needs_host = any(seq.params.needs_host_tokens for seq in sampling_seqs)
+        counts = None
+        if self.speculator is not None and batch.has_drafts:  # rows of the verifying sequences' drafts too
+            drafts = {id(seq): d for seq, d in zip(batch.seqs, batch.drafts)}
+            counts = [1 + len(drafts[id(seq)]) for seq in sampling_seqs]
+            tokens, firsts = self.speculator.verify(logits, sampling_seqs, counts, self.sampler)
+            self.runner.remember(sampling_seqs, firsts)
+        else:
+            tokens = self.sampler.sample(logits, sampling_seqs)
+            self.runner.remember(sampling_seqs, tokens)
+        needs_host = any(seq.params.needs_host_tokens for seq in sampling_seqs) or counts is not None
         wants_logprobs = any(seq.params.logprobs is not None for seq in sampling_seqs)
-        return InFlightStep(batch, self.runner.stage_tokens(tokens), needs_host, logits if wants_logprobs else None)
+        return InFlightStep(batch, self.runner.stage_tokens(tokens), needs_host, logits if wants_logprobs else None,
+                            counts)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         """Apply a launched step's tokens (waiting for them) and render each request's delta."""
@@ -340,15 +355,47 @@ class LLMEngine:
             self.scheduler.update_from_output(step.batch, [])
             return []
         tokens = step.tokens.tolist()
-        logprobs = self.sampler.logprobs(step.logits, step.batch.sampling_seqs, tokens) if step.logits is not None else None
-        constrained = [(seq, token) for seq, token in zip(step.batch.sampling_seqs, tokens) if seq.grammar is not None]
+        seqs = step.batch.sampling_seqs
+        if step.counts is not None:
+            return self._finish_verify(step, tokens)
+        logprobs = self.sampler.logprobs(step.logits, seqs, tokens) if step.logits is not None else None
+        constrained = [(seq, token) for seq, token in zip(seqs, tokens) if seq.grammar is not None]
         for seq, token in constrained:
             seq.grammar.accept_token(token)
-        advanced = self.scheduler.update_from_output(step.batch, tokens, logprobs)
+        advanced = self.scheduler.update_from_output(step.batch, tokens, logprobs, self._on_token)
         for seq, _ in constrained:
             if seq.grammar.is_terminated() and not seq.is_finished:  # complete (ignore_eos, or EOS not the stop)
                 self.scheduler.finish(seq, FinishReason.STOP)
         return [output for seq in advanced if (output := self._render(seq)) is not None]
+
+    def _finish_verify(self, step: InFlightStep, row_tokens: list[int]) -> list[RequestOutput]:
+        """A step with drafts (never a grammar's request): each sequence's accepted drafts and its
+        own token, with logprobs for every one of them from its row's raw logits."""
+        assert self.speculator is not None and step.counts is not None
+        seqs, counts = step.batch.sampling_seqs, step.counts
+        drafts = {id(seq): d for seq, d in zip(step.batch.seqs, step.batch.drafts)}
+        emitted = self.speculator.accept(row_tokens, [drafts[id(seq)] for seq in seqs])
+        logprobs = None
+        if step.logits is not None:
+            rows = [seq for seq, count in zip(seqs, counts) for _ in range(count)]
+            flat = self.sampler.logprobs(step.logits, rows, row_tokens)
+            logprobs, offset = [], 0
+            for count, tokens in zip(counts, emitted):
+                logprobs.append(flat[offset : offset + len(tokens)])
+                offset += count
+        for seq, tokens in zip(seqs, emitted):
+            if seq.grammar is not None:
+                seq.grammar.accept_token(tokens[0])
+        advanced = self.scheduler.update_from_output(step.batch, emitted, logprobs, self._on_token)
+        for seq in seqs:
+            if seq.grammar is not None and seq.grammar.is_terminated() and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP)
+        return [output for seq in advanced if (output := self._render(seq)) is not None]
+
+    def _on_token(self, seq: Sequence) -> bool:
+        """The renderer's account of the token just appended; True when a stop string hit."""
+        renderer = self.renderers.get(seq.request_id)
+        return renderer is not None and renderer.on_token()
 
     def _merge_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """One output per request (n > 1 samples merged); forks whose prompt is ready start."""
@@ -358,10 +405,9 @@ class LLMEngine:
         return self.groups.merge(outputs)
 
     def _render(self, seq: Sequence) -> RequestOutput | None:
-        """The request's delta after its new token; a stop string in the text finishes it."""
+        """The request's delta after its new tokens (their stop strings were looked for as each
+        was appended, `_on_token`)."""
         renderer = self.renderers[seq.request_id]
-        if renderer.on_token():
-            self.scheduler.finish(seq, FinishReason.STOP)
         if seq.is_finished:
             del self.renderers[seq.request_id]
         return renderer.collect(finished=seq.is_finished)
@@ -385,7 +431,16 @@ class LLMEngine:
             prefix_hit_tokens=kv.prefix_hit_tokens,
             block_size=kv.block_size,
             last_step=scheduler.last_step,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.speculator is None:
+            return {}
+        stats = self.speculator.stats
+        return {"spec_num_drafts": stats.num_drafts, "spec_num_draft_tokens": stats.num_draft_tokens,
+                "spec_num_accepted_tokens": stats.num_accepted_tokens,
+                "spec_accepted_per_pos": list(stats.accepted_per_pos)}
 
     def prompt_logprobs(self, token_ids: Seq[int]) -> list[float]:
         """Logprob of each token after the first given the ones before it (for perplexity).

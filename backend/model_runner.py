@@ -150,6 +150,8 @@ class ModelRunner:
                 else:  # its token is still on the device
                     device_rows.append(begin)
                     device_src.append(self.last_rows[id(seq)])
+            elif batch.drafts and batch.drafts[i]:  # a verify: its last token, then its drafts
+                input_ids[begin:end] = seq.token_ids[start:] + batch.drafts[i]
             else:
                 input_ids[begin:end] = seq.token_ids[start : seq_lens[i]]
             block_tables[i, : len(seq.block_table)] = seq.block_table
@@ -158,8 +160,14 @@ class ModelRunner:
         slots = block_tables[rows, positions // self.block_size].astype(np.int64) * self.block_size
         slots += positions % self.block_size
         seq_slots = self.lora.slots_of(seqs) if self.lora is not None else None
+        logits_indices = query_start[1:][sampling] - 1
+        if batch.has_drafts:  # a verifying sequence's logits at its last token and at each draft, in order
+            counts = sampling * (1 + np.fromiter(map(len, batch.drafts), dtype=np.int64, count=len(seqs)))
+            firsts = np.cumsum(counts) - counts
+            logits_indices = (np.repeat(query_start[1:] - counts, counts)
+                              + np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(firsts, counts))
         return StepArrays(input_ids=input_ids, positions=positions, slots=slots, block_tables=block_tables,
-                          seq_lens=seq_lens, query_start=query_start, logits_indices=query_start[1:][sampling] - 1,
+                          seq_lens=seq_lens, query_start=query_start, logits_indices=logits_indices,
                           sampling_seqs=[s for s, keep in zip(seqs, sampling) if keep],
                           device_rows=np.asarray(device_rows, dtype=np.int64),
                           device_src=np.asarray(device_src, dtype=np.int64),

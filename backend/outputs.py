@@ -120,3 +120,11 @@ class EngineStats:
     """Of those, tokens whose KV blocks were reused."""
     block_size: int = 16
     last_step: StepCounts = field(default_factory=StepCounts)
+    spec_num_drafts: int = 0
+    """Speculative decoding (vLLM v1's vllm:spec_decode_* counters): request-steps that verified drafts,"""
+    spec_num_draft_tokens: int = 0
+    """the draft tokens verified,"""
+    spec_num_accepted_tokens: int = 0
+    """and those accepted;"""
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+    """position i: request-steps that accepted at least i + 1 drafts."""

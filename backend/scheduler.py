@@ -20,13 +20,16 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence as Seq
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence as Seq, cast
 
 from .block_manager import BlockManager
 from .errors import InvalidRequestError, QueueFullError
 from .outputs import StepCounts
 from .sampling_params import SamplingParams
 from .sequence import FinishReason, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from .spec_decode import Speculator
 
 
 @dataclass
@@ -42,18 +45,29 @@ class ScheduledBatch:
     """The sequences that sample a token this step (their last scheduled token is their last)."""
     samples: list[bool] = field(default_factory=list)
     """Per sequence: whether it samples this step (set when the step is committed)."""
+    drafts: list[list[int]] = field(default_factory=list)
+    """Per sequence: the draft tokens it verifies this step (speculative decoding), computed
+    after its last token and counted in num_new_tokens; empty for most."""
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+    def add(self, seq: Sequence, num_new_tokens: int, drafts: list[int] | None = None) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
+        self.drafts.append(drafts or [])
+
+    def drafts_of(self, seq_index: int) -> list[int]:
+        return self.drafts[seq_index] if self.drafts else []
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.drafts)
 
     def commit(self) -> None:
         """Count the step's tokens as computed now, and its samples as pending, so the next
         step can be scheduled before this one's results are back (async scheduling)."""
         self.starts = [seq.num_computed_tokens for seq in self.seqs]
-        for seq, num_new in zip(self.seqs, self.num_new_tokens):
+        for index, (seq, num_new) in enumerate(zip(self.seqs, self.num_new_tokens)):
             seq.num_computed_tokens += num_new
-            samples = seq.num_computed_tokens == seq.num_tokens
+            samples = seq.num_computed_tokens - len(self.drafts_of(index)) == seq.num_tokens
             self.samples.append(samples)
             if samples:
                 seq.num_pending_tokens += 1
@@ -78,6 +92,7 @@ class Scheduler:
         max_model_len: int | None = None,
         eos_token_ids: Seq[int] = (),
         max_loras: int = 0,
+        speculator: Speculator | None = None,
     ):
         """max_loras > 0: requests of at most that many LoRA adapters run at once (the device's
         slots); the first waiting request of another adapter waits, and those behind it, until a
@@ -90,6 +105,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = list(eos_token_ids)
         self.max_loras = max_loras
+        self.speculator = speculator
+        """Speculative decoding's proposer and verifier (None: off)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -194,22 +211,54 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         index = 0
+        later_needs = self._later_block_needs() if self.speculator is not None else []
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             if seq.num_pending_tokens and seq.reaches_limit(self.max_model_len):
                 index += 1  # its token in flight ends it: it finishes when that token arrives
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
+            drafts = self._drafts(seq, budget) if self.speculator is not None else []
+            if drafts:
+                spare = self.block_manager.num_free_blocks - self._blocks_needed(seq, 1 + len(drafts))
+                if spare >= later_needs[index + 1] and self.block_manager.allocate(seq, 1 + len(drafts)):
+                    num_new = 1 + len(drafts)
+                else:
+                    drafts = []  # never preempt a request to make room for drafts
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.num_preempted += 1
                 if victim is seq:
                     return budget
-            batch.add(seq, num_new)
+            batch.add(seq, num_new, drafts)
             budget -= num_new
             index += 1
         return budget
+
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        return max(0, -(-(seq.num_computed_tokens + num_new) // self.block_manager.block_size) - len(seq.block_table))
+
+    def _later_block_needs(self) -> list[int]:
+        """Per running index: the blocks the requests from there on need for their own tokens
+        (drafts may take only what is left beyond them, so they never cause a preemption)."""
+        needs = [0] * (len(self.running) + 1)
+        for i in range(len(self.running) - 1, -1, -1):
+            seq = self.running[i]
+            needs[i] = needs[i + 1] + self._blocks_needed(seq, seq.num_uncomputed_tokens)
+        return needs
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """A decoding request's draft tokens: at most what the budget leaves beside its own token,
+        and few enough that all accepted plus the model's own token stay within max_tokens and
+        max_model_len."""
+        speculator = self.speculator
+        if speculator is None or seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens or not speculator.eligible(seq):
+            return []
+        cap = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            cap = min(cap, self.max_model_len - seq.num_tokens - 1)
+        return speculator.propose(seq, cap) if cap > 0 else []
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -270,33 +319,65 @@ class Scheduler:
 
     # -- after the forward -----------------------------------------------------
     def update_from_output(
-        self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None = None
+        self,
+        batch: ScheduledBatch,
+        token_ids: Seq[int] | Seq[Seq[int]],
+        logprobs: list | None = None,
+        on_token: Callable[[Sequence], bool] | None = None,
     ) -> list[Sequence]:
         """Apply one step's results: name newly full blocks, append each sampled token and
         finish requests it ends. A sequence that ended while the step ran (a stop found in
         the step before, with async scheduling) drops its token. Returns the sequences
-        that got a token."""
+        that got a token.
+
+        With speculative decoding a sequence's entry is a list: its accepted drafts and the
+        model's own token. Its computed tokens are first rolled back to the accepted ones (and
+        whole blocks past them returned), so no block holding a rejected draft's K/V is ever
+        named; then its tokens are applied one at a time, each checked as a plain step's
+        (stop token, length, then `on_token`: the engine's stop-string check), and the first
+        that ends it drops the rest. logprobs follows token_ids' shape."""
         for seq, samples in zip(batch.seqs, batch.samples or [False] * len(batch.seqs)):
             if not samples and not seq.is_finished:  # a sampling one is named after its token, below
                 self.block_manager.cache_full_blocks(seq)
+        drafts = {id(seq): d for seq, d in zip(batch.seqs, batch.drafts) if d} if batch.drafts else {}
         now = time.monotonic()
         advanced = []
-        for index, (seq, token) in enumerate(zip(batch.sampling_seqs, token_ids)):
+        for index, (seq, entry) in enumerate(zip(batch.sampling_seqs, token_ids)):
             if seq.is_finished:
                 continue
+            tokens: list[int] = [entry] if isinstance(entry, int) else list(cast(Seq[int], entry))
+            entry_logprobs = logprobs[index] if logprobs is not None else None
+            if entry_logprobs is None or isinstance(entry, int):
+                entry_logprobs = [entry_logprobs] * len(tokens)
+            draft = drafts.get(id(seq))
+            if draft is not None:
+                self._roll_back(seq, len(draft) - (len(tokens) - 1))
             seq.num_pending_tokens -= 1
-            seq.append_token(token)
-            if logprobs is not None and logprobs[index] is not None:
-                seq.logprobs.append(logprobs[index])
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self.generation_tokens_total += 1
             advanced.append(seq)
-            self.block_manager.cache_full_blocks(seq)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
+            for token, token_logprob in zip(tokens, entry_logprobs):
+                seq.append_token(token)
+                if token_logprob is not None:
+                    seq.logprobs.append(token_logprob)
+                self.generation_tokens_total += 1
+                self.block_manager.cache_full_blocks(seq)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    self.finish(seq, reason)
+                if on_token is not None and on_token(seq):
+                    self.finish(seq, FinishReason.STOP)
+                if seq.is_finished:
+                    break
         return advanced
+
+    def _roll_back(self, seq: Sequence, num_rejected: int) -> None:
+        """Forget the K/V of seq's rejected drafts: computed tokens back to the accepted ones,
+        whole blocks past them freed."""
+        if num_rejected <= 0:
+            return
+        seq.num_computed_tokens -= num_rejected
+        self.block_manager.trim(seq, seq.num_computed_tokens)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params

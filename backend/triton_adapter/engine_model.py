@@ -138,7 +138,9 @@ class EngineModel:
         if enable_metrics:
             labels = {"model": args["model_name"], "version": args["model_version"]}
             try:
-                metrics = EngineMetrics(pb_utils, labels, report_vllm_metrics, engine.max_model_len, engine.config.max_num_seqs)
+                speculative = engine.config.speculative
+                metrics = EngineMetrics(pb_utils, labels, report_vllm_metrics, engine.max_model_len, engine.config.max_num_seqs,
+                                        speculative.num_speculative_tokens if speculative else 0)
             except Exception as error:  # tritonserver --allow-metrics=false
                 if "metrics not supported" not in str(error):
                     raise

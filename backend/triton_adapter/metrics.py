@@ -65,10 +65,11 @@ class _Families:
         return family.Metric(labels=self.labels)
 
     def labelled(
-        self, name: str, description: str, label: str, values: tuple[str, ...], labels: Mapping[str, str]
+        self, name: str, description: str, label: str, values: tuple[str, ...], labels: Mapping[str, str],
+        kind: str = "GAUGE",
     ) -> dict[str, Any]:
-        """One gauge family with a series per value of `label` (TensorRT-LLM's layout)."""
-        family = self.pb_utils.MetricFamily(name=name, description=description, kind=self.pb_utils.MetricFamily.GAUGE)
+        """One family (a gauge unless told) with a series per value of `label` (TensorRT-LLM's layout)."""
+        family = self.pb_utils.MetricFamily(name=name, description=description, kind=getattr(self.pb_utils.MetricFamily, kind))
         self.families.append(family)
         return {value: family.Metric(labels={**labels, label: value}) for value in values}
 
@@ -110,6 +111,34 @@ class TrtllmMetrics:
         for key, series in self.series.items():
             for value, metric in series.items():
                 metric.set(values[key][value])
+
+
+class SpecDecodeMetrics:
+    """vLLM v1's speculative decoding counters (`vllm:spec_decode_*`), counted up from the
+    engine's running totals (EngineStats.spec_*)."""
+
+    STATS = {"spec_num_drafts": ("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts."),
+             "spec_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens."),
+             "spec_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.")}
+
+    def __init__(self, families: _Families, labels: Mapping[str, str], num_speculative_tokens: int):
+        self.counters = {key: families.metric(name, text, "COUNTER") for key, (name, text) in self.STATS.items()}
+        self.per_pos = families.labelled(
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total", "Accepted tokens per draft position.", "position",
+            tuple(str(i) for i in range(num_speculative_tokens)), labels, kind="COUNTER")
+        self._seen = dict.fromkeys(self.counters, 0)
+        self._seen_pos = [0] * num_speculative_tokens
+
+    def refresh(self, stats: EngineStats) -> None:
+        for key, counter in self.counters.items():
+            total = getattr(stats, key)
+            if total > self._seen[key]:
+                counter.increment(total - self._seen[key])
+                self._seen[key] = total
+        for position, total in enumerate(stats.spec_accepted_per_pos[: len(self._seen_pos)]):
+            if total > self._seen_pos[position]:
+                self.per_pos[str(position)].increment(total - self._seen_pos[position])
+                self._seen_pos[position] = total
 
 
 class VllmMetrics:
@@ -158,11 +187,15 @@ class EngineMetrics:
     """pagedserve's gauges (always), vLLM's families (`vllm` set: REPORT_CUSTOM_METRICS)."""
 
     def __init__(
-        self, pb_utils: Any, labels: Mapping[str, str], vllm: bool = True, max_model_len: int = 2048, max_num_seqs: int = 64
+        self, pb_utils: Any, labels: Mapping[str, str], vllm: bool = True, max_model_len: int = 2048, max_num_seqs: int = 64,
+        num_speculative_tokens: int = 0,
     ):
+        """num_speculative_tokens > 0 (speculative_config): vLLM's spec_decode counters too, with its families."""
         self._families = _Families(pb_utils, labels)
         metric = self._families.metric
         self.vllm = VllmMetrics(self._families, max_model_len) if vllm else None
+        self.spec_decode = (SpecDecodeMetrics(self._families, labels, num_speculative_tokens)
+                            if vllm and num_speculative_tokens > 0 else None)
         self.trtllm = TrtllmMetrics(self._families, str(labels.get("version", "1")), max_num_seqs)
         self.running = metric("pagedserve:num_requests_running", "Requests running", "GAUGE")
         self.waiting = metric("pagedserve:num_requests_waiting", "Requests waiting", "GAUGE")
@@ -215,6 +248,8 @@ class EngineMetrics:
         self.hit_rate.set(stats.prefix_hit_rate)
         self.max_running.set(stats.peak_num_running)
         self.trtllm.refresh(stats, time.time())
+        if self.spec_decode is not None:
+            self.spec_decode.refresh(stats)
         for name, counter in self._counters.items():
             total = getattr(stats, name)
             if total > self._seen[name]:

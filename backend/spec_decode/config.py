@@ -1,0 +1,98 @@
+"""`speculative_config`: vLLM's keys, given as a dict (Python API), a JSON object, or
+`key=value,key=value` (config.pbtxt and `pagedserve serve --set` cannot carry quotes)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from ..values import to_int
+
+FIELD = "speculative_config"
+METHODS = ("ngram",)
+NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+DEFAULT_LOOKUP = 5
+"""vLLM's SpeculativeConfig: both prompt_lookup bounds unset -> 5 and 5; one unset -> the other's value."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+
+def parse(value: Any) -> SpeculativeConfig | None:
+    """The parsed setting, or None when speculation is off (empty string, None or {})."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    items = _items(value)
+    if not items:
+        return None
+    unknown = sorted(set(items) - set(KEYS))
+    if unknown:
+        raise ConfigError(FIELD, f"unknown key(s) {unknown}; known keys: {list(KEYS)}")
+    method = str(items.get("method", "ngram")).strip().lower()
+    if method == "[ngram]":
+        method = "ngram"
+    if method not in METHODS:
+        if method in NOT_YET:
+            raise ConfigError(FIELD, f"method {method!r} is not implemented yet; only 'ngram' (prompt lookup) is")
+        raise ConfigError(FIELD, f"method must be 'ngram', got {method!r}")
+    if items.get("num_speculative_tokens") in (None, ""):
+        raise ConfigError(FIELD, "num_speculative_tokens is required (the draft tokens proposed per step, >= 1)")
+    k = _int(items, "num_speculative_tokens")
+    low = _int(items, "prompt_lookup_min") if items.get("prompt_lookup_min") not in (None, "") else None
+    high = _int(items, "prompt_lookup_max") if items.get("prompt_lookup_max") not in (None, "") else None
+    if low is None and high is None:
+        low = high = DEFAULT_LOOKUP
+    elif low is None:
+        low = high
+    elif high is None:
+        high = low
+    assert low is not None and high is not None
+    for name, number in (("num_speculative_tokens", k), ("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+        if number < 1:
+            raise ConfigError(FIELD, f"{name} must be >= 1, got {number}")
+    if low > high:
+        raise ConfigError(FIELD, f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+    return SpeculativeConfig(method, k, low, high)
+
+
+def _items(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return dict(value)
+    if not isinstance(value, str):
+        raise ConfigError(FIELD, f"expected a dict, a JSON object or key=value,key=value; got {value!r}")
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(FIELD, f"is not valid JSON ({error.msg} at character {error.pos})") from None
+        if not isinstance(parsed, dict):
+            raise ConfigError(FIELD, "must be a JSON object")
+        return parsed
+    items: dict[str, Any] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        key, sep, item = part.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(FIELD, f"expected key=value,key=value, got {part.strip()!r}")
+        items[key.strip()] = item.strip()
+    return items
+
+
+def _int(items: dict[str, Any], name: str) -> int:
+    value = items[name]
+    if isinstance(value, bool):
+        raise ConfigError(FIELD, f"{name} must be an integer, got {value!r}")
+    try:
+        return int(to_int(value))
+    except (TypeError, ValueError):
+        raise ConfigError(FIELD, f"{name} must be an integer, got {value!r}") from None

@@ -1,0 +1,117 @@
+"""What n-gram speculative decoding (`speculative_config`, backend/spec_decode/) buys, side by side in
+one run: the bundled model with its real weights, greedy, speculation off and on, over three
+workloads with fixed texts (nothing is downloaded):
+
+  edit   the model is asked to rewrite a given paragraph with its spelling corrected: the answer
+         repeats much of the prompt (n-gram's case)
+  code   the model is asked to continue a given Python file of repetitive structure
+  chat   free questions: drafts rarely help (what speculation costs when it does not pay)
+
+Each at one stream (the requests one after another) and at 8 streams (8 requests in one batch).
+Per row: output tok/s off and on, the ratio, the acceptance rate (accepted draft tokens over
+drafted ones) and the tokens a verifying request advanced per step (1 + accepted / drafts).
+float32, where speculation's output equals the plain run's token for token (checked every row).
+
+    python benchmarks/speculative.py [--k 4] [--lookup-min 1] [--lookup-max 3] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import machine  # noqa: E402
+
+from pagedserve.backend import LLMEngine, SamplingParams  # noqa: E402
+
+PARAGRAPHS = [
+    "The comittee met on tuesday to discus the new budjet. Every departmant presented its plan, and the "
+    "chairman asked each of them to explain why the costs had risen since last year. The finance team "
+    "said that the price of energy had doubled, while the sales team argued that more staff were needed.",
+    "Our garden has three aple trees, a small pond and a vegetable patch. In the sumer we grow tomatos, "
+    "beans and lettuce; in the autum we pick the apples and make juice. The pond is home to frogs and a "
+    "family of ducks that visits every morning.",
+    "The train to the coast leaves at nine oclock from platform four. Passengers should arive early, "
+    "because the ticket office closes ten minutes before departure. Bicycles are alowed on the first and "
+    "last carriage only.",
+]
+CODE = '''def area_of_square(side):
+    """The area of a square with the given side."""
+    return side * side
+
+
+def area_of_rectangle(width, height):
+    """The area of a rectangle with the given width and height."""
+    return width * height
+
+
+def area_of_triangle(base, height):
+    """The area of a triangle with the given base and height."""
+    return base * height / 2
+
+
+def area_of_circle(radius):
+'''
+QUESTIONS = ["Why is the sky blue?", "Give me three ideas for a birthday party.",
+             "What should I pack for a weekend of hiking?", "How do plants make their food?"]
+
+
+def workloads() -> dict[str, list[list[dict]]]:
+    """Each workload's conversations (8: the first ones repeat for the 8-stream rows)."""
+    edit = [[{"role": "user", "content": f"Rewrite this text with the spelling corrected:\n\n{p}"}] for p in PARAGRAPHS]
+    code = [[{"role": "user", "content": f"Continue this Python file with four more functions like these:\n\n{CODE}"}]]
+    chat = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    return {name: (convs * 8)[:8] for name, convs in (("edit", edit), ("code", code), ("chat", chat))}
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, streams: int) -> tuple[float, list, dict]:
+    """(output tok/s, token ids per request, the speculation counters' increase) of the prompts,
+    `streams` at a time."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    before = engine.stats()
+    start = time.perf_counter()
+    outputs = []
+    for i in range(0, len(prompts), streams):
+        outputs += engine.generate(prompts[i:i + streams], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = engine.stats()
+    counters = {name: getattr(after, name) - getattr(before, name)
+                for name in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")}
+    tokens = [list(o.token_ids) for o in outputs]
+    return sum(map(len, tokens)) / seconds, tokens, counters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--lookup-min", type=int, default=1)
+    parser.add_argument("--lookup-max", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+            "prompt_lookup_max": args.lookup_max}
+    engines = {"off": LLMEngine(dtype="float32"), "on": LLMEngine(dtype="float32", speculative_config=spec)}
+    print(machine())
+    print(f"speculative_config {spec}; greedy, at most {args.max_tokens} tokens a request, float32\n")
+    print("| workload | streams | requests | off tok/s | on tok/s | on / off | acceptance | tokens / verify step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, convs in workloads().items():
+        prompts = [engines["off"].encode(messages=c) for c in convs]
+        for streams, count in ((1, 3), (8, 8)):
+            for engine in engines.values():  # warm-up: the first requests of a fresh engine pay for more
+                engine.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+            off, off_tokens, _ = run(engines["off"], prompts[:count], args.max_tokens, streams)
+            on, on_tokens, c = run(engines["on"], prompts[:count], args.max_tokens, streams)
+            assert on_tokens == off_tokens, f"{name}: speculation changed a greedy answer"
+            drafted, accepted, verifies = c["spec_num_draft_tokens"], c["spec_num_accepted_tokens"], c["spec_num_drafts"]
+            rate = f"{accepted / drafted:.0%}" if drafted else "-"
+            per_step = f"{1 + accepted / verifies:.2f}" if verifies else "-"
+            print(f"| {name} | {streams} | {count} | {off:,.1f} | {on:,.1f} | {on / off:.2f}x | {rate} | {per_step} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Speculative decoding without a model: the n-gram proposer against a brute-force oracle, the
+`speculative_config` parser, and the scheduler's drafts, budget, rollback and prefix-cache
+naming with the real BlockManager and a fake proposer."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.backend.block_manager import BlockManager
+from pagedserve.backend.config import EngineConfig
+from pagedserve.backend.errors import ConfigError
+from pagedserve.backend.model_runner import ModelRunner
+from pagedserve.backend.sampler import Sampler
+from pagedserve.backend.sampling_params import SamplingParams
+from pagedserve.backend.scheduler import Scheduler
+from pagedserve.backend.sequence import FinishReason, Sequence
+from pagedserve.backend.spec_decode import SpeculativeConfig, Speculator, parse, propose_ngram
+
+
+# -- n-gram proposer ------------------------------------------------------------
+def oracle(tokens, min_n, max_n, k, max_len=None):
+    """The longest n in [min_n, max_n] whose suffix occurs earlier, its earliest occurrence; the k after it."""
+    total = len(tokens)
+    if max_len is not None:
+        k = min(k, max_len - total)
+    if k <= 0:
+        return []
+    for n in range(max_n, min_n - 1, -1):
+        if n >= total:
+            continue
+        suffix = tokens[total - n :]
+        for start in range(0, total - n):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_matches_the_brute_force_oracle_on_random_histories():
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice([2, 3, 5])) for _ in range(rng.randrange(0, 30))]
+        min_n = rng.randint(1, 4)
+        max_n = rng.randint(min_n, 6)
+        k = rng.randint(1, 6)
+        max_len = rng.choice([None, len(tokens) + rng.randint(-1, 4)])
+        assert propose_ngram(tokens, min_n, max_n, k, max_len) == oracle(tokens, min_n, max_n, k, max_len), (
+            tokens, min_n, max_n, k, max_len)
+
+
+def test_ngram_takes_the_longest_match_then_the_earliest_and_may_give_fewer_than_k():
+    assert propose_ngram([1, 2, 9, 1, 2, 8, 2], 1, 3, 2) == [9, 1]  # "2" first at index 1
+    assert propose_ngram([1, 2, 9, 5, 2, 8, 1, 2], 1, 3, 2) == [9, 5]  # "1 2" beats the later "2"
+    assert propose_ngram([4, 5, 6, 4, 5], 2, 2, 5) == [6, 4, 5]  # runs into the suffix, ends at the tokens' end
+    assert propose_ngram([1, 2, 3, 4], 1, 3, 3) == []  # no earlier occurrence
+    assert propose_ngram([1, 2, 1, 2], 3, 3, 3) == []  # shorter than prompt_lookup_min
+    assert propose_ngram([7, 7, 7, 7, 7], 1, 2, 4, max_len=7) == [7, 7]  # max_model_len leaves room for two
+    assert propose_ngram([7, 7, 7], 1, 2, 4) == [7]  # the earliest "7 7" has one token after it
+
+
+# -- speculative_config -----------------------------------------------------------
+def test_dict_json_and_key_value_forms_agree_with_vllm_defaults():
+    expected = SpeculativeConfig("ngram", 3, 2, 4)
+    as_dict = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert parse(as_dict) == expected
+    assert parse(json.dumps(as_dict)) == expected
+    assert parse("method=ngram, num_speculative_tokens=3,prompt_lookup_min=2,prompt_lookup_max=4") == expected
+    assert EngineConfig(speculative_config=as_dict).speculative == expected
+    assert EngineConfig.from_strings({"speculative_config": "method=ngram,num_speculative_tokens=3,"
+                                                            "prompt_lookup_min=2,prompt_lookup_max=4"}).speculative == expected
+    assert parse("num_speculative_tokens=2") == SpeculativeConfig("ngram", 2, 5, 5)  # vLLM: both unset -> 5, 5
+    assert parse("num_speculative_tokens=2,prompt_lookup_max=3") == SpeculativeConfig("ngram", 2, 3, 3)
+    assert parse("num_speculative_tokens=2,prompt_lookup_min=3") == SpeculativeConfig("ngram", 2, 3, 3)
+    assert parse("") is None and parse({}) is None and EngineConfig().speculative is None
+
+
+@pytest.mark.parametrize("value, match", [
+    ("method=draft_model,num_speculative_tokens=3", "not implemented yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, "not implemented yet"),
+    ("method=magic,num_speculative_tokens=3", "method must be 'ngram'"),
+    ("method=ngram", "num_speculative_tokens is required"),
+    ("num_speculative_tokens=0", "num_speculative_tokens must be >= 1"),
+    ("num_speculative_tokens=two", "must be an integer"),
+    ("num_speculative_tokens=2,prompt_lookup_min=4,prompt_lookup_max=2", "prompt_lookup_min .4. must be <="),
+    ("num_speculative_tokens=2,prompt_lookup_min=0", "prompt_lookup_min must be >= 1"),
+    ("num_speculative_tokens=2,lookahead=3", "unknown key.*lookahead"),
+    ('{"num_speculative_tokens": 2', "not valid JSON"),
+    ("num_speculative_tokens", "expected key=value"),
+])
+def test_bad_values_are_refused_naming_the_setting(value, match):
+    with pytest.raises(ConfigError, match=match) as error:
+        EngineConfig(speculative_config=value)
+    assert error.value.field == "speculative_config"
+
+
+def test_async_scheduling_on_and_several_ranks_are_refused_and_auto_async_is_off():
+    from pagedserve.backend.engine import async_scheduling_wanted
+
+    with pytest.raises(ConfigError, match="async_scheduling") as error:
+        EngineConfig(speculative_config="num_speculative_tokens=2", async_scheduling="on")
+    assert error.value.field == "speculative_config"
+    with pytest.raises(ConfigError, match="tensor_parallel_size") as error:
+        EngineConfig(speculative_config="num_speculative_tokens=2", tensor_parallel_size=2)
+    assert error.value.field == "speculative_config"
+    config = EngineConfig(speculative_config="num_speculative_tokens=2")
+    assert not async_scheduling_wanted(config, torch.device("cuda"))
+    assert async_scheduling_wanted(EngineConfig(), torch.device("cuda"))
+
+
+# -- which requests draft -----------------------------------------------------------
+def test_only_plain_greedy_requests_without_processors_are_eligible():
+    def eligible(**params):
+        return Speculator.eligible(Sequence("r", [1, 2], SamplingParams(**params)))
+
+    assert eligible(temperature=0.0) and eligible(temperature=0.0, logprobs=2, stop=["x"])
+    assert not eligible(temperature=0.7)
+    assert not eligible(temperature=0.0, repetition_penalty=1.1)
+    assert not eligible(temperature=0.0, presence_penalty=0.5)
+    assert not eligible(temperature=0.0, bad_words_ids=[[5]])
+    assert not eligible(temperature=0.0, min_tokens=1)  # pending min_tokens: EOS is banned row by row
+
+
+# -- scheduler with a fake proposer ---------------------------------------------------
+class FakeSpeculator(Speculator):
+    """Proposes `drafts[:cap]` for every eligible decode; records the caps asked."""
+
+    def __init__(self, drafts):
+        super().__init__(SpeculativeConfig("ngram", len(drafts), 1, 1))
+        self.drafts = list(drafts)
+        self.caps: list[int] = []
+
+    def propose(self, seq, cap):
+        self.caps.append(cap)
+        return self.drafts[: max(0, min(cap, len(self.drafts)))]
+
+
+def make(drafts, num_blocks=32, block_size=4, budget=64, max_model_len=None, caching=True):
+    kv = BlockManager(num_blocks, block_size, caching)
+    sched = Scheduler(kv, 8, budget, 16, max_model_len=max_model_len, eos_token_ids=[0], speculator=FakeSpeculator(drafts))
+    return kv, sched
+
+
+def greedy(name, n, max_tokens=16, start=10, temperature=0.0, **params):
+    return Sequence(name, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, temperature=temperature, **params))
+
+
+def prefill(sched, *seqs, token=99):
+    for s in seqs:
+        sched.add(s)
+    batch = sched.schedule()
+    assert all(not d for d in batch.drafts)
+    sched.update_from_output(batch, [token] * len(batch.sampling_seqs))
+
+
+def test_a_decode_schedules_its_drafts_and_they_count_in_the_budget():
+    kv, sched = make([1, 2, 3])
+    a, b = greedy("a", 6), greedy("b", 5, start=40, temperature=0.8)
+    prefill(sched, a, b)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [4, 1] and batch.drafts == [[1, 2, 3], []]
+    assert batch.samples == [True, True] and batch.sampling_seqs == [a, b]
+    assert a.num_computed_tokens == 10 and len(a.block_table) == 3
+    assert sched.max_num_batched_tokens - batch.num_tokens == 64 - 5
+
+
+def test_drafts_are_capped_by_the_budget_max_tokens_and_max_model_len():
+    kv, sched = make([1, 2, 3, 4], budget=3)
+    a = greedy("a", 2)
+    prefill(sched, a)
+    assert sched.schedule().num_new_tokens == [3]  # 1 + 2 drafts fill the budget of 3
+    kv, sched = make([1, 2, 3, 4])
+    a = greedy("a", 6, max_tokens=3)
+    prefill(sched, a)  # 1 output: 2 more allowed, so 1 draft (accepted + the model's own = 2)
+    batch = sched.schedule()
+    assert batch.drafts == [[1]]
+    sched.update_from_output(batch, [[1, 5]])
+    assert a.output_token_ids == [99, 1, 5] and a.finish_reason is FinishReason.LENGTH
+    kv, sched = make([1, 2, 3, 4], max_model_len=9)
+    a = greedy("a", 6)
+    prefill(sched, a)  # 7 tokens of 9: one draft, one token of the model's
+    assert sched.schedule().drafts == [[1]]
+
+
+def test_drafts_are_dropped_never_preempting_anyone_when_blocks_are_short():
+    kv, sched = make([1, 2, 3], num_blocks=4, block_size=4)
+    a, b = greedy("a", 6), greedy("b", 7, start=40)
+    prefill(sched, a, b)  # a: 7 tokens in 2 blocks, b: 8 tokens in 2; none free
+    batch = sched.schedule()  # a's drafts need a third block: dropped; both decode their own token
+    assert batch.num_preempted == 0 and sched.num_preemptions == 0
+    assert batch.drafts == [[], []] and batch.num_new_tokens == [1, 1]
+    kv, sched = make([1, 2, 3], num_blocks=5, block_size=4)
+    a, b = greedy("a", 6), greedy("b", 7, start=40)
+    prefill(sched, a, b)  # one block free: a's drafts take it, b's find none
+    batch = sched.schedule()
+    assert batch.num_preempted == 0 and batch.drafts == [[1, 2, 3], []] and batch.num_new_tokens == [4, 1]
+    kv, sched = make([1, 2, 3], num_blocks=5, block_size=4)
+    a, b = greedy("a", 6), greedy("b", 8, start=40)
+    prefill(sched, a, b)  # one block free, which b's own next token (position 8) needs: a may not draft into it
+    batch = sched.schedule()
+    assert batch.num_preempted == 0 and batch.drafts == [[], [1, 2, 3]] and len(b.block_table) == 3  # b: its new block holds them
+
+
+def test_rejected_drafts_roll_back_and_free_the_tail_blocks_in_a_new_table():
+    kv, sched = make([1, 2, 3, 4, 5], block_size=4)
+    a = greedy("a", 6)
+    prefill(sched, a)  # 7 tokens, 6 computed, 2 blocks
+    free_before = kv.num_free_blocks
+    batch = sched.schedule()
+    assert a.num_computed_tokens == 12 and len(a.block_table) == 3
+    table = a.block_table
+    sched.update_from_output(batch, [[1, 50]])  # draft 1 accepted, 2 rejected: 50 is the model's own
+    assert a.output_token_ids == [99, 1, 50]
+    assert a.num_computed_tokens == 8 and a.num_tokens == 9  # 99 and 1 computed, 50 not yet
+    assert len(a.block_table) == 2 and a.block_table is not table and kv.num_free_blocks == free_before
+    assert sched.generation_tokens_total == 3
+
+
+def test_a_block_completed_by_the_models_own_token_is_not_named_until_its_kv_is_computed():
+    kv, sched = make([1, 2, 3], block_size=4)
+    a = greedy("a", 6)
+    prefill(sched, a)  # token 99 at position 6
+    batch = sched.schedule()  # drafts at positions 7, 8, 9
+    sched.update_from_output(batch, [[77]])  # all rejected: 77 at position 7, whose slot holds draft 1's K/V
+    assert a.token_ids[4:8] == [14, 15, 99, 77] and a.num_computed_tokens == 7
+    block = kv.blocks[a.block_table[1]]
+    assert block.block_hash is None and a.num_named_blocks == 1
+    batch = sched.schedule()  # 77 computed now (with drafts after it)
+    assert batch.num_new_tokens == [4]
+    sched.update_from_output(batch, [[1, 2, 3, 60]])  # all accepted, plus the bonus token
+    assert block.block_hash is not None and a.num_named_blocks == 2  # positions 8-11: 1 2 3 computed, 60 not
+    assert a.num_computed_tokens == 11 and a.output_token_ids == [99, 77, 1, 2, 3, 60]
+    assert kv.blocks[a.block_table[2]].block_hash is None
+
+
+def test_a_stop_token_or_a_stop_string_inside_an_accepted_run_drops_the_rest():
+    kv, sched = make([1, 2, 3])
+    a, b = greedy("a", 6), greedy("b", 6, start=40)
+    prefill(sched, a, b)
+    batch = sched.schedule()
+    stops = iter([False, True])  # b: a stop string in its text at its second token of the step
+    sched.update_from_output(batch, [[1, 0, 3, 4], [1, 2, 3, 5]],
+                             on_token=lambda s: s is b and next(stops))
+    assert a.output_token_ids == [99, 1, 0] and a.finish_reason is FinishReason.STOP  # EOS 0
+    assert b.output_token_ids == [99, 1, 2] and b.finish_reason is FinishReason.STOP
+    assert kv.num_free_blocks == kv.num_blocks and not sched.has_unfinished()
+
+
+def test_a_seq_at_its_limit_or_not_decoding_gets_no_drafts():
+    kv, sched = make([1, 2, 3], budget=16)
+    a = greedy("a", 30)
+    sched.add(a)
+    batch = sched.schedule()  # a prefill chunk: no drafts
+    assert batch.drafts == [[]] and batch.num_new_tokens == [16]
+    kv, sched = make([1, 2, 3])
+    a = greedy("a", 6, max_tokens=2)
+    prefill(sched, a)  # 1 of 2 outputs: no room for a draft
+    assert sched.schedule().drafts == [[]]
+
+
+# -- the runner's inputs and the verifier ---------------------------------------------------
+def test_plan_feeds_the_last_token_then_the_drafts_and_asks_logits_at_each():
+    kv, sched = make([1, 2, 3])
+    a, b = greedy("a", 6), greedy("b", 5, start=40, temperature=0.8)
+    c = greedy("c", 9, start=60)
+    prefill(sched, a, b)
+    sched.add(c)
+    batch = sched.schedule()  # a: 1 + 3 drafts; b: 1; c: its 9-token prompt
+    runner = object.__new__(ModelRunner)
+    runner.block_size, runner.lora, runner.last_rows = 4, None, {}
+    arrays = runner.plan(batch)
+    assert arrays.input_ids[:5].tolist() == [99, 1, 2, 3, 99]
+    assert arrays.input_ids[5:].tolist() == list(range(60, 69))
+    assert arrays.positions[:4].tolist() == [6, 7, 8, 9]
+    assert arrays.logits_indices.tolist() == [0, 1, 2, 3, 4, 13]
+    assert [s.request_id for s in arrays.sampling_seqs] == ["a", "b", "c"]
+    slots = [a.block_table[p // 4] * 4 + p % 4 for p in range(6, 10)]
+    assert arrays.slots[:4].tolist() == slots
+
+
+def test_verify_takes_first_rows_from_the_sampler_and_the_rest_by_first_max():
+    sampler = Sampler([0], 0, torch.device("cpu"))
+    a, b = greedy("a", 3), greedy("b", 3)
+    logits = torch.zeros(5, 8)
+    logits[0, 3] = logits[1, 4] = logits[2, 5] = logits[3, 6] = 1.0
+    logits[4, 2] = logits[4, 7] = 2.0  # a tie: the first maximum wins
+    rows, firsts = Speculator.verify(logits, [a, b], [4, 1], sampler)
+    assert rows.tolist() == [3, 4, 5, 6, 2] and firsts.tolist() == [3, 2]
+    speculator = Speculator(SpeculativeConfig("ngram", 3, 1, 1))
+    emitted = speculator.accept(rows.tolist(), [[4, 9, 6], []])
+    assert emitted == [[3], [2]]
+    emitted = speculator.accept([3, 4, 5, 6, 2], [[3, 4, 9], []])
+    assert emitted == [[3, 4, 5], [2]]
+    stats = speculator.stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 6, 2)
+    assert stats.accepted_per_pos == [1, 1, 0]
+    assert np.all(np.diff(stats.accepted_per_pos) <= 0)
+
+
+# -- Triton metrics ------------------------------------------------------------------------
+def test_triton_metrics_count_up_vllms_spec_decode_families():
+    from pagedserve.backend.outputs import EngineStats
+    from pagedserve.backend.triton_adapter.metrics import EngineMetrics
+
+    from .triton_adapter.fakes import FakePbUtils, MetricFamily
+
+    labels = {"model": "llm", "version": "1"}
+    assert EngineMetrics(FakePbUtils(), labels, vllm=True).spec_decode is None
+    assert EngineMetrics(FakePbUtils(), labels, vllm=False, num_speculative_tokens=3).spec_decode is None
+    metrics = EngineMetrics(FakePbUtils(), labels, vllm=True, num_speculative_tokens=3)
+    families = {f.name: f.kind for f in metrics.families}
+    names = ["vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+             "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+    assert all(families[name] == MetricFamily.COUNTER for name in names)
+
+    def stats(drafts, tokens, accepted, per_pos):
+        return EngineStats(0, 0, 0, 10, 0, 10, 0.0, 0.0, 0, 0, 0, spec_num_drafts=drafts, spec_num_draft_tokens=tokens,
+                           spec_num_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
+
+    spec = metrics.spec_decode
+    assert spec is not None
+    metrics.refresh(stats(2, 5, 3, [2, 1, 0]))
+    metrics.refresh(stats(3, 8, 6, [3, 2, 1]))
+    assert [c.total for c in spec.counters.values()] == [3, 8, 6]
+    assert {p: m.total for p, m in spec.per_pos.items()} == {"0": 3, "1": 2, "2": 1}
+    assert spec.per_pos["1"].labels == {**labels, "position": "1"}

@@ -1,0 +1,182 @@
+"""Speculative decoding (n-gram) on the bundled model in float32: greedy tokens, text, stops,
+lengths and logprobs equal to speculation off, in one batch beside prefill chunks, under
+preemption and in streaming; and the speculation is not vacuous (drafts are accepted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.backend import LLMEngine, SamplingParams
+
+from .conftest import GPU_SHARE, MAX_TOKENS, assert_engine_idle
+
+pytestmark = pytest.mark.slow
+
+SPEC = "method=ngram,num_speculative_tokens=4,prompt_lookup_min=1,prompt_lookup_max=3"
+REPEAT = ("apple banana cherry date elderberry fig grape\n" * 3) + "apple banana"
+
+
+@pytest.fixture(scope="module")
+def spec_engine() -> LLMEngine:
+    """Speculation on, a small token budget: prompts are chunked beside the verifies."""
+    return LLMEngine(dtype="float32", speculative_config=SPEC, max_num_batched_tokens=32, **GPU_SHARE)
+
+
+@pytest.fixture(scope="module")
+def repeat(engine) -> list[int]:
+    return engine.encode(REPEAT)
+
+
+def greedy(n, **params):
+    return SamplingParams(max_tokens=n, temperature=0.0, **params)
+
+
+def record_steps(engine, monkeypatch) -> list[tuple[str, int]]:
+    """(request id, tokens given) of every sampling sequence of every step, as update_from_output sees them."""
+    steps: list[tuple[str, int]] = []
+    update = engine.scheduler.update_from_output
+
+    def recording(batch, token_ids, *args, **kwargs):
+        for seq, entry in zip(batch.sampling_seqs, token_ids):
+            steps.append((seq.request_id, 1 if isinstance(entry, int) else len(entry)))
+        return update(batch, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.scheduler, "update_from_output", recording)
+    return steps
+
+
+def test_greedy_batch_equals_speculation_off_with_drafts_accepted(engine, spec_engine, prompts, repeat, monkeypatch):
+    batch = [repeat] + prompts
+    params = [greedy(40, ignore_eos=True)] + [greedy(n) for n in MAX_TOKENS]
+    before = spec_engine.stats().spec_num_accepted_tokens
+    mixed = []  # steps holding a verify beside a prompt chunk
+    schedule = spec_engine.scheduler.schedule
+
+    def recording():
+        scheduled = schedule()
+        chunks = any(not samples for samples in scheduled.samples)
+        mixed.append(scheduled.has_drafts and chunks)
+        return scheduled
+
+    monkeypatch.setattr(spec_engine.scheduler, "schedule", recording)
+    off = engine.generate(batch, params, use_tqdm=False)
+    on = spec_engine.generate(batch, params, use_tqdm=False)
+    assert any(mixed), "no step verified drafts beside a prefill chunk"
+    for a, b in zip(off, on):
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    stats = spec_engine.stats()
+    assert stats.spec_num_accepted_tokens - before >= 10, "the repetitive prompt should accept drafts"
+    assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+    assert stats.spec_num_draft_tokens <= 4 * stats.spec_num_drafts
+    assert all(x >= y for x, y in zip(stats.spec_accepted_per_pos, stats.spec_accepted_per_pos[1:]))
+    assert_engine_idle(spec_engine)
+    # the KV of accepted tokens is cached and right: the whole text again as a prompt hits it
+    again = repeat + on[0].token_ids
+    off_again = engine.generate([again], greedy(12), use_tqdm=False)
+    on_again = spec_engine.generate([again], greedy(12), use_tqdm=False)
+    assert on_again[0].num_cached_tokens >= 48 and on_again[0].token_ids == off_again[0].token_ids
+    assert_engine_idle(spec_engine)
+
+
+def test_stop_token_and_stop_string_inside_an_accepted_run(engine, spec_engine, repeat, monkeypatch):
+    steps = record_steps(spec_engine, monkeypatch)
+    base = spec_engine.generate([repeat], greedy(30, ignore_eos=True), use_tqdm=False)[0]
+    assert base.token_ids == engine.generate([repeat], greedy(30, ignore_eos=True), use_tqdm=False)[0].token_ids
+    runs, end = [], 0  # (first output index, tokens) of each step
+    for _, count in steps:
+        runs.append((end, count))
+        end += count
+    out = base.token_ids
+    inside = [start + j for start, count in runs if count >= 3 for j in range(1, count - 1)]
+    assert inside, f"no step accepted two drafts: {runs}"
+    position = next((p for p in inside if out[p] not in out[:p]), None)
+    assert position is not None, "no token is first met inside an accepted run"
+    params = greedy(30, stop_token_ids=[out[position]])  # a stop token id first met in the middle of a run
+    a = engine.generate([repeat], params, use_tqdm=False)[0]
+    b = spec_engine.generate([repeat], params, use_tqdm=False)[0]
+    assert len(b.token_ids) == position + 1 and b.finish_reason == "stop"
+    assert (b.token_ids, b.text) == (a.token_ids, a.text)
+    # a stop string whose first occurrence ends in the text of the token at `position`
+    position = inside[0]
+    before = engine.generate([repeat], greedy(position, ignore_eos=True), use_tqdm=False)[0].text
+    through = engine.generate([repeat], greedy(position + 1, ignore_eos=True), use_tqdm=False)[0].text
+    stop = next(through[-n:] for n in range(1, len(through) + 1)
+                if through.find(through[-n:]) + n > len(before))
+    for include in (False, True):
+        params = greedy(30, stop=[stop], include_stop_str_in_output=include, ignore_eos=True)
+        a = engine.generate([repeat], params, use_tqdm=False)[0]
+        b = spec_engine.generate([repeat], params, use_tqdm=False)[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, "stop")
+        assert len(b.token_ids) == position + 1
+    assert_engine_idle(spec_engine)
+
+
+def test_max_tokens_sweep_gives_exactly_max_tokens(engine, spec_engine, repeat, prompts):
+    batch = [repeat] * 12 + [prompts[1]] * 12
+    params = [greedy(n, ignore_eos=True) for n in range(1, 13)] * 2
+    full = [engine.generate([p], greedy(12, ignore_eos=True), use_tqdm=False)[0].token_ids for p in (repeat, prompts[1])]
+    results = spec_engine.generate(batch, params, use_tqdm=False)
+    for index, result in enumerate(results):
+        n = index % 12 + 1
+        assert result.token_ids == full[index // 12][:n] and result.finish_reason == "length"
+    assert_engine_idle(spec_engine)
+
+
+def test_logprobs_for_every_token_equal_speculation_off(engine, spec_engine, repeat, prompts):
+    params = greedy(24, logprobs=2, ignore_eos=True)
+    off = engine.generate([repeat, prompts[0]], params, use_tqdm=False)
+    on = spec_engine.generate([repeat, prompts[0]], params, use_tqdm=False)
+    for a, b in zip(off, on):
+        assert b.token_ids == a.token_ids and len(b.logprobs) == len(b.token_ids) == 24
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert (y.token_id, y.rank, [t for t, _ in y.top]) == (x.token_id, x.rank, [t for t, _ in x.top])
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+            assert [v for _, v in y.top] == pytest.approx([v for _, v in x.top], abs=1e-4)
+        assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
+
+
+def test_streamed_deltas_concatenate_to_the_final_text_beside_a_sampled_request(engine, spec_engine, repeat):
+    for interval in (1, 3):
+        params = greedy(30, ignore_eos=True, stream_interval=interval)
+        final = engine.generate([repeat], params, use_tqdm=False)[0]
+        request_id = spec_engine.add_request(repeat, params)
+        spec_engine.add_request("Tell me a story.", SamplingParams(max_tokens=20, temperature=0.8, seed=3))
+        outputs = []
+        while spec_engine.has_unfinished_requests():
+            outputs += [o for o in spec_engine.step() if o.request_id == request_id]
+        assert "".join(o.text for o in outputs) == final.text
+        assert [t for o in outputs for t in o.new_token_ids] == final.token_ids
+        assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+    assert_engine_idle(spec_engine)
+
+
+def test_preemption_under_a_tiny_kv_cache_equals_speculation_off(engine, prompts, repeat):
+    spec = LLMEngine(dtype="float32", num_kv_blocks=28, speculative_config=SPEC)
+    batch = prompts[::-1] + [repeat]
+    params = [greedy(n) for n in MAX_TOKENS[::-1]] + [greedy(40, ignore_eos=True)]
+    off = engine.generate(batch, params, use_tqdm=False)
+    on = spec.generate(batch, params, use_tqdm=False)
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    stats = spec.stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0
+    assert_engine_idle(spec)
+
+
+def test_deterministic_greedy_equals_speculation_off(engine, repeat, prompts):
+    spec = LLMEngine(dtype="float32", deterministic=True, speculative_config=SPEC, max_num_batched_tokens=32, **GPU_SHARE)
+    plain = LLMEngine(dtype="float32", deterministic=True, **GPU_SHARE)
+    batch, params = [repeat, prompts[2], prompts[5]], greedy(24, ignore_eos=True)
+    on = spec.generate(batch, params, use_tqdm=False)
+    off = plain.generate(batch, params, use_tqdm=False)
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    assert spec.stats().spec_num_accepted_tokens > 0
+    assert_engine_idle(spec)
+
+
+def test_n_greedy_samples_equal_speculation_off(engine, spec_engine, repeat):
+    params = SamplingParams(max_tokens=20, temperature=0.0, n=2, ignore_eos=True)
+    off = engine.generate([repeat], params, use_tqdm=False)[0]
+    on = spec_engine.generate([repeat], params, use_tqdm=False)[0]
+    assert [s.token_ids for s in on.samples] == [s.token_ids for s in off.samples]
+    assert len(on.samples) == 2 and on.samples[0].token_ids == on.samples[1].token_ids
+    assert_engine_idle(spec_engine)
