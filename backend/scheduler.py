@@ -211,14 +211,15 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         index = 0
-        later_needs = self._later_block_needs() if self.speculator is not None else []
+        drafting = self.speculator is not None and self.speculator.drafts_allowed(len(self.running))
+        later_needs = self._later_block_needs() if drafting else []
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             if seq.num_pending_tokens and seq.reaches_limit(self.max_model_len):
                 index += 1  # its token in flight ends it: it finishes when that token arrives
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            drafts = self._drafts(seq, budget) if self.speculator is not None else []
+            drafts = self._drafts(seq, budget) if drafting else []
             if drafts:
                 spare = self.block_manager.num_free_blocks - self._blocks_needed(seq, 1 + len(drafts))
                 if spare >= later_needs[index + 1] and self.block_manager.allocate(seq, 1 + len(drafts)):

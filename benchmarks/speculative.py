@@ -13,6 +13,7 @@ drafted ones) and the tokens a verifying request advanced per step (1 + accepted
 float32, where speculation's output equals the plain run's token for token (checked every row).
 
     python benchmarks/speculative.py [--k 4] [--lookup-min 1] [--lookup-max 3] [--max-tokens 128]
+                                     [--disable-by-batch-size N]
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ def main() -> None:
     parser.add_argument("--lookup-min", type=int, default=1)
     parser.add_argument("--lookup-max", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--disable-by-batch-size", type=int, default=None)
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
-            "prompt_lookup_max": args.lookup_max}
+            "prompt_lookup_max": args.lookup_max, "disable_by_batch_size": args.disable_by_batch_size}
     engines = {"off": LLMEngine(dtype="float32"), "on": LLMEngine(dtype="float32", speculative_config=spec)}
     print(machine())
     print(f"speculative_config {spec}; greedy, at most {args.max_tokens} tokens a request, float32\n")

@@ -76,6 +76,7 @@ def test_dict_json_and_key_value_forms_agree_with_vllm_defaults():
     assert parse("num_speculative_tokens=2,prompt_lookup_max=3") == SpeculativeConfig("ngram", 2, 3, 3)
     assert parse("num_speculative_tokens=2,prompt_lookup_min=3") == SpeculativeConfig("ngram", 2, 3, 3)
     assert parse("") is None and parse({}) is None and EngineConfig().speculative is None
+    assert parse("num_speculative_tokens=2,disable_by_batch_size=4").disable_by_batch_size == 4
 
 
 @pytest.mark.parametrize("value, match", [
@@ -88,6 +89,7 @@ def test_dict_json_and_key_value_forms_agree_with_vllm_defaults():
     ("num_speculative_tokens=2,prompt_lookup_min=4,prompt_lookup_max=2", "prompt_lookup_min .4. must be <="),
     ("num_speculative_tokens=2,prompt_lookup_min=0", "prompt_lookup_min must be >= 1"),
     ("num_speculative_tokens=2,lookahead=3", "unknown key.*lookahead"),
+    ("num_speculative_tokens=2,disable_by_batch_size=0", "disable_by_batch_size must be >= 1"),
     ('{"num_speculative_tokens": 2', "not valid JSON"),
     ("num_speculative_tokens", "expected key=value"),
 ])
@@ -165,6 +167,19 @@ def test_a_decode_schedules_its_drafts_and_they_count_in_the_budget():
     assert batch.samples == [True, True] and batch.sampling_seqs == [a, b]
     assert a.num_computed_tokens == 10 and len(a.block_table) == 3
     assert sched.max_num_batched_tokens - batch.num_tokens == 64 - 5
+
+
+def test_no_request_drafts_while_more_than_disable_by_batch_size_run():
+    kv, sched = make([1, 2, 3])
+    sched.speculator.config = SpeculativeConfig("ngram", 3, 1, 1, disable_by_batch_size=1)
+    a, b = greedy("a", 6), greedy("b", 5, start=40)
+    prefill(sched, a, b)
+    batch = sched.schedule()
+    assert batch.drafts == [[], []] and batch.num_new_tokens == [1, 1]  # two running: over the limit
+    sched.update_from_output(batch, [7, 8])
+    sched.finish(b, FinishReason.ABORT)
+    batch = sched.schedule()
+    assert batch.drafts == [[1, 2, 3]]  # alone again: it drafts
 
 
 def test_drafts_are_capped_by_the_budget_max_tokens_and_max_model_len():

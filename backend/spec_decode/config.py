@@ -13,7 +13,7 @@ from ..values import to_int
 FIELD = "speculative_config"
 METHODS = ("ngram",)
 NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
 DEFAULT_LOOKUP = 5
 """vLLM's SpeculativeConfig: both prompt_lookup bounds unset -> 5 and 5; one unset -> the other's value."""
 
@@ -24,6 +24,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
+    disable_by_batch_size: int | None = None
+    """vLLM's key: no request drafts in a step while more than this many requests run (a verify
+    step at a large batch can cost more than its accepted tokens save); None: at every batch size."""
 
 
 def parse(value: Any) -> SpeculativeConfig | None:
@@ -60,7 +63,10 @@ def parse(value: Any) -> SpeculativeConfig | None:
             raise ConfigError(FIELD, f"{name} must be >= 1, got {number}")
     if low > high:
         raise ConfigError(FIELD, f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
-    return SpeculativeConfig(method, k, low, high)
+    limit = _int(items, "disable_by_batch_size") if items.get("disable_by_batch_size") not in (None, "") else None
+    if limit is not None and limit < 1:
+        raise ConfigError(FIELD, f"disable_by_batch_size must be >= 1 (or unset), got {limit}")
+    return SpeculativeConfig(method, k, low, high, limit)
 
 
 def _items(value: Any) -> dict[str, Any]:

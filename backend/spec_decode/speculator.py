@@ -51,6 +51,11 @@ class Speculator:
         return (p.greedy and not p.needs_penalties and not p.bad_words_ids and p.structured_outputs is None
                 and seq.grammar is None and seq.num_output_tokens >= p.min_tokens)
 
+    def drafts_allowed(self, num_running: int) -> bool:
+        """Whether a step with `num_running` requests running drafts at all (`disable_by_batch_size`)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
+
     def propose(self, seq: Sequence, cap: int) -> list[int]:
         """Up to min(cap, num_speculative_tokens) draft tokens after seq's known tokens."""
         k = min(cap, self.config.num_speculative_tokens)
