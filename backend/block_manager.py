@@ -190,6 +190,10 @@ class BlockManager:
             seq.block_hashes.append(hash_block(parent, seq.token_ids[index * size : (index + 1) * size]))
 
     # -- allocation ------------------------------------------------------------
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """New blocks `allocate(seq, num_new_tokens)` would take (no cached prefix)."""
+        return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
+
     def allocate(
         self, seq: Sequence, num_new_tokens: int, cached_prefix: Seq[KVBlock] = ()
     ) -> bool:

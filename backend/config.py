@@ -142,7 +142,8 @@ class EngineConfig:
     """Speculative decoding (vLLM's --speculative-config): a dict (Python API), a JSON object or
     `key=value,key=value` (config.pbtxt, `pagedserve serve --set`) of vLLM's keys `method` (only "ngram",
     prompt lookup, for now), `num_speculative_tokens` (required, >= 1), `prompt_lookup_min` and
-    `prompt_lookup_max` (both unset: 5 and 5; one unset: the other's value). Plain greedy requests verify
+    `prompt_lookup_max` (both unset: 5 and 5; one unset: the other's value), `disable_by_batch_size` (no
+    drafting while more than that many requests run). Plain greedy requests verify
     their drafts in the step's flat batch and give exactly the tokens they give without it (docs/engine-
     settings.md); other requests decode as before. Empty: off. Refused with async_scheduling=on and several
     ranks; async_scheduling=auto is off while speculating."""

@@ -62,8 +62,9 @@ class InFlightStep:
     """A sampling request needs every token on the host before its next step (processors, logprobs)."""
     logits: torch.Tensor | None = None
     """The raw logits, kept where a request wants logprobs."""
-    counts: list[int] | None = None
-    """Speculative decoding: the logits rows (and staged tokens) of each sampling sequence; None: one each."""
+    drafts: list[list[int]] | None = None
+    """Speculative decoding: each sampling sequence's draft tokens (its logits rows and staged tokens
+    are 1 + that many); None: one row each."""
 
 
 def async_scheduling_wanted(config: EngineConfig, device: torch.device) -> bool:
@@ -335,19 +336,19 @@ class LLMEngine:
         batch.sampling_seqs = sampling_seqs  # in the order of the logits' rows, which the tokens follow
         if not sampling_seqs:
             return InFlightStep(batch, None)
-        counts = None
+        drafts = None
         if self.speculator is not None and batch.has_drafts:  # rows of the verifying sequences' drafts too
-            drafts = {id(seq): d for seq, d in zip(batch.seqs, batch.drafts)}
-            counts = [1 + len(drafts[id(seq)]) for seq in sampling_seqs]
-            tokens, firsts = self.speculator.verify(logits, sampling_seqs, counts, self.sampler)
+            by_seq = {id(seq): d for seq, d in zip(batch.seqs, batch.drafts)}
+            drafts = [by_seq[id(seq)] for seq in sampling_seqs]
+            tokens, firsts = self.speculator.verify(logits, sampling_seqs, [1 + len(d) for d in drafts], self.sampler)
             self.runner.remember(sampling_seqs, firsts)
         else:
             tokens = self.sampler.sample(logits, sampling_seqs)
             self.runner.remember(sampling_seqs, tokens)
-        needs_host = any(seq.params.needs_host_tokens for seq in sampling_seqs) or counts is not None
+        needs_host = any(seq.params.needs_host_tokens for seq in sampling_seqs) or drafts is not None
         wants_logprobs = any(seq.params.logprobs is not None for seq in sampling_seqs)
         return InFlightStep(batch, self.runner.stage_tokens(tokens), needs_host, logits if wants_logprobs else None,
-                            counts)
+                            drafts)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         """Apply a launched step's tokens (waiting for them) and render each request's delta."""
@@ -356,41 +357,38 @@ class LLMEngine:
             return []
         tokens = step.tokens.tolist()
         seqs = step.batch.sampling_seqs
-        if step.counts is not None:
-            return self._finish_verify(step, tokens)
-        logprobs = self.sampler.logprobs(step.logits, seqs, tokens) if step.logits is not None else None
-        constrained = [(seq, token) for seq, token in zip(seqs, tokens) if seq.grammar is not None]
+        entries: list[int] | list[list[int]] = tokens
+        logprobs = None
+        if step.drafts is not None:  # each sequence's accepted drafts and its own token
+            entries, logprobs = self._accepted(step, tokens)
+        elif step.logits is not None:
+            logprobs = self.sampler.logprobs(step.logits, seqs, tokens)
+        # a grammar's request never drafts: its entry is its one token (the first of a list)
+        constrained = [(seq, entry if isinstance(entry, int) else entry[0])
+                       for seq, entry in zip(seqs, cast("list[int | list[int]]", entries)) if seq.grammar is not None]
         for seq, token in constrained:
             seq.grammar.accept_token(token)
-        advanced = self.scheduler.update_from_output(step.batch, tokens, logprobs, self._on_token)
+        advanced = self.scheduler.update_from_output(step.batch, entries, logprobs, self._on_token)
         for seq, _ in constrained:
             if seq.grammar.is_terminated() and not seq.is_finished:  # complete (ignore_eos, or EOS not the stop)
                 self.scheduler.finish(seq, FinishReason.STOP)
         return [output for seq in advanced if (output := self._render(seq)) is not None]
 
-    def _finish_verify(self, step: InFlightStep, row_tokens: list[int]) -> list[RequestOutput]:
-        """A step with drafts (never a grammar's request): each sequence's accepted drafts and its
-        own token, with logprobs for every one of them from its row's raw logits."""
-        assert self.speculator is not None and step.counts is not None
-        seqs, counts = step.batch.sampling_seqs, step.counts
-        drafts = {id(seq): d for seq, d in zip(step.batch.seqs, step.batch.drafts)}
-        emitted = self.speculator.accept(row_tokens, [drafts[id(seq)] for seq in seqs])
-        logprobs = None
-        if step.logits is not None:
-            rows = [seq for seq, count in zip(seqs, counts) for _ in range(count)]
-            flat = self.sampler.logprobs(step.logits, rows, row_tokens)
-            logprobs, offset = [], 0
-            for count, tokens in zip(counts, emitted):
-                logprobs.append(flat[offset : offset + len(tokens)])
-                offset += count
-        for seq, tokens in zip(seqs, emitted):
-            if seq.grammar is not None:
-                seq.grammar.accept_token(tokens[0])
-        advanced = self.scheduler.update_from_output(step.batch, emitted, logprobs, self._on_token)
-        for seq in seqs:
-            if seq.grammar is not None and seq.grammar.is_terminated() and not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP)
-        return [output for seq in advanced if (output := self._render(seq)) is not None]
+    def _accepted(self, step: InFlightStep, row_tokens: list[int]) -> tuple[list[list[int]], list | None]:
+        """A step with drafts: each sequence's accepted drafts and its own token, and (where asked)
+        the logprobs of every one of them from its row's raw logits."""
+        assert self.speculator is not None and step.drafts is not None
+        seqs, counts = step.batch.sampling_seqs, [1 + len(d) for d in step.drafts]
+        emitted = self.speculator.accept(row_tokens, step.drafts)
+        if step.logits is None:
+            return emitted, None
+        rows = [seq for seq, count in zip(seqs, counts) for _ in range(count)]
+        flat = self.sampler.logprobs(step.logits, rows, row_tokens)
+        logprobs, offset = [], 0
+        for count, tokens in zip(counts, emitted):
+            logprobs.append(flat[offset : offset + len(tokens)])
+            offset += count
+        return emitted, logprobs
 
     def _on_token(self, seq: Sequence) -> bool:
         """The renderer's account of the token just appended; True when a stop string hit."""

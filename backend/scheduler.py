@@ -221,7 +221,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             drafts = self._drafts(seq, budget) if drafting else []
             if drafts:
-                spare = self.block_manager.num_free_blocks - self._blocks_needed(seq, 1 + len(drafts))
+                spare = self.block_manager.num_free_blocks - self.block_manager.blocks_needed(seq, 1 + len(drafts))
                 if spare >= later_needs[index + 1] and self.block_manager.allocate(seq, 1 + len(drafts)):
                     num_new = 1 + len(drafts)
                 else:
@@ -237,16 +237,13 @@ class Scheduler:
             index += 1
         return budget
 
-    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        return max(0, -(-(seq.num_computed_tokens + num_new) // self.block_manager.block_size) - len(seq.block_table))
-
     def _later_block_needs(self) -> list[int]:
         """Per running index: the blocks the requests from there on need for their own tokens
         (drafts may take only what is left beyond them, so they never cause a preemption)."""
         needs = [0] * (len(self.running) + 1)
         for i in range(len(self.running) - 1, -1, -1):
             seq = self.running[i]
-            needs[i] = needs[i + 1] + self._blocks_needed(seq, seq.num_uncomputed_tokens)
+            needs[i] = needs[i + 1] + self.block_manager.blocks_needed(seq, seq.num_uncomputed_tokens)
         return needs
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:

@@ -115,7 +115,8 @@ class TrtllmMetrics:
 
 class SpecDecodeMetrics:
     """vLLM v1's speculative decoding counters (`vllm:spec_decode_*`), counted up from the
-    engine's running totals (EngineStats.spec_*)."""
+    engine's running totals (EngineStats.spec_*): `counters` by EngineMetrics with its own, the
+    per-position family here."""
 
     STATS = {"spec_num_drafts": ("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts."),
              "spec_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens."),
@@ -126,15 +127,9 @@ class SpecDecodeMetrics:
         self.per_pos = families.labelled(
             "vllm:spec_decode_num_accepted_tokens_per_pos_total", "Accepted tokens per draft position.", "position",
             tuple(str(i) for i in range(num_speculative_tokens)), labels, kind="COUNTER")
-        self._seen = dict.fromkeys(self.counters, 0)
         self._seen_pos = [0] * num_speculative_tokens
 
     def refresh(self, stats: EngineStats) -> None:
-        for key, counter in self.counters.items():
-            total = getattr(stats, key)
-            if total > self._seen[key]:
-                counter.increment(total - self._seen[key])
-                self._seen[key] = total
         for position, total in enumerate(stats.spec_accepted_per_pos[: len(self._seen_pos)]):
             if total > self._seen_pos[position]:
                 self.per_pos[str(position)].increment(total - self._seen_pos[position])
@@ -219,7 +214,8 @@ class EngineMetrics:
             "pagedserve:prefix_cache_hits_total", "Prompt tokens whose KV blocks were reused", "COUNTER"
         )
         self._counters = {"num_preemptions": self.preemptions, "num_recoveries": self.recoveries,
-                          "prefix_query_tokens": self.prefix_queries, "prefix_hit_tokens": self.prefix_hits}
+                          "prefix_query_tokens": self.prefix_queries, "prefix_hit_tokens": self.prefix_hits,
+                          **(self.spec_decode.counters if self.spec_decode is not None else {})}
         self._seen = dict.fromkeys(self._counters, 0)
 
     @property

@@ -164,9 +164,16 @@ def committed_choice(key: Sequence[Any], candidates: List[GemmConfig]) -> Option
     return next((c for c in candidates if c == chosen), chosen)
 
 
-def choice(key: Sequence[Any], candidates: List[GemmConfig]) -> GemmConfig:
-    """For launches that never time: the committed choice, else the first candidate."""
-    return committed_choice(key, candidates) or candidates[0]
+_CHOSEN: Dict[Tuple, GemmConfig] = {}
+
+
+def choice(key: Tuple, candidates: List[GemmConfig]) -> GemmConfig:
+    """For launches that never time: the committed choice, else the first candidate; looked up
+    once per key (such a launch runs in every adapted linear of every step)."""
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        chosen = _CHOSEN[key] = committed_choice(key, candidates) or candidates[0]
+    return chosen
 
 
 def entry(key: Sequence[Any], config: GemmConfig, **measured: float) -> Dict[str, Any]:

@@ -20,6 +20,7 @@ def committed(tmp_path, monkeypatch):
     from pagedserve.kernels.triton import gemm, tuned
 
     monkeypatch.setattr(gemm, "_TUNED", {})
+    monkeypatch.setattr(tuned, "_CHOSEN", {})
 
     def install(choices, name="Test GPU"):
         path = tmp_path / tuned.file_name(name)
