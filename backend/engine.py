@@ -42,7 +42,7 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
-from .spec_decode import Speculator
+from .spec_decode import Speculator, Verification
 from .structured_output import GrammarCompiler
 from .tokenizer import apply_chat_template, encode_prompt
 
@@ -62,9 +62,9 @@ class InFlightStep:
     """A sampling request needs every token on the host before its next step (processors, logprobs)."""
     logits: torch.Tensor | None = None
     """The raw logits, kept where a request wants logprobs."""
-    drafts: list[list[int]] | None = None
-    """Speculative decoding: each sampling sequence's draft tokens (its logits rows and staged tokens
-    are 1 + that many); None: one row each."""
+    verification: Verification | None = None
+    """Speculative decoding: each sampling sequence's drafts (its logits rows and staged tokens are
+    1 + that many) and its generator before the rows drew; None: one row each."""
 
 
 def async_scheduling_wanted(config: EngineConfig, device: torch.device) -> bool:
@@ -336,19 +336,20 @@ class LLMEngine:
         batch.sampling_seqs = sampling_seqs  # in the order of the logits' rows, which the tokens follow
         if not sampling_seqs:
             return InFlightStep(batch, None)
-        drafts = None
+        verification = None
         if self.speculator is not None and batch.has_drafts:  # rows of the verifying sequences' drafts too
             by_seq = {id(seq): d for seq, d in zip(batch.seqs, batch.drafts)}
             drafts = [by_seq[id(seq)] for seq in sampling_seqs]
-            tokens, firsts = self.speculator.verify(logits, sampling_seqs, [1 + len(d) for d in drafts], self.sampler)
-            self.runner.remember(sampling_seqs, firsts)
+            verification = self.speculator.verify(logits, sampling_seqs, drafts, self.sampler)
+            tokens = verification.tokens
+            self.runner.remember(sampling_seqs, verification.firsts)
         else:
             tokens = self.sampler.sample(logits, sampling_seqs)
             self.runner.remember(sampling_seqs, tokens)
-        needs_host = any(seq.params.needs_host_tokens for seq in sampling_seqs) or drafts is not None
+        needs_host = any(seq.params.needs_host_tokens for seq in sampling_seqs) or verification is not None
         wants_logprobs = any(seq.params.logprobs is not None for seq in sampling_seqs)
         return InFlightStep(batch, self.runner.stage_tokens(tokens), needs_host, logits if wants_logprobs else None,
-                            drafts)
+                            verification)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         """Apply a launched step's tokens (waiting for them) and render each request's delta."""
@@ -359,7 +360,7 @@ class LLMEngine:
         seqs = step.batch.sampling_seqs
         entries: list[int] | list[list[int]] = tokens
         logprobs = None
-        if step.drafts is not None:  # each sequence's accepted drafts and its own token
+        if step.verification is not None:  # each sequence's accepted drafts and its own token
             entries, logprobs = self._accepted(step, tokens)
         elif step.logits is not None:
             logprobs = self.sampler.logprobs(step.logits, seqs, tokens)
@@ -376,10 +377,15 @@ class LLMEngine:
 
     def _accepted(self, step: InFlightStep, row_tokens: list[int]) -> tuple[list[list[int]], list | None]:
         """A step with drafts: each sequence's accepted drafts and its own token, and (where asked)
-        the logprobs of every one of them from its row's raw logits."""
-        assert self.speculator is not None and step.drafts is not None
-        seqs, counts = step.batch.sampling_seqs, [1 + len(d) for d in step.drafts]
-        emitted = self.speculator.accept(row_tokens, step.drafts)
+        the logprobs of every one of them from its row's raw logits. A seeded sampled request
+        whose drafts were rejected draws again only the rows it kept."""
+        verification = step.verification
+        assert self.speculator is not None and verification is not None
+        seqs, counts = step.batch.sampling_seqs, [1 + len(d) for d in verification.drafts]
+        emitted = self.speculator.accept(row_tokens, verification.drafts)
+        for seq, state, count, tokens in zip(seqs, verification.generator_states, counts, emitted):
+            if state is not None and len(tokens) < count:
+                self.sampler.redraw(seq, state, len(tokens), verification.vocab_size)
         if step.logits is None:
             return emitted, None
         rows = [seq for seq, count in zip(seqs, counts) for _ in range(count)]

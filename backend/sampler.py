@@ -130,10 +130,23 @@ class Sampler:
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):
-            generator = seqs[i].generator or self.generator
-            noise[j].exponential_(generator=generator)
+            self._draw(noise[j], seqs[i])
         greedy[index] = first_max_index(probs / noise)
         return greedy, Race(rows, noise)
+
+    def _draw(self, noise: torch.Tensor, seq: Sequence) -> None:
+        """One row's race noise, from the request's own generator where it has a seed."""
+        noise.exponential_(generator=seq.generator or self.generator)
+
+    def redraw(self, seq: Sequence, state: torch.Tensor, draws: int, vocab: int) -> None:
+        """Rewind a seeded request's generator to `state` and draw its first `draws` rows
+        again: a verify drew a row for every draft, and the draws of rejected rows belong to the
+        tokens that follow, as they would without speculation."""
+        assert seq.generator is not None
+        seq.generator.set_state(state)
+        row = torch.empty(vocab, dtype=torch.float32, device=self.device)
+        for _ in range(draws):
+            self._draw(row, seq)
 
     def logprobs(self, raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
         """Logprobs of the sampled tokens (and the top alternatives) for the rows that ask,

@@ -114,12 +114,12 @@ def test_async_scheduling_on_and_several_ranks_are_refused_and_auto_async_is_off
 
 
 # -- which requests draft -----------------------------------------------------------
-def test_only_plain_greedy_requests_without_processors_are_eligible():
+def test_only_requests_without_logit_processors_are_eligible():
     def eligible(**params):
         return Speculator.eligible(Sequence("r", [1, 2], SamplingParams(**params)))
 
     assert eligible(temperature=0.0) and eligible(temperature=0.0, logprobs=2, stop=["x"])
-    assert not eligible(temperature=0.7)
+    assert eligible(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=3)
     assert not eligible(temperature=0.0, repetition_penalty=1.1)
     assert not eligible(temperature=0.0, presence_penalty=0.5)
     assert not eligible(temperature=0.0, bad_words_ids=[[5]])
@@ -160,7 +160,7 @@ def prefill(sched, *seqs, token=99):
 
 def test_a_decode_schedules_its_drafts_and_they_count_in_the_budget():
     kv, sched = make([1, 2, 3])
-    a, b = greedy("a", 6), greedy("b", 5, start=40, temperature=0.8)
+    a, b = greedy("a", 6), greedy("b", 5, start=40, temperature=0.8, repetition_penalty=1.2)
     prefill(sched, a, b)
     batch = sched.schedule()
     assert batch.num_new_tokens == [4, 1] and batch.drafts == [[1, 2, 3], []]
@@ -279,7 +279,7 @@ def test_a_seq_at_its_limit_or_not_decoding_gets_no_drafts():
 # -- the runner's inputs and the verifier ---------------------------------------------------
 def test_plan_feeds_the_last_token_then_the_drafts_and_asks_logits_at_each():
     kv, sched = make([1, 2, 3])
-    a, b = greedy("a", 6), greedy("b", 5, start=40, temperature=0.8)
+    a, b = greedy("a", 6), greedy("b", 5, start=40, temperature=0.8, bad_words_ids=[[7]])
     c = greedy("c", 9, start=60)
     prefill(sched, a, b)
     sched.add(c)
@@ -296,14 +296,16 @@ def test_plan_feeds_the_last_token_then_the_drafts_and_asks_logits_at_each():
     assert arrays.slots[:4].tolist() == slots
 
 
-def test_verify_takes_first_rows_from_the_sampler_and_the_rest_by_first_max():
+def test_verify_takes_every_greedy_row_by_first_max():
     sampler = Sampler([0], 0, torch.device("cpu"))
     a, b = greedy("a", 3), greedy("b", 3)
     logits = torch.zeros(5, 8)
     logits[0, 3] = logits[1, 4] = logits[2, 5] = logits[3, 6] = 1.0
     logits[4, 2] = logits[4, 7] = 2.0  # a tie: the first maximum wins
-    rows, firsts = Speculator.verify(logits, [a, b], [4, 1], sampler)
+    verification = Speculator.verify(logits, [a, b], [[4, 9, 6], []], sampler)
+    rows, firsts = verification.tokens, verification.firsts
     assert rows.tolist() == [3, 4, 5, 6, 2] and firsts.tolist() == [3, 2]
+    assert verification.generator_states == [None, None]
     speculator = Speculator(SpeculativeConfig("ngram", 3, 1, 1))
     emitted = speculator.accept(rows.tolist(), [[4, 9, 6], []])
     assert emitted == [[3], [2]]

@@ -4,7 +4,10 @@ preemption and in streaming; and the speculation is not vacuous (drafts are acce
 
 from __future__ import annotations
 
+import random
+
 import pytest
+import torch
 
 from pagedserve.backend import LLMEngine, SamplingParams
 
@@ -180,3 +183,99 @@ def test_n_greedy_samples_equal_speculation_off(engine, spec_engine, repeat):
     assert [s.token_ids for s in on.samples] == [s.token_ids for s in off.samples]
     assert len(on.samples) == 2 and on.samples[0].token_ids == on.samples[1].token_ids
     assert_engine_idle(spec_engine)
+
+
+# -- sampled requests ------------------------------------------------------------------------
+def test_seeded_sampled_requests_equal_speculation_off_token_for_token(engine, spec_engine, repeat, prompts):
+    """A sampled row races with its own noise in row order and a rejected row's draws are drawn
+    again for the tokens after it, so a seed gives the same text with speculation as without."""
+    batch = [repeat, repeat, prompts[1], prompts[4]]
+    params = [SamplingParams(max_tokens=40, temperature=0.7, seed=11, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, top_k=20, seed=12, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.9, min_p=0.05, seed=13),
+              greedy(24)]
+    before = spec_engine.stats()
+    off = engine.generate(batch, params, use_tqdm=False)
+    on = spec_engine.generate(batch, params, use_tqdm=False)
+    for a, b in zip(off, on):
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    assert [x.logprob for x in on[0].logprobs] == pytest.approx([x.logprob for x in off[0].logprobs], abs=1e-4)
+    after = spec_engine.stats()
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    rejected = after.spec_num_draft_tokens - before.spec_num_draft_tokens - accepted
+    assert accepted >= 10 and rejected > 0, (accepted, rejected)
+    two = SamplingParams(max_tokens=30, temperature=0.8, n=2, seed=5, ignore_eos=True)
+    assert ([s.token_ids for s in spec_engine.generate([repeat], two, use_tqdm=False)[0].samples]
+            == [s.token_ids for s in engine.generate([repeat], two, use_tqdm=False)[0].samples])
+    assert_engine_idle(spec_engine)
+
+
+def test_sampled_tokens_follow_the_targets_distribution_under_any_drafts(small_llama, monkeypatch):
+    """A chi-square test over the 27 first three tokens of a random model sampled with
+    top_k=3 (the target's probabilities read from its own logprobs without speculation), while a
+    proposer drafts at random among the likely tokens and one impossible token, so drafts are
+    accepted, partly accepted and rejected. The engine's seed is fixed: the outcome is the same
+    on every run; a correct verifier fails it with probability 1e-3."""
+    k, n = 3, 3000
+    plain = LLMEngine(model=small_llama, dtype="float32", max_num_seqs=256, **GPU_SHARE)
+    prompt = list(range(40, 52))
+
+    def top(prefixes):
+        """Each prefix's top-k next tokens and their probabilities under top_k = k, temperature 1."""
+        outs = plain.generate([prompt + list(p) for p in prefixes], greedy(1, logprobs=k), use_tqdm=False)
+        tables = []
+        for out in outs:
+            ids, logprobs = zip(*out.logprobs[0].top)
+            weights = torch.tensor(logprobs, dtype=torch.float64).softmax(0).tolist()
+            tables.append(dict(zip(ids, weights)))
+        return dict(zip(prefixes, tables))
+
+    first = top([()])
+    second = top([(a,) for a in first[()]])
+    third = top([(a, b) for (a,) in second for b in second[(a,)]])
+    table = {**first, **second, **third}
+    expected = {(a, b, c): first[()][a] * second[(a,)][b] * third[(a, b)][c]
+                for (a, b), nexts in third.items() for c in nexts}
+
+    spec = LLMEngine(model=small_llama, dtype="float32", max_num_seqs=256, speculative_config="num_speculative_tokens=2",
+                     max_queue_size=n, **GPU_SHARE)
+    rng = random.Random(0)
+    impossible = 3  # never in a top-3 here: always rejected
+
+    def propose(seq, cap):
+        drafts, context = [], tuple(seq.output_token_ids)
+        for _ in range(min(cap, 2)):
+            choices = list(table.get(context, {})) + [impossible]
+            drafts.append(rng.choice(choices))
+            context += (drafts[-1],)
+        return drafts
+
+    monkeypatch.setattr(spec.speculator, "propose", propose)
+    assert impossible not in {t for nexts in table.values() for t in nexts}
+    # four tokens, so the step after the first may draft two (one of the model's own always follows)
+    outs = spec.generate([prompt] * n, SamplingParams(max_tokens=4, temperature=1.0, top_k=k, ignore_eos=True),
+                         use_tqdm=False)
+    counts = {cell: 0 for cell in expected}
+    for out in outs:
+        counts[tuple(out.token_ids[:3])] += 1  # a continuation outside the table is a KeyError: a bug
+    stats = spec.stats()
+    accepted, drafted = stats.spec_num_accepted_tokens, stats.spec_num_draft_tokens
+    assert 0.1 * drafted < accepted < 0.9 * drafted, (accepted, drafted)
+    assert stats.spec_accepted_per_pos[1] > 0  # whole runs of two drafts were accepted too
+    # cells expected fewer than 5 times are pooled, as the chi-square approximation asks
+    cells = sorted(expected, key=expected.get)
+    bins, pooled = [], [0.0, 0]
+    for cell in cells:
+        if expected[cell] * n < 5:
+            pooled = [pooled[0] + expected[cell] * n, pooled[1] + counts[cell]]
+        else:
+            bins.append((expected[cell] * n, counts[cell]))
+    if pooled[0]:
+        bins.append(tuple(pooled))
+    statistic = sum((seen - want) ** 2 / want for want, seen in bins)
+    dof = len(bins) - 1
+    p_value = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                      torch.tensor(statistic / 2, dtype=torch.float64)).item()
+    print(f"chi-square {statistic:.1f}, {dof} degrees of freedom, p = {p_value:.3f}")
+    assert dof >= 10 and p_value > 1e-3, (statistic, dof, p_value)
+    assert_engine_idle(spec)

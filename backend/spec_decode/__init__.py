@@ -1,7 +1,7 @@
-"""Speculative decoding (slice 1: n-gram prompt lookup, greedy-exact), behind one `Speculator`."""
+"""Speculative decoding (n-gram prompt lookup; greedy and sampled requests), behind one `Speculator`."""
 
 from .config import SpeculativeConfig, parse
 from .ngram import propose_ngram
-from .speculator import SpecStats, Speculator
+from .speculator import SpecStats, Speculator, Verification
 
-__all__ = ["SpeculativeConfig", "SpecStats", "Speculator", "parse", "propose_ngram"]
+__all__ = ["SpeculativeConfig", "SpecStats", "Speculator", "Verification", "parse", "propose_ngram"]

@@ -1,11 +1,18 @@
 """Speculator: which requests draft, their drafts, and the verification of a step's rows.
 
-Slice 1 is greedy-exact: only plain greedy requests (no penalties, bad words, structured
-output or pending min_tokens, whose logit processors would need per-row histories holding
-the drafts) get drafts; row j of a verified request is the greedy token after its draft
-tokens 1..j, and the request keeps the drafts that equal the row before's token plus one
-token of the model's own (the correction, or the bonus when every draft is accepted), so its
-tokens are exactly those of decoding one step at a time.
+Row j of a verifying request is the token the sampler draws after its drafts 1..j, and the
+request keeps the drafts that equal the row before's token plus one token of its own (the
+correction, or the bonus when every draft is accepted). Greedy rows take the first maximum; a
+sampled row runs the sampler's exponential race with its own fresh noise, drawn from the
+request's generator in row order, so every kept token is the one decoding one step at a time
+would draw with the same noise: the output distribution is the target's exactly, and a seeded
+request's text is the same with speculation as without (the rejected rows' draws are redrawn
+for the tokens that follow). For a draft that is a single proposed token (n-gram), this keeps a
+draft with the target's probability of it and otherwise draws from the target without it, which
+is what rejection sampling (Leviathan et al.; Chen et al.) does with a one-point proposal.
+
+Requests whose logit processors (penalties, bad words, structured output, pending min_tokens)
+would need per-row histories holding the drafts do not draft.
 """
 
 from __future__ import annotations
@@ -35,6 +42,18 @@ class SpecStats:
     """Position i: request-steps that accepted at least i + 1 drafts."""
 
 
+@dataclass
+class Verification:
+    """A launched verify: every row's token, each sequence's first row's token, the drafts, and
+    the generator state of each seeded sampled sequence before its rows drew (None elsewhere)."""
+
+    tokens: torch.Tensor
+    firsts: torch.Tensor
+    drafts: list[list[int]]
+    generator_states: list[torch.Tensor | None]
+    vocab_size: int
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int | None = None):
         self.config = config
@@ -48,7 +67,7 @@ class Speculator:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         p = seq.params
-        return (p.greedy and not p.needs_penalties and not p.bad_words_ids and p.structured_outputs is None
+        return (not p.needs_penalties and not p.bad_words_ids and p.structured_outputs is None
                 and seq.grammar is None and seq.num_output_tokens >= p.min_tokens)
 
     def drafts_allowed(self, num_running: int) -> bool:
@@ -65,23 +84,20 @@ class Speculator:
         return propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k, self.max_model_len)
 
     @staticmethod
-    def verify(
-        logits: torch.Tensor, seqs: list[Sequence], counts: list[int], sampler: Sampler
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: counts[i] rows per sequence, in order. Returns every row's token (greedy, the
-        same first-max rule as the sampler's; each sequence's first row through the sampler, as a
-        plain step samples it) and the first rows' tokens alone."""
-        from ..sampler import first_max_index
-
+    def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], sampler: Sampler) -> Verification:
+        """logits: 1 + len(drafts[i]) rows per sequence, in order. Every row's token through the
+        sampler (a sequence's rows share its parameters), noting each seeded sampled request's
+        generator before its rows draw."""
+        rows = [seq for seq, draft in zip(seqs, drafts) for _ in range(1 + len(draft))]
+        states = [seq.generator.get_state() if draft and seq.generator is not None and not seq.params.greedy else None
+                  for seq, draft in zip(seqs, drafts)]
+        tokens = sampler.sample(logits, rows)
         offsets, first = 0, []
-        for count in counts:
+        for draft in drafts:
             first.append(offsets)
-            offsets += count
-        index = torch.tensor(first, dtype=torch.int64, device=logits.device)
-        base = sampler.sample(logits.index_select(0, index), seqs)
-        rows = first_max_index(logits).clone()
-        rows[index] = base
-        return rows, base
+            offsets += 1 + len(draft)
+        firsts = tokens.index_select(0, torch.tensor(first, dtype=torch.int64, device=tokens.device))
+        return Verification(tokens, firsts, drafts, states, logits.shape[-1])
 
     def accept(self, row_tokens: list[int], drafts: list[list[int]]) -> list[list[int]]:
         """Each sequence's tokens for this step: its accepted drafts and one token of the model's."""
