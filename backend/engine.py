@@ -319,12 +319,15 @@ class LLMEngine:
             outputs += self._finish(self._in_flight)
             self._in_flight = None
         batch = self.scheduler.schedule()
+        started = time.perf_counter()
         launched = self._launch(batch) if batch.seqs else None
         if self._in_flight is not None:
             outputs += self._finish(self._in_flight)
         self._in_flight = launched if self.async_scheduling else None
         if launched is not None and not self.async_scheduling:
             outputs += self._finish(launched)
+            if self.speculator is not None and batch.decode_only:  # what a row costs, for the draft lengths
+                self.speculator.observe_step(batch.num_tokens, time.perf_counter() - started)
         if self.groups:
             outputs = self._merge_samples(outputs)
         return outputs
@@ -382,7 +385,7 @@ class LLMEngine:
         verification = step.verification
         assert self.speculator is not None and verification is not None
         seqs, counts = step.batch.sampling_seqs, [1 + len(d) for d in verification.drafts]
-        emitted = self.speculator.accept(row_tokens, verification.drafts)
+        emitted = self.speculator.accept(row_tokens, verification.drafts, seqs)
         for seq, state, count, tokens in zip(seqs, verification.generator_states, counts, emitted):
             if state is not None and len(tokens) < count:
                 self.sampler.redraw(seq, state, len(tokens), verification.vocab_size)
@@ -444,7 +447,9 @@ class LLMEngine:
         stats = self.speculator.stats
         return {"spec_num_drafts": stats.num_drafts, "spec_num_draft_tokens": stats.num_draft_tokens,
                 "spec_num_accepted_tokens": stats.num_accepted_tokens,
-                "spec_accepted_per_pos": list(stats.accepted_per_pos)}
+                "spec_accepted_per_pos": list(stats.accepted_per_pos),
+                "spec_num_backed_off": self.speculator.lengths.num_backed_off,
+                "spec_row_cost": self.speculator.lengths.row_cost}
 
     def prompt_logprobs(self, token_ids: Seq[int]) -> list[float]:
         """Logprob of each token after the first given the ones before it (for perplexity).

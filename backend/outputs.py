@@ -128,3 +128,9 @@ class EngineStats:
     """and those accepted;"""
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     """position i: request-steps that accepted at least i + 1 drafts."""
+    spec_num_backed_off: int = 0
+    """Request-steps where a request that could draft drafted nothing because its drafts were not
+    expected to pay for their rows (`draft_length: adaptive`; spec_decode/draft_length.py);"""
+    spec_row_cost: float = 0.0
+    """what one more token row adds to a plain step's time at the last step's batch size, relative to
+    that time, as measured (0 before it is)."""

@@ -77,6 +77,11 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence decodes or verifies (no prompt chunk): the steps a speculator times."""
+        return all(self.samples) and all(n == 1 + len(d) for n, d in zip(self.num_new_tokens, self.drafts))
+
     def __len__(self) -> int:
         return len(self.seqs)
 
@@ -212,6 +217,8 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         index = 0
         drafting = self.speculator is not None and self.speculator.drafts_allowed(len(self.running))
+        if drafting and self.speculator is not None:
+            self.speculator.begin_step(self.running)
         later_needs = self._later_block_needs() if drafting else []
         while index < len(self.running) and budget > 0:
             seq = self.running[index]

@@ -7,10 +7,14 @@ workloads with fixed texts (nothing is downloaded):
   code   the model is asked to continue a given Python file of repetitive structure
   chat   free questions: drafts rarely help (what speculation costs when it does not pay)
 
-Each at one stream (the requests one after another) and at 8 streams (8 requests in one batch).
-Per row: output tok/s off and on, the ratio, the acceptance rate (accepted draft tokens over
-drafted ones) and the tokens a verifying request advanced per step (1 + accepted / drafts).
-float32, where speculation's output equals the plain run's token for token (checked every row).
+Each at one stream (the requests one after another) and at 8 streams (8 requests in one batch),
+with speculation off, on with `draft_length: fixed` (every request drafts up to k, vLLM's way) and
+on with `draft_length: adaptive` (as many drafts as are expected to pay for their rows, from this
+engine's measured step cost: backend/spec_decode/draft_length.py). Per row: output tok/s of each
+and the ratios to off, the acceptance rate (accepted draft tokens over drafted ones) of each, and
+the request-steps the adaptive engine held back from drafting (acceptance and held back: the last
+of the row's runs; tok/s: the median of --repeats runs, interleaved). float32, where speculation's output
+equals the plain run's token for token (checked every row).
 
     python benchmarks/speculative.py [--k 4] [--lookup-min 1] [--lookup-max 3] [--max-tokens 128]
                                      [--disable-by-batch-size N]
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -80,7 +85,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, streams: i
     seconds = time.perf_counter() - start
     after = engine.stats()
     counters = {name: getattr(after, name) - getattr(before, name)
-                for name in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")}
+                for name in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_backed_off")}
     tokens = [list(o.token_ids) for o in outputs]
     return sum(map(len, tokens)) / seconds, tokens, counters
 
@@ -92,28 +97,39 @@ def main() -> None:
     parser.add_argument("--lookup-max", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode per row, interleaved; the median is shown")
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
             "prompt_lookup_max": args.lookup_max, "disable_by_batch_size": args.disable_by_batch_size}
-    engines = {"off": LLMEngine(dtype="float32"), "on": LLMEngine(dtype="float32", speculative_config=spec)}
+    engines = {"off": LLMEngine(dtype="float32"),
+               "fixed": LLMEngine(dtype="float32", speculative_config={**spec, "draft_length": "fixed"}),
+               "adaptive": LLMEngine(dtype="float32", speculative_config={**spec, "draft_length": "adaptive"})}
     print(machine())
     print(f"speculative_config {spec}; greedy, at most {args.max_tokens} tokens a request, float32\n")
-    print("| workload | streams | requests | off tok/s | on tok/s | on / off | acceptance | tokens / verify step |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| workload | streams | requests | off tok/s | fixed tok/s | fixed / off | adaptive tok/s | adaptive / off "
+          "| acceptance fixed | acceptance adaptive | held back |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, convs in workloads().items():
         prompts = [engines["off"].encode(messages=c) for c in convs]
         for streams, count in ((1, 3), (8, 8)):
             for engine in engines.values():  # warm-up: the first requests of a fresh engine pay for more
                 engine.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
-            off, off_tokens, _ = run(engines["off"], prompts[:count], args.max_tokens, streams)
-            on, on_tokens, c = run(engines["on"], prompts[:count], args.max_tokens, streams)
-            assert on_tokens == off_tokens, f"{name}: speculation changed a greedy answer"
-            drafted, accepted, verifies = c["spec_num_draft_tokens"], c["spec_num_accepted_tokens"], c["spec_num_drafts"]
-            rate = f"{accepted / drafted:.0%}" if drafted else "-"
-            per_step = f"{1 + accepted / verifies:.2f}" if verifies else "-"
-            print(f"| {name} | {streams} | {count} | {off:,.1f} | {on:,.1f} | {on / off:.2f}x | {rate} | {per_step} |",
-                  flush=True)
-
+            runs: dict[str, list] = {mode: [] for mode in engines}
+            for _ in range(args.repeats):  # interleaved: a slow spell of the machine hits every mode alike
+                for mode, engine in engines.items():
+                    runs[mode].append(run(engine, prompts[:count], args.max_tokens, streams))
+            off = statistics.median(r[0] for r in runs["off"])
+            row = [name, str(streams), str(count), f"{off:,.1f}"]
+            rates, held = [], 0
+            for mode in ("fixed", "adaptive"):
+                on = statistics.median(r[0] for r in runs[mode])
+                assert all(r[1] == runs["off"][0][1] for r in runs[mode]), f"{name}: speculation ({mode}) changed an answer"
+                c = runs[mode][-1][2]
+                drafted, accepted = c["spec_num_draft_tokens"], c["spec_num_accepted_tokens"]
+                rates.append(f"{accepted / drafted:.0%} of {drafted}" if drafted else "-")
+                row += [f"{on:,.1f}", f"{on / off:.2f}x"]
+                held = c["spec_num_backed_off"]
+            print("| " + " | ".join(row + rates + [str(held)]) + " |", flush=True)
 
 if __name__ == "__main__":
     main()

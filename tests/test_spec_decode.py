@@ -20,6 +20,7 @@ from pagedserve.backend.sampling_params import SamplingParams
 from pagedserve.backend.scheduler import Scheduler
 from pagedserve.backend.sequence import FinishReason, Sequence
 from pagedserve.backend.spec_decode import SpeculativeConfig, Speculator, parse, propose_ngram
+from pagedserve.backend.spec_decode.draft_length import DraftLengths, StepCost
 
 
 # -- n-gram proposer ------------------------------------------------------------
@@ -77,6 +78,8 @@ def test_dict_json_and_key_value_forms_agree_with_vllm_defaults():
     assert parse("num_speculative_tokens=2,prompt_lookup_min=3") == SpeculativeConfig("ngram", 2, 3, 3)
     assert parse("") is None and parse({}) is None and EngineConfig().speculative is None
     assert parse("num_speculative_tokens=2,disable_by_batch_size=4").disable_by_batch_size == 4
+    assert expected.draft_length == "adaptive"
+    assert parse("num_speculative_tokens=2,draft_length=FIXED").draft_length == "fixed"
 
 
 @pytest.mark.parametrize("value, match", [
@@ -91,6 +94,7 @@ def test_dict_json_and_key_value_forms_agree_with_vllm_defaults():
     ("num_speculative_tokens=2,lookahead=3", "unknown key.*lookahead"),
     ("num_speculative_tokens=2,disable_by_batch_size=0", "disable_by_batch_size must be >= 1"),
     ('{"num_speculative_tokens": 2', "not valid JSON"),
+    ("num_speculative_tokens=2,draft_length=long", "draft_length must be one of"),
     ("num_speculative_tokens", "expected key=value"),
 ])
 def test_bad_values_are_refused_naming_the_setting(value, match):
@@ -124,6 +128,102 @@ def test_only_requests_without_logit_processors_are_eligible():
     assert not eligible(temperature=0.0, presence_penalty=0.5)
     assert not eligible(temperature=0.0, bad_words_ids=[[5]])
     assert not eligible(temperature=0.0, min_tokens=1)  # pending min_tokens: EOS is banned row by row
+
+
+# -- draft lengths: per request and by the measured cost of a row --------------------------------
+def test_step_cost_is_each_sizes_recent_mean_read_along_lines_between_sizes():
+    cost = StepCost()
+    cost.observe(8, 0.020)
+    assert cost.at(8) == 0.020 and cost.at(9) is None  # one size: nothing between
+    cost.observe(9, 0.030)  # a jump: past a kernel's few-row path
+    cost.observe(40, 0.100)
+    assert cost.at(9) == 0.030 and cost.at(24) == pytest.approx(0.030 + 0.070 * 15 / 31)
+    assert cost.at(48) == pytest.approx(0.100 + 0.070 * 8 / 31)  # past the last: the last line on
+    assert cost.at(7) == pytest.approx(0.010) and cost.at(2) == 0.0  # before the first: the first line back
+    cost.observe(8, 0.010)
+    assert cost.at(8) == pytest.approx(0.3 * 0.020 + 0.7 * 0.010)
+
+
+def lengths_at(costs, k=4, adaptive=True):
+    lengths = DraftLengths(k, adaptive)
+    for tokens, seconds in costs.items():
+        lengths.cost.observe(tokens, seconds)
+    return lengths
+
+
+def verify_n(lengths, seq, times, drafted, accepted):
+    for _ in range(times):
+        lengths.verified(seq, drafted, accepted)
+
+
+def decoding(*names):
+    return [greedy(name, 4) for name in names]
+
+
+def test_cheap_rows_draft_everything_and_dear_rows_only_what_is_nearly_always_accepted():
+    gpu = lengths_at({1: 0.010, 64: 0.011})  # 64 rows cost 10% more than one
+    (chatting,) = decoding("chat")
+    verify_n(gpu, chatting, 3, 4, 0)
+    gpu.begin_step([chatting], [chatting])
+    assert gpu.length(chatting) >= 2  # a seventh accepted still pays for its first rows at these prices
+    verify_n(gpu, chatting, 20, 4, 0)
+    gpu.begin_step([chatting], [chatting])
+    assert gpu.length(chatting) == 0 and gpu.num_backed_off == 1  # nothing accepted in 20 verifies
+    # a CPU: one more row past 8 leaves the few-row path (+10%), then each row ~1.9 ms
+    cpu = lengths_at({1: 0.007, 5: 0.012, 8: 0.020, 9: 0.022, 40: 0.080})
+    copying, chatting, *others = batch = decoding("copy", "chat", *"abcdef")
+    verify_n(cpu, copying, 8, 4, 4)
+    verify_n(cpu, chatting, 8, 4, 0)
+    for seq in others:
+        verify_n(cpu, seq, 8, 4, 1)
+    cpu.begin_step([copying], [copying])
+    assert cpu.length(copying) == 4  # alone: its rows nearly always pay
+    cpu.begin_step(batch, batch)
+    assert cpu.length(copying) == 4 and cpu.length(chatting) == 0 and [cpu.length(s) for s in others] == [0] * 6
+    assert cpu.row_cost == pytest.approx(0.1)
+    for seq in others:
+        verify_n(cpu, seq, 8, 4, 0)
+    verify_n(cpu, copying, 8, 4, 1)
+    cpu.begin_step(batch, batch)
+    assert [cpu.length(s) for s in batch] == [0] * 8  # nothing pays the jump past 8 rows
+    fixed = lengths_at({1: 0.007, 5: 0.012}, adaptive=False)
+    verify_n(fixed, chatting, 8, 4, 0)
+    fixed.begin_step([chatting], [chatting])
+    assert fixed.length(chatting) == 4
+
+
+def test_before_two_sizes_are_measured_every_request_drafts_all_it_may():
+    lengths = lengths_at({8: 0.020})
+    batch = decoding(*"abcdefgh")
+    for seq in batch:
+        verify_n(lengths, seq, 8, 4, 0)
+    lengths.begin_step(batch, batch)
+    assert [lengths.length(s) for s in batch] == [4] * 8
+
+
+def test_a_held_back_request_drafts_again_once_its_shadow_drafts_would_have_been_accepted():
+    lengths = lengths_at({1: 0.007, 5: 0.012})  # 1.25 ms a row
+    (seq,) = decoding("a")
+    verify_n(lengths, seq, 8, 4, 0)
+    lengths.begin_step([seq], [seq])
+    assert lengths.length(seq) == 0 and lengths.wants_shadow(seq)
+    for _ in range(6):  # the request starts repeating its prompt: each shadow is what came
+        lengths.shadow(seq, [5, 6, 7, 8])
+        assert not lengths.wants_shadow(seq)
+        for token in (5, 6, 7):
+            seq.token_ids.append(token)
+            lengths.begin_step([seq], [seq])
+            assert not lengths.wants_shadow(seq)  # not all known, none wrong yet: still out
+        seq.token_ids.append(8)
+        lengths.begin_step([seq], [seq])
+    assert lengths.length(seq) == 4
+    lengths.shadow(seq, [1, 2, 3, 4])
+    seq.token_ids.append(9)  # the first differs: scored at once (nothing would have been kept)
+    lengths.begin_step([seq], [seq])
+    assert lengths.wants_shadow(seq) and lengths._rate(seq) < 0.9
+    lengths.shadow(seq, [1, 2])
+    lengths.begin_step([], [])
+    assert not lengths._acceptance and not lengths._shadows and lengths.length(seq) == 4  # not this step's
 
 
 # -- scheduler with a fake proposer ---------------------------------------------------
@@ -307,9 +407,9 @@ def test_verify_takes_every_greedy_row_by_first_max():
     assert rows.tolist() == [3, 4, 5, 6, 2] and firsts.tolist() == [3, 2]
     assert verification.generator_states == [None, None]
     speculator = Speculator(SpeculativeConfig("ngram", 3, 1, 1))
-    emitted = speculator.accept(rows.tolist(), [[4, 9, 6], []])
+    emitted = speculator.accept(rows.tolist(), [[4, 9, 6], []], [a, b])
     assert emitted == [[3], [2]]
-    emitted = speculator.accept([3, 4, 5, 6, 2], [[3, 4, 9], []])
+    emitted = speculator.accept([3, 4, 5, 6, 2], [[3, 4, 9], []], [a, b])
     assert emitted == [[3, 4, 5], [2]]
     stats = speculator.stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 6, 2)
@@ -333,9 +433,10 @@ def test_triton_metrics_count_up_vllms_spec_decode_families():
              "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total"]
     assert all(families[name] == MetricFamily.COUNTER for name in names)
 
-    def stats(drafts, tokens, accepted, per_pos):
+    def stats(drafts, tokens, accepted, per_pos, backed_off=0, share=0.0):
         return EngineStats(0, 0, 0, 10, 0, 10, 0.0, 0.0, 0, 0, 0, spec_num_drafts=drafts, spec_num_draft_tokens=tokens,
-                           spec_num_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
+                           spec_num_accepted_tokens=accepted, spec_accepted_per_pos=per_pos,
+                           spec_num_backed_off=backed_off, spec_row_cost=share)
 
     spec = metrics.spec_decode
     assert spec is not None
@@ -344,3 +445,11 @@ def test_triton_metrics_count_up_vllms_spec_decode_families():
     assert [c.total for c in spec.counters.values()] == [3, 8, 6]
     assert {p: m.total for p, m in spec.per_pos.items()} == {"0": 3, "1": 2, "2": 1}
     assert spec.per_pos["1"].labels == {**labels, "position": "1"}
+    # the draft lengths' back-off: pagedserve's own families, with or without vLLM's
+    for vllm in (True, False):
+        metrics = EngineMetrics(FakePbUtils(), labels, vllm=vllm, num_speculative_tokens=3)
+        metrics.refresh(stats(1, 1, 1, [1, 0, 0], backed_off=4, share=0.25))
+        metrics.refresh(stats(1, 1, 1, [1, 0, 0], backed_off=9, share=0.7))
+        assert metrics.spec_backed_off is not None and metrics.spec_backed_off.total == 9
+        assert metrics.spec_row_cost is not None and metrics.spec_row_cost.total == 0.7
+    assert EngineMetrics(FakePbUtils(), labels, vllm=True).spec_backed_off is None

@@ -15,7 +15,7 @@ from .conftest import GPU_SHARE, MAX_TOKENS, assert_engine_idle
 
 pytestmark = pytest.mark.slow
 
-SPEC = "method=ngram,num_speculative_tokens=4,prompt_lookup_min=1,prompt_lookup_max=3"
+SPEC = "method=ngram,num_speculative_tokens=4,prompt_lookup_min=1,prompt_lookup_max=3,draft_length=fixed"
 REPEAT = ("apple banana cherry date elderberry fig grape\n" * 3) + "apple banana"
 
 
@@ -279,3 +279,27 @@ def test_sampled_tokens_follow_the_targets_distribution_under_any_drafts(small_l
     print(f"chi-square {statistic:.1f}, {dof} degrees of freedom, p = {p_value:.3f}")
     assert dof >= 10 and p_value > 1e-3, (statistic, dof, p_value)
     assert_engine_idle(spec)
+
+
+def test_adaptive_draft_lengths_keep_the_output_and_back_off_where_rows_are_dear(engine, repeat, prompts, monkeypatch):
+    """`draft_length: adaptive` with step costs given (the measurements switched off, so the
+    choice does not depend on this machine's timing): where every row costs 20 ms (more than a
+    plain step's seconds per token at any batch size) nothing drafts and every decoding request-step is counted as held back; where 64 rows
+    cost a tenth more than one, the repetitive request drafts and its drafts are accepted. The
+    tokens are those of speculation off either way."""
+    batch, params = [repeat] + prompts[:3], greedy(24, ignore_eos=True)
+    off = engine.generate(batch, params, use_tqdm=False)
+    for costs, drafts in (({1: 0.010, 2: 0.030, 9: 0.170}, False), ({1: 0.010, 64: 0.011}, True)):
+        spec = LLMEngine(dtype="float32", speculative_config=SPEC.replace("fixed", "adaptive"), **GPU_SHARE)
+        lengths = spec.speculator.lengths
+        monkeypatch.setattr(lengths, "observe_step", lambda tokens, seconds: None)
+        for tokens, seconds in costs.items():
+            lengths.cost.observe(tokens, seconds)
+        on = spec.generate(batch, params, use_tqdm=False)
+        assert [r.token_ids for r in on] == [r.token_ids for r in off]
+        stats = spec.stats()
+        if drafts:
+            assert stats.spec_num_accepted_tokens >= 10
+        else:
+            assert stats.spec_num_draft_tokens == 0 and stats.spec_num_backed_off >= 4 * 23
+        assert_engine_idle(spec)

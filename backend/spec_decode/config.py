@@ -13,7 +13,9 @@ from ..values import to_int
 FIELD = "speculative_config"
 METHODS = ("ngram",)
 NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+        "draft_length")
+DRAFT_LENGTHS = ("adaptive", "fixed")
 DEFAULT_LOOKUP = 5
 """vLLM's SpeculativeConfig: both prompt_lookup bounds unset -> 5 and 5; one unset -> the other's value."""
 
@@ -27,6 +29,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     """vLLM's key: no request drafts in a step while more than this many requests run (a verify
     step at a large batch can cost more than its accepted tokens save); None: at every batch size."""
+    draft_length: str = "adaptive"
+    """pagedserve's key: `adaptive` drafts, per request and step, only as many tokens as are expected
+    to pay for their rows (draft_length.py); `fixed` always up to num_speculative_tokens (vLLM's way)."""
 
 
 def parse(value: Any) -> SpeculativeConfig | None:
@@ -66,7 +71,10 @@ def parse(value: Any) -> SpeculativeConfig | None:
     limit = _int(items, "disable_by_batch_size") if items.get("disable_by_batch_size") not in (None, "") else None
     if limit is not None and limit < 1:
         raise ConfigError(FIELD, f"disable_by_batch_size must be >= 1 (or unset), got {limit}")
-    return SpeculativeConfig(method, k, low, high, limit)
+    draft_length = str(items.get("draft_length") or "adaptive").strip().lower()
+    if draft_length not in DRAFT_LENGTHS:
+        raise ConfigError(FIELD, f"draft_length must be one of {list(DRAFT_LENGTHS)}, got {draft_length!r}")
+    return SpeculativeConfig(method, k, low, high, limit, draft_length)
 
 
 def _items(value: Any) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import SpeculativeConfig
+from .draft_length import DraftLengths
 from .ngram import propose_ngram
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.lengths = DraftLengths(config.num_speculative_tokens, config.draft_length == "adaptive")
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -70,17 +72,30 @@ class Speculator:
         return (not p.needs_penalties and not p.bad_words_ids and p.structured_outputs is None
                 and seq.grammar is None and seq.num_output_tokens >= p.min_tokens)
 
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A decode-only step's query tokens and seconds, for the draft lengths' step cost."""
+        self.lengths.observe_step(tokens, seconds)
+
     def drafts_allowed(self, num_running: int) -> bool:
         """Whether a step with `num_running` requests running drafts at all (`disable_by_batch_size`)."""
         limit = self.config.disable_by_batch_size
         return limit is None or num_running <= limit
 
+    def begin_step(self, running: list[Sequence]) -> None:
+        """Before a step's drafts are proposed: each decoding request's draft length for it."""
+        decoding = [seq for seq in running if seq.num_uncomputed_tokens == 1 and not seq.num_pending_tokens
+                    and self.eligible(seq)]
+        self.lengths.begin_step(running, decoding)
+
     def propose(self, seq: Sequence, cap: int) -> list[int]:
-        """Up to min(cap, num_speculative_tokens) draft tokens after seq's known tokens."""
-        k = min(cap, self.config.num_speculative_tokens)
+        """Up to min(cap, the request's draft length) draft tokens after seq's known tokens."""
+        length, c = self.lengths.length(seq), self.config
+        if length == 0 and self.lengths.wants_shadow(seq):  # held back: what it would have drafted, scored later
+            self.lengths.shadow(seq, propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max,
+                                                   c.num_speculative_tokens, self.max_model_len))
+        k = min(cap, length)
         if k <= 0:
             return []
-        c = self.config
         return propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k, self.max_model_len)
 
     @staticmethod
@@ -99,11 +114,11 @@ class Speculator:
         firsts = tokens.index_select(0, torch.tensor(first, dtype=torch.int64, device=tokens.device))
         return Verification(tokens, firsts, drafts, states, logits.shape[-1])
 
-    def accept(self, row_tokens: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    def accept(self, row_tokens: list[int], drafts: list[list[int]], seqs: list[Sequence]) -> list[list[int]]:
         """Each sequence's tokens for this step: its accepted drafts and one token of the model's."""
         emitted, offset = [], 0
         stats = self.stats
-        for draft in drafts:
+        for seq, draft in zip(seqs, drafts):
             rows = row_tokens[offset : offset + 1 + len(draft)]
             offset += 1 + len(draft)
             m = 0
@@ -111,6 +126,7 @@ class Speculator:
                 m += 1
             emitted.append(rows[: m + 1])
             if draft:
+                self.lengths.verified(seq, len(draft), m)
                 stats.num_drafts += 1
                 stats.num_draft_tokens += len(draft)
                 stats.num_accepted_tokens += m

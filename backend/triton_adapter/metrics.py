@@ -185,7 +185,8 @@ class EngineMetrics:
         self, pb_utils: Any, labels: Mapping[str, str], vllm: bool = True, max_model_len: int = 2048, max_num_seqs: int = 64,
         num_speculative_tokens: int = 0,
     ):
-        """num_speculative_tokens > 0 (speculative_config): vLLM's spec_decode counters too, with its families."""
+        """num_speculative_tokens > 0 (speculative_config): vLLM's spec_decode counters too, with its families,
+        and pagedserve's draft-length back-off (always)."""
         self._families = _Families(pb_utils, labels)
         metric = self._families.metric
         self.vllm = VllmMetrics(self._families, max_model_len) if vllm else None
@@ -213,9 +214,19 @@ class EngineMetrics:
         self.prefix_hits = metric(
             "pagedserve:prefix_cache_hits_total", "Prompt tokens whose KV blocks were reused", "COUNTER"
         )
+        speculating = num_speculative_tokens > 0
+        self.spec_backed_off = metric(
+            "pagedserve:spec_decode_backed_off_total",
+            "Request-steps that drafted nothing because their drafts were not expected to pay for their rows", "COUNTER",
+        ) if speculating else None
+        self.spec_row_cost = metric(
+            "pagedserve:spec_decode_row_cost_ratio",
+            "What one more token row adds to a plain step's time at the current batch size, relative to it", "GAUGE",
+        ) if speculating else None
         self._counters = {"num_preemptions": self.preemptions, "num_recoveries": self.recoveries,
                           "prefix_query_tokens": self.prefix_queries, "prefix_hit_tokens": self.prefix_hits,
-                          **(self.spec_decode.counters if self.spec_decode is not None else {})}
+                          **(self.spec_decode.counters if self.spec_decode is not None else {}),
+                          **({"spec_num_backed_off": self.spec_backed_off} if self.spec_backed_off is not None else {})}
         self._seen = dict.fromkeys(self._counters, 0)
 
     @property
@@ -246,6 +257,8 @@ class EngineMetrics:
         self.trtllm.refresh(stats, time.time())
         if self.spec_decode is not None:
             self.spec_decode.refresh(stats)
+        if self.spec_row_cost is not None:
+            self.spec_row_cost.set(stats.spec_row_cost)
         for name, counter in self._counters.items():
             total = getattr(stats, name)
             if total > self._seen[name]:

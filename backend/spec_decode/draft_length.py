@@ -1,0 +1,179 @@
+"""How many drafts each request verifies this step: the number that gives the most tokens a second.
+
+A step of n decoding requests gives n tokens in cost(n) seconds. Verifying D draft rows more
+costs cost(n + D) and gives, on average, the sum of the rows' chances to be kept: a request's
+j-th draft is kept when it and every draft before it are accepted, alpha**j for a request whose
+per-token acceptance is alpha. The step takes the D most likely rows (across requests) for the D
+that maximizes (n + their sum) / cost(n + D), and D = 0 when no D beats the plain step. So
+drafting backs off per request (alpha low: its rows are the least likely) and engine-wide (where
+rows are dear at this batch size), from measurements of this engine alone:
+
+- cost is the measured seconds of decode-only steps (decodes and verifies, no prompt chunk) by
+  their query tokens, each size's recent mean, read between measured sizes along straight lines.
+  Measured, not modelled: a CPU's step jumps where the row count leaves a kernel's few-row path,
+  a GPU's hardly moves until the tensor cores fill. Until two sizes are measured every request
+  drafts all it may, which measures them;
+- alpha is a request's accepted drafts over the drafts it reached (a verify stops at its first
+  rejection), from a prior of one in two, weighted to its recent verifies;
+- a request held back still proposes (a shadow draft, never verified: the proposer's lookup is
+  all it costs) whenever it has none outstanding, and once its next tokens are known they say
+  how much of the shadow would have been accepted; so a request that starts repeating its prompt
+  drafts again without paying a verify to find out. (Probing with real verifies would cost a
+  CPU at 8 streams about a tenth of its rate: a lone extra row there costs a quarter of a step.)
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..sequence import Sequence
+
+@dataclass
+class StepCost:
+    """Seconds of a decode-only step by its query tokens."""
+
+    RECENT = 0.7
+    """An observation's weight against the size's earlier mean."""
+    seconds: dict[int, float] = field(default_factory=dict)
+    _sizes: list[int] = field(default_factory=list)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        known = self.seconds.get(tokens)
+        if known is None:
+            bisect.insort(self._sizes, tokens)
+            self.seconds[tokens] = seconds
+        else:
+            self.seconds[tokens] = (1 - self.RECENT) * known + self.RECENT * seconds
+
+    def at(self, tokens: int) -> float | None:
+        """The step's seconds at this size, measured or read along the line through the nearest
+        measured sizes (None before two sizes are measured)."""
+        exact = self.seconds.get(tokens)
+        if exact is not None:
+            return exact
+        sizes = self._sizes
+        if len(sizes) < 2:
+            return None
+        i = min(max(bisect.bisect_left(sizes, tokens), 1), len(sizes) - 1)
+        low, high = sizes[i - 1], sizes[i]
+        slope = max((self.seconds[high] - self.seconds[low]) / (high - low), 0.0)
+        return max(self.seconds[low] + slope * (tokens - low), 0.0)
+
+
+@dataclass
+class Acceptance:
+    """A request's per-token acceptance: accepted drafts over drafts reached, recent ones weighted."""
+
+    accepted: float = 1.0
+    reached: float = 2.0
+
+    RECENT = 0.8
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.accepted = self.RECENT * self.accepted + accepted
+        self.reached = self.RECENT * self.reached + accepted + (accepted < drafted)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.reached
+
+
+class DraftLengths:
+    """Per step: each request's draft length; learns from step times and verifies."""
+
+    def __init__(self, num_speculative_tokens: int, adaptive: bool = True):
+        self.k = num_speculative_tokens
+        self.adaptive = adaptive
+        self.cost = StepCost()
+        self.num_backed_off = 0
+        """Request-steps where a decoding request that could draft was given no drafts."""
+        self.row_cost = 0.0
+        """What one more row adds to a plain step's time at the last step's batch size, relative to it."""
+        self._acceptance: dict[int, tuple[Sequence, Acceptance]] = {}
+        self._shadows: dict[int, tuple[Sequence, int, list[int]]] = {}
+        """Per held-back request: where its shadow draft starts in its tokens, and the draft."""
+        self._lengths: dict[int, int] = {}
+
+    def begin_step(self, running: list[Sequence], decoding: list[Sequence]) -> None:
+        """Choose this step's lengths for the running requests that may draft (`decoding`), and
+        forget requests no longer running."""
+        if len(self._acceptance) > len(running) or len(self._shadows) > len(running):
+            alive = {id(seq) for seq in running}
+            self._acceptance = {key: value for key, value in self._acceptance.items() if key in alive}
+            self._shadows = {key: value for key, value in self._shadows.items() if key in alive}
+        if not self.adaptive:
+            return
+        if self._shadows:
+            self._check_shadows(decoding)
+        n = len(running)
+        plain, more = self.cost.at(n), self.cost.at(n + 1)
+        self.row_cost = (more - plain) / plain if plain and more is not None else 0.0
+        lengths = dict.fromkeys(map(id, decoding), self.k)  # two sizes not measured yet: measure them
+        if plain and more is not None:
+            lengths = self._best(decoding, n, plain)
+        self.num_backed_off += sum(1 for length in lengths.values() if length == 0)
+        self._lengths = lengths
+
+    def _best(self, decoding: list[Sequence], n: int, plain: float) -> dict[int, int]:
+        """The lengths of the D most likely rows, for the D with the most tokens a second."""
+        rows = sorted(((self._rate(seq) ** j, id(seq)) for seq in decoding for j in range(1, self.k + 1)), reverse=True)
+        best_d, best_rate, expected = 0, n / plain, float(n)
+        for d, (value, _) in enumerate(rows, start=1):
+            expected += value
+            seconds = self.cost.at(n + d)
+            if seconds and expected / seconds > best_rate:
+                best_d, best_rate = d, expected / seconds
+        lengths = dict.fromkeys(map(id, decoding), 0)
+        for _, key in rows[:best_d]:
+            lengths[key] += 1
+        return lengths
+
+    def length(self, seq: Sequence) -> int:
+        """How many drafts `seq` should verify this step (before the budget's and limits' caps)."""
+        return self._lengths.get(id(seq), self.k) if self.adaptive else self.k
+
+    def wants_shadow(self, seq: Sequence) -> bool:
+        """Whether a held-back request should propose a shadow draft now (it has none outstanding)."""
+        entry = self._shadows.get(id(seq))
+        return entry is None or entry[0] is not seq
+
+    def shadow(self, seq: Sequence, drafts: list[int]) -> None:
+        """A held-back request's proposal for the tokens after its current ones, kept unverified."""
+        if drafts:
+            self._shadows[id(seq)] = (seq, seq.num_tokens, drafts)
+
+    def _check_shadows(self, decoding: list[Sequence]) -> None:
+        """Score each shadow draft whose outcome is known: every drafted position's token is in, or
+        one of them differs (a verify would have stopped there)."""
+        for seq in decoding:
+            entry = self._shadows.get(id(seq))
+            if entry is None or entry[0] is not seq:
+                continue
+            _, start, drafts = entry
+            known = seq.token_ids[start : start + len(drafts)]
+            kept = 0
+            while kept < len(known) and known[kept] == drafts[kept]:
+                kept += 1
+            if kept < len(known) or len(known) == len(drafts):
+                self._entry(seq).update(len(drafts), kept)
+                del self._shadows[id(seq)]
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        self._entry(seq).update(drafted, accepted)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A decode-only step's query tokens and its seconds (launch to tokens on the host)."""
+        self.cost.observe(tokens, seconds)
+
+    def _rate(self, seq: Sequence) -> float:
+        entry = self._acceptance.get(id(seq))
+        return entry[1].rate if entry is not None and entry[0] is seq else Acceptance().rate
+
+    def _entry(self, seq: Sequence) -> Acceptance:
+        entry = self._acceptance.get(id(seq))
+        if entry is None or entry[0] is not seq:
+            entry = self._acceptance[id(seq)] = (seq, Acceptance())
+        return entry[1]
