@@ -111,6 +111,11 @@ def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
     openai.add_argument("--model", action="append", default=None, dest="models",
                         help="Triton model to offer (repeatable; default: llm)")
     openai.add_argument("--served-model-name", default=None, help="OpenAI model id of the one model (default: its Triton name)")
+    openai.add_argument("--tokenizer", default=None, help="the model's tokenizer (GGUF file or Hugging Face directory) for "
+                                                          "the render and tokenize routes a router asks (default: the "
+                                                          "Triton model's `model` parameter)")
+    openai.add_argument("--triton-metrics-url", default=None, metavar="HOST:PORT",
+                        help="the Triton server's metrics, passed through on /metrics (default: --triton-url's host, 8002)")
     openai.add_argument("--lora-module", action="append", default=[], dest="lora_modules", metavar="NAME[=MODEL]",
                         help="a LoRA adapter the server's multi_lora.json lists, offered as an OpenAI model of its own "
                              "(repeatable; MODEL: the model that serves it, default the first)")
@@ -163,7 +168,8 @@ def run_openai(args: argparse.Namespace) -> int:
     try:
         config = GatewayConfig(
             host=args.host, port=args.port, triton_url=args.triton_url, models=args.models or ["llm"],
-            served_model_name=args.served_model_name, lora_modules=args.lora_modules, api_key=args.api_key,
+            served_model_name=args.served_model_name, tokenizer=args.tokenizer, triton_metrics_url=args.triton_metrics_url,
+            lora_modules=args.lora_modules, api_key=args.api_key,
             api_key_file=args.api_key_file,
             allow_unauthenticated=args.allow_unauthenticated, default_max_tokens=args.default_max_tokens,
             **{name: getattr(args, name) for name in FLAGS},

@@ -190,14 +190,23 @@ class TritonServer:
         # that teardown crashes (Signal 11, a pthread mutex assertion, heap corruption) or hangs,
         # so the stop kills the group then instead of waiting out `timeout` (issue 43).
         process.ask_to_exit(timeout, signal.SIGINT, gave_up=EXIT_GAVE_UP)
+        code = self._kill_group(process)  # a hung server, or stubs it orphaned
+        atexit.unregister(self._kill_at_exit)
+        return code
+
+    def kill(self) -> int | None:
+        """SIGKILL the server and its stubs at once, as a crash would (fault tests); `start`
+        brings it back on the same ports where they were given."""
+        return self._kill_group(self._process) if self._process is not None else None
+
+    def _kill_group(self, process: ServerProcess) -> int:
         self._shm_regions |= _stub_shm_regions(process)
-        code = process.kill_group()  # a hung server, or stubs it orphaned
+        code = process.kill_group()
         # A killed stub cannot unlink its shared-memory region; do it for it.
         for region in self._shm_regions:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join("/dev/shm", region))
         self._shm_regions.clear()
-        atexit.unregister(self._kill_at_exit)
         return code
 
     def cleanup(self) -> None:

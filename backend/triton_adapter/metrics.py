@@ -9,6 +9,9 @@ Three groups:
   on (an autoscaler and our own tests read them).
 - TensorRT-LLM backend's `nv_trt_llm_*` gauge families (request, KV cache block,
   in-flight batcher, general) with its label sets, always on.
+- vLLM's model-server gauges (requests running and waiting, KV-cache usage, the cache's
+  configuration), always on: LLM-aware routers and the Gateway API Inference Extension's
+  endpoint picker rank a pagedserve replica by them as they rank a vLLM pod.
 """
 
 from __future__ import annotations
@@ -55,14 +58,17 @@ class _Families:
         self.pb_utils, self.labels = pb_utils, dict(labels)
         self.families: list[Any] = []
 
-    def metric(self, name: str, description: str, kind: str, buckets: Sequence[float] | None = None) -> Any:
+    def metric(self, name: str, description: str, kind: str, buckets: Sequence[float] | None = None,
+               labels: Mapping[str, str] | None = None) -> Any:
+        """One metric labelled with the model's labels (and `labels`, where given)."""
         family = self.pb_utils.MetricFamily(
             name=name, description=description, kind=getattr(self.pb_utils.MetricFamily, kind)
         )
         self.families.append(family)
+        labels = {**self.labels, **(labels or {})}
         if buckets is not None:
-            return family.Metric(labels=self.labels, buckets=buckets)
-        return family.Metric(labels=self.labels)
+            return family.Metric(labels=labels, buckets=buckets)
+        return family.Metric(labels=labels)
 
     def labelled(
         self, name: str, description: str, label: str, values: tuple[str, ...], labels: Mapping[str, str],
@@ -111,6 +117,34 @@ class TrtllmMetrics:
         for key, series in self.series.items():
             for value, metric in series.items():
                 metric.set(values[key][value])
+
+
+class ModelServerGauges:
+    """vLLM's gauges of the Gateway API Inference Extension's model server protocol, labelled with
+    vLLM's `model_name` too: waiting and running requests, KV-cache usage (0-1; under its v1 name and
+    its older `gpu_cache_usage_perc`, which older pickers read), and `cache_config_info` (1, with the
+    block size and block count as labels, which prefix-cache scorers read)."""
+
+    def __init__(self, families: _Families, model_name: str):
+        self._families, self._labels = families, {"model_name": model_name}
+        self.waiting = families.metric("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                                       "GAUGE", labels=self._labels)
+        self.running = families.metric("vllm:num_requests_running", "Number of requests in model execution batches.",
+                                       "GAUGE", labels=self._labels)
+        self.usage = [families.metric(name, "KV-cache usage. 1 means 100 percent usage.", "GAUGE", labels=self._labels)
+                      for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")]
+        self.cache_config: Any = None
+
+    def refresh(self, stats: EngineStats) -> None:
+        self.waiting.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        for gauge in self.usage:
+            gauge.set(stats.kv_usage)
+        if self.cache_config is None:  # its labels are the cache's, known from the first stats on
+            self.cache_config = self._families.metric(
+                "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "GAUGE",
+                labels={**self._labels, "block_size": str(stats.block_size), "num_gpu_blocks": str(stats.kv_blocks_total)})
+            self.cache_config.set(1)
 
 
 class SpecDecodeMetrics:
@@ -193,6 +227,7 @@ class EngineMetrics:
         self.spec_decode = (SpecDecodeMetrics(self._families, labels, num_speculative_tokens)
                             if vllm and num_speculative_tokens > 0 else None)
         self.trtllm = TrtllmMetrics(self._families, str(labels.get("version", "1")), max_num_seqs)
+        self.model_server = ModelServerGauges(self._families, str(labels.get("model", "llm")))
         self.running = metric("pagedserve:num_requests_running", "Requests running", "GAUGE")
         self.waiting = metric("pagedserve:num_requests_waiting", "Requests waiting", "GAUGE")
         self.usage = metric("pagedserve:kv_cache_usage_perc", "KV cache usage (0-1; CPU or GPU)", "GAUGE")
@@ -255,6 +290,7 @@ class EngineMetrics:
         self.hit_rate.set(stats.prefix_hit_rate)
         self.max_running.set(stats.peak_num_running)
         self.trtllm.refresh(stats, time.time())
+        self.model_server.refresh(stats)
         if self.spec_decode is not None:
             self.spec_decode.refresh(stats)
         if self.spec_row_cost is not None:

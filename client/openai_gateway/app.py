@@ -1,5 +1,5 @@
 """The gateway's HTTP routes (FastAPI): /v1/chat/completions, /v1/completions,
-/v1/models, /health.
+/v1/models, /health; those a router asks of its workers are in worker_routes.py.
 
 Streaming answers are Server-Sent Events ending in `data: [DONE]`. A streamed request
 waits for the server's first response before answering, so that a request the model
@@ -32,11 +32,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import responses, schemas, translate
 from .config import GatewayConfig, knob
 from .errors import OpenAIError
+from .tokenize import PromptTokenizers
 from .triton_stream import LLMStep, TritonLLM
+from .worker_routes import GENERATION_PATHS, Load, add_worker_routes
 
 DISCONNECT_POLL_S = 0.25
 HEALTH_PATHS = ("/health", "/health/ready")
-"""The routes that need no API key."""
+OPEN_PATHS = frozenset({*HEALTH_PATHS, "/metrics", "/get_load"})
+"""The routes that need no API key: health, and the load figures routers and scrapers poll."""
 
 log = logging.getLogger("pagedserve.openai")
 
@@ -49,13 +52,17 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.triton = triton or TritonLLM(config.triton_url)
+        preload = asyncio.create_task(tokenizers.preload(app.state.triton, set(model_ids.values())))
         yield
+        preload.cancel()
         await app.state.triton.close()
 
     # no /docs, /redoc, /openapi.json: the API is OpenAI's, and nothing is served that need not be
     app = FastAPI(title="pagedserve OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.add_middleware(RequestGuard, config=config)
+    load = Load()
+    tokenizers = PromptTokenizers(config.tokenizer)
+    app.add_middleware(RequestGuard, config=config, load=load)
 
     def triton_model(model: str) -> str:
         if model not in model_ids:
@@ -171,6 +178,7 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
 
         return await sse(steps, chunks)
 
+    add_worker_routes(app, config, load, tokenizers, triton_model, with_adapter)
     return app
 
 
@@ -262,19 +270,20 @@ def _digest(key: bytes) -> bytes:
 
 class RequestGuard:
     """ASGI middleware, in front of every route: checks the API key (every route but
-    /health; before any of the body is read), reads the body whole before the app sees
-    it, at most `max_body_bytes` (413 past it, naming the knob; a declared Content-Length
+    OPEN_PATHS; before any of the body is read), counts the generation requests in flight,
+    reads the body whole before the app sees it, at most `max_body_bytes` (413 past it, naming the knob; a declared Content-Length
     past it is refused unread) and within `body_timeout_s` of the headers (408); and
     turns any exception that escapes the app into an OpenAI-shaped 500 `internal_error`."""
 
-    def __init__(self, app: Any, config: GatewayConfig):
+    def __init__(self, app: Any, config: GatewayConfig, load: Load | None = None):
         self.app = app
+        self.load = load or Load()
         self.max_body_bytes = config.max_body_bytes
         self.body_timeout_s = config.body_timeout_s
         self.key_digest = _digest(config.api_key.encode("ascii")) if config.api_key else None
 
     def authorized(self, scope: dict) -> bool:
-        if self.key_digest is None or scope["path"] in HEALTH_PATHS:
+        if self.key_digest is None or scope["path"] in OPEN_PATHS:
             return True
         header = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         scheme, _, presented = header.partition(b" ")
@@ -324,12 +333,16 @@ class RequestGuard:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
+        counted = scope["path"] in GENERATION_PATHS
+        self.load.in_flight += counted
         try:
             await self.app(scope, replay, watched_send)
         except Exception:  # reported as the gateway's fault, never the client's
             log.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
             if not started:
                 await _send_error(send, internal_error())
+        finally:
+            self.load.in_flight -= counted
 
 
 async def _send_error(send: Callable, error: OpenAIError) -> None:

@@ -58,6 +58,14 @@ class GatewayConfig:
     """Triton models (text in, text out, vLLM-backend contract) offered as OpenAI models."""
     served_model_name: str | None = None
     """The OpenAI model id of the one model, when it should not be its Triton name."""
+    tokenizer: str | None = None
+    """The served model's tokenizer (a GGUF file or a Hugging Face directory), for the routes that
+    render a request's prompt as token ids without running it (vLLM's --tokenizer); default: the
+    `model` parameter of the Triton model's configuration, which a gateway beside its tritonserver
+    can read."""
+    triton_metrics_url: str | None = None
+    """host:port of the Triton server's metrics, which /metrics passes through; default: the host of
+    `triton_url`, port 8002."""
     lora_modules: list[str] = field(default_factory=list)
     """LoRA adapters offered as OpenAI models of their own (vLLM's way: `model` names the adapter), each
     `NAME` (an adapter of the first model) or `NAME=MODEL` (one of that Triton model, by its OpenAI id): a
@@ -162,6 +170,13 @@ class GatewayConfig:
             raise GatewayConfigError(f"${API_KEY_ENV} and the file ${API_KEY_FILE_ENV} names hold different keys: "
                                      "set one, or make them agree")
         return next(iter(keys.values()), None)
+
+    def metrics_url(self) -> str:
+        """host:port of the Triton server's metrics."""
+        if self.triton_metrics_url:
+            return self.triton_metrics_url
+        host = self.triton_url.rsplit(":", 1)[0] if ":" in self.triton_url else self.triton_url
+        return f"{host}:8002"
 
     def model_ids(self) -> dict[str, str]:
         """OpenAI model id -> Triton model name (an adapter's: the model that serves it)."""

@@ -67,6 +67,12 @@ class TritonLLM:
         except Exception:  # noqa: BLE001 - unreachable or not serving: not ready, whatever the cause
             return False
 
+    async def model_parameters(self, model: str) -> dict[str, str]:
+        """The string parameters of a Triton model's configuration (config.pbtxt's)."""
+        config = await self.llm.client.get_model_config(model, as_json=True)
+        parameters = config.get("config", config).get("parameters", {})
+        return {key: value.get("string_value", "") for key, value in parameters.items()}
+
     async def stream(self, model: str, request: LLMRequest) -> AsyncGenerator[LLMStep, None]:
         from tritonclient.utils import InferenceServerException
 

@@ -40,6 +40,7 @@ def test_names_kinds_buckets_and_labels(metrics):
         "pagedserve:num_requests_running", "pagedserve:num_requests_waiting", "pagedserve:kv_cache_usage_perc",
         "pagedserve:kv_blocks_used", "pagedserve:kv_blocks_free", "pagedserve:kv_blocks_total",
         "pagedserve:prefix_cache_hit_rate", "pagedserve:num_requests_running_max", "pagedserve:engine_ready",
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
         "nv_trt_llm_request_metrics",
         "nv_trt_llm_kv_cache_block_metrics", "nv_trt_llm_inflight_batcher_metrics", "nv_trt_llm_general_metrics"}
     vllm = metrics.vllm
@@ -55,10 +56,11 @@ def test_names_kinds_buckets_and_labels(metrics):
     assert all(m.family in metrics.families for m in every_metric)  # families outlive their metrics
 
 
-def test_without_report_custom_metrics_no_vllm_family_exists():
+def test_without_report_custom_metrics_only_the_model_server_gauges_are_vllm_named():
     metrics = EngineMetrics(FakePbUtils(), LABELS, vllm=False)
     assert metrics.vllm is None
-    assert not [f.name for f in metrics.families if f.name.startswith("vllm:")]
+    assert {f.name for f in metrics.families if f.name.startswith("vllm:")} == {
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"}
     metrics.on_output(output([1], finished=True, num_output_tokens=1), RequestTiming(0.0), 1, 1.0)
 
 
@@ -124,3 +126,23 @@ def test_tensorrt_llm_families_carry_its_labels_and_the_engines_state():
         "max": 100, "free": 75, "used": 25, "tokens_per": 16, "reused": 4, "fraction": 0.25}
     assert series["batcher"]["total_context_tokens"].total == 40 and series["general"]["iteration_counter"].total == 9
     assert series["kv"]["used"].labels == {"model": "tensorrt_llm", "version": "1", "kv_cache_block_type": "used"}
+
+
+def test_the_model_server_protocols_gauges_read_the_engines_state():
+    """The Gateway API Inference Extension's endpoint picker (and llm-d's scheduler) rank a pod by
+    vllm:num_requests_waiting, vllm:num_requests_running and vllm:kv_cache_usage_perc (0-1; older
+    pickers: vllm:gpu_cache_usage_perc), and read the block size from vllm:cache_config_info."""
+    metrics = EngineMetrics(FakePbUtils(), LABELS, vllm=False)
+    stats = EngineStats(num_running=3, num_waiting=2, peak_num_running=5, kv_blocks_total=400, kv_blocks_used=100,
+                        kv_blocks_free=300, kv_usage=0.25, prefix_hit_rate=0.0, num_preemptions=0, prompt_tokens=0,
+                        generation_tokens=0, block_size=16)
+    metrics.refresh(stats)
+    gauges = metrics.model_server
+    assert (gauges.waiting.total, gauges.running.total) == (2, 3)
+    assert [g.total for g in gauges.usage] == [0.25, 0.25]
+    assert gauges.waiting.labels == {**LABELS, "model_name": "llm_engine"}
+    info = gauges.cache_config
+    assert info.family.name == "vllm:cache_config_info" and info.total == 1
+    assert info.labels == {**LABELS, "model_name": "llm_engine", "block_size": "16", "num_gpu_blocks": "400"}
+    metrics.refresh(dataclasses.replace(stats, num_waiting=0, kv_usage=0.5))
+    assert gauges.waiting.total == 0 and gauges.usage[0].total == 0.5 and gauges.cache_config is info

@@ -1,0 +1,101 @@
+"""A request's prompt as token ids, without running it: for routers that place requests by
+prefix. vLLM's router asks every worker to render each request before it chooses one
+(`/v1/chat/completions/render`, `/v1/completions/render`, else `/tokenize`), and indexes the
+KV-cache events workers publish by those same ids.
+
+The ids come from the engine's own code (`parse_prompt`: the chat template, tools and template
+variables, or the raw prompt) fed the very inputs the gateway sends the `llm` model, with the
+tokenizer the engine loads for the model Triton serves (its `model` parameter, read from the
+model's configuration, or `--tokenizer`): they are the ids whose KV blocks the engine caches.
+Each tokenizer loads off the event loop, from the gateway's start on (`preload`, retried while
+Triton is not up yet), so a router's first render does not wait for it (vLLM's router gives a
+render a few seconds, then places the request without one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Iterable
+
+import numpy as np
+
+from .errors import OpenAIError
+from .translate import LLMRequest
+
+PROMPT_INPUTS = ("text_input", "messages", "tools", "chat_template_kwargs")
+"""The `llm` inputs that make the prompt's ids."""
+PRELOAD_RETRY_S = 2.0
+
+log = logging.getLogger("pagedserve.openai")
+
+
+class PromptTokenizers:
+    """One PromptTokenizer per Triton model, made on first use; `preload` loads them at start."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path
+        self._by_model: dict[str, PromptTokenizer] = {}
+
+    def get(self, triton: Any, model: str) -> PromptTokenizer:
+        if model not in self._by_model:
+            self._by_model[model] = PromptTokenizer(triton, model, self.path)
+        return self._by_model[model]
+
+    async def preload(self, triton: Any, models: Iterable[str]) -> None:
+        """Load each model's tokenizer, retrying while Triton cannot say which model it serves."""
+        for model in models:
+            while True:
+                try:
+                    await self.get(triton, model).tokenizer()
+                    break
+                except OpenAIError:
+                    await asyncio.sleep(PRELOAD_RETRY_S)
+                except Exception:  # a tokenizer that cannot load: the routes say why when asked
+                    log.exception("cannot load the tokenizer of model %s", model)
+                    break
+
+
+class PromptTokenizer:
+    """The served model's tokenizer, and a request's prompt ids as the engine will make them."""
+
+    def __init__(self, triton: Any, model: str, path: str | None = None):
+        """`triton`: the gateway's TritonLLM (for the model's `model` parameter when `path` is None)."""
+        self.triton, self.model, self.path = triton, model, path
+        self._tokenizer: Any = None
+        self._lock = asyncio.Lock()
+
+    async def tokenizer(self) -> Any:
+        async with self._lock:
+            if self._tokenizer is None:
+                path = self.path if self.path is not None else await self._served_model_path()
+                self._tokenizer = await asyncio.to_thread(_load, path)
+            return self._tokenizer
+
+    async def _served_model_path(self) -> str:
+        try:
+            parameters = await self.triton.model_parameters(self.model)
+        except Exception as error:  # noqa: BLE001 - unreachable, not loaded: the route cannot answer yet
+            raise OpenAIError(503, f"cannot read model `{self.model}`'s configuration from Triton to load its tokenizer "
+                                   f"({error}); retry once the server is ready, or start the gateway with --tokenizer",
+                              code="service_unavailable") from None
+        return parameters.get("model", "")
+
+    async def token_ids(self, request: LLMRequest) -> list[int]:
+        from pagedserve.backend.errors import InvalidRequestError
+        from pagedserve.backend.triton_adapter.requests import parse_prompt
+
+        tokenizer = await self.tokenizer()
+        inputs = request.inputs()
+        arrays = {name: np.array([inputs[name]], dtype=np.object_) for name in PROMPT_INPUTS if name in inputs}
+        try:
+            return await asyncio.to_thread(parse_prompt, arrays, tokenizer)
+        except InvalidRequestError as error:
+            raise OpenAIError(400, str(error), param=error.field) from None
+
+
+def _load(path: str) -> Any:
+    from pagedserve.backend.model_files import resolve_model_path
+    from pagedserve.backend.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model_path(path))
