@@ -5,11 +5,13 @@ one replica alone (the hit rate to match), then the router with `round_robin` an
     python benchmarks/replicas.py [--conversations 16] [--concurrency 8] [--max-tokens 24]
 
 Each replica is a tritonserver with the bundled model (one CPU thread each: the two share the
-machine's two cores) and the `pagedserve openai` gateway in front (the router's worker URL). A conversation has 4-8 turns (seeded), each resending the whole
-history, streamed; conversations run `--concurrency` at a time. Per row: the prefix-cache hit rate
-(prompt tokens whose KV blocks were reused, from each replica's own counters), TTFT p50 / p99 (to
-the first content chunk, at the client) and output tok/s. Each row's conversations open with a
-system line of their own, so no row reuses another row's blocks. Last, the death case: replica a's
+machine's two cores) and the `pagedserve openai` gateway in front (the router's worker URL). A
+conversation opens with a note of its own (about 460 tokens) and has 4-8 turns (seeded), each
+resending the whole history, streamed; conversations run `--concurrency` at a time. Per row: the
+prefix-cache hit rate (prompt tokens whose KV blocks were reused, from each replica's own
+counters), TTFT p50 / p99 (to the first content chunk, at the client) and output tok/s. Each
+row's conversations are its own (a tag in their first line), so no row reuses another's blocks.
+Last, the death case: replica a's
 tritonserver killed with requests in flight through the router, and what the clients saw.
 """
 
@@ -42,6 +44,11 @@ ENGINE = {"dtype": "float32", "max_num_seqs": "16", "max_model_len": "2048", "kv
 """One core each: two replicas share this machine's two cores (two threads each would fight over them)."""
 QUERIES, HITS = "pagedserve:prefix_cache_queries_total", "pagedserve:prefix_cache_hits_total"
 TOPICS = ["rivers", "bridges", "printing presses", "lighthouses", "gardens", "trains", "clocks", "maps"]
+PLACES = ["Venice", "Antwerp", "Lyon", "Bruges", "Porto", "Krakow", "Ghent", "Turin"]
+STATES = ["rebuilt", "moved", "sold", "painted", "flooded", "restored", "enlarged", "closed"]
+NOTE_SENTENCES = 30
+"""Each conversation opens with a note of its own (about 460 tokens) that every turn resends: the
+history whose KV blocks a replica can reuse."""
 
 
 @dataclass
@@ -87,14 +94,17 @@ def renders(url: str) -> bool:
 
 
 def conversations(count: int, tag: str, seed: int = 0) -> list[list[str]]:
-    """Each conversation's system line, then its user turns (4-8), seeded; `tag` makes the row's
-    prompts its own, and each conversation's system line is its own (no prefix shared beyond the
-    chat template's first tokens)."""
+    """Each conversation's system line (with its note), then its user turns (4-8), seeded; `tag`
+    makes the row's prompts its own, and each conversation's system line is its own (no prefix
+    shared beyond the chat template's first tokens)."""
     rng = random.Random(seed)
     chats = []
     for index in range(count):
         topic = TOPICS[index % len(TOPICS)]
-        turns = [f"[{tag} {index}] You are a concise assistant.", f"Tell me something about {topic}."]
+        note = " ".join(f"The {rng.choice(TOPICS)} of {rng.choice(PLACES)} was {rng.choice(STATES)} in {1800 + rng.randrange(200)}."
+                        for _ in range(NOTE_SENTENCES))
+        turns = [f"[{tag} {index}] You are a concise assistant. Answer from this note.\n\n{note}",
+                 f"Tell me something about {topic}."]
         turns += [f"And what about {rng.choice(TOPICS)} compared with {topic}? Keep it short."
                   for _ in range(rng.randint(3, 7))]
         chats.append(turns)

@@ -33,7 +33,7 @@ def replicas(tmp_path_factory):
     started: list[Replica] = []
     try:
         for name in ("a", "b"):
-            started.append(start_replica(workdir, name, ENGINE))
+            started.append(start_replica(workdir, name, {**ENGINE, "num_threads": "1"}))  # the two share 2 cores
         yield started
     finally:
         for replica in started:
