@@ -1,6 +1,8 @@
 """Speculative decoding (n-gram) on the bundled model in float32: greedy tokens, text, stops,
 lengths and logprobs equal to speculation off, in one batch beside prefill chunks, under
-preemption and in streaming; and the speculation is not vacuous (drafts are accepted)."""
+preemption and in streaming; seeded sampled requests equal to speculation off and the sampled
+distribution the model's (chi-square); LoRA requests; adaptive draft lengths; and the
+speculation is not vacuous (drafts are accepted)."""
 
 from __future__ import annotations
 
@@ -303,3 +305,35 @@ def test_adaptive_draft_lengths_keep_the_output_and_back_off_where_rows_are_dear
         else:
             assert stats.spec_num_draft_tokens == 0 and stats.spec_num_backed_off >= 4 * 23
         assert_engine_idle(spec)
+
+
+def test_lora_requests_verify_their_drafts_through_their_adapters(small_llama, tmp_path, monkeypatch):
+    """Requests of two adapters and of the base model in one batch, drafting (a proposer that drafts
+    each request's own continuation without speculation, its last draft made wrong every third
+    step, so runs are accepted whole, in part and not at all): the tokens equal speculation off."""
+    from .lora_checks import write_adapters
+
+    write_adapters(small_llama, tmp_path / "adapters")
+    modules = ",".join(f"{name}={tmp_path / 'adapters' / name}" for name in ("q-and-v", "every-projection"))
+    settings = dict(model=small_llama, dtype="float32", enable_lora=True, lora_modules=modules, **GPU_SHARE)
+    prompts = [list(range(40, 52)), list(range(60, 75)), list(range(40, 52))]
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, lora_name=name)
+              for name in ("q-and-v", "every-projection", None)]
+    off = LLMEngine(**settings).generate(prompts, params, use_tqdm=False)
+    assert off[0].token_ids != off[2].token_ids  # the adapter changes the answer
+    spec = LLMEngine(**settings, speculative_config="num_speculative_tokens=3,draft_length=fixed")
+    reference = {(tuple(p), q.lora_name): r.token_ids for p, q, r in zip(prompts, params, off)}
+
+    def propose(seq, cap):
+        done = seq.num_output_tokens
+        drafts = list(reference[(tuple(seq.prompt_token_ids), seq.params.lora_name)][done : done + min(cap, 3)])
+        if drafts and done % 3 == 0:
+            drafts[-1] = drafts[-1] + 1  # wrong: rejected there
+        return drafts
+
+    monkeypatch.setattr(spec.speculator, "propose", propose)
+    on = spec.generate(prompts, params, use_tqdm=False)
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    stats = spec.stats()
+    assert stats.spec_num_accepted_tokens >= 20 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert_engine_idle(spec)
