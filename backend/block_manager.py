@@ -4,7 +4,8 @@ Blocks have a fixed number of token slots. Each sequence owns a block table
 (logical -> physical). Full blocks are named by a chained content hash (parent
 hash + token ids), so a later prompt starting with the same tokens reuses them.
 Freed blocks keep their hash and wait in an LRU free queue; they are evicted
-only when a fresh block is needed and none without content is left.
+only when a fresh block is needed and none without content is left. With
+kv_events_config set, naming and evicting are recorded for routers (kv_events.py).
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass
-from typing import Iterable, Sequence as Seq
+from typing import TYPE_CHECKING, Iterable, Sequence as Seq
 
 from pagedserve.kernels.numerics import cdiv
 
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .kv_events import KVEventRecorder
 
 
 def hash_block(parent: bytes | None, token_ids: Iterable[int]) -> bytes:
@@ -115,6 +119,8 @@ class BlockManager:
         self.cached_blocks: dict[bytes, KVBlock] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.events: KVEventRecorder | None = None
+        """Where named and evicted blocks are recorded for routers (kv_events_config), else None."""
 
     # -- state -----------------------------------------------------------------
     @property
@@ -181,6 +187,10 @@ class BlockManager:
             if block_hash not in self.cached_blocks:  # a twin computed earlier keeps the name
                 self.cached_blocks[block_hash] = block
                 block.block_hash = block_hash
+                if self.events is not None:
+                    size = self.block_size
+                    self.events.stored(block_hash, seq.block_hashes[index - 1] if index else None,
+                                       seq.token_ids[index * size : (index + 1) * size], seq.params.lora_name)
         seq.num_named_blocks = num_full
 
     def _extend_hashes(self, seq: Sequence, num_full: int) -> None:
@@ -255,6 +265,8 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> None:

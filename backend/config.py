@@ -143,10 +143,16 @@ class EngineConfig:
     `key=value,key=value` (config.pbtxt, `pagedserve serve --set`) of vLLM's keys `method` (only "ngram",
     prompt lookup, for now), `num_speculative_tokens` (required, >= 1), `prompt_lookup_min` and
     `prompt_lookup_max` (both unset: 5 and 5; one unset: the other's value), `disable_by_batch_size` (no
-    drafting while more than that many requests run). Plain greedy requests verify
-    their drafts in the step's flat batch and give exactly the tokens they give without it (docs/engine-
-    settings.md); other requests decode as before. Empty: off. Refused with async_scheduling=on and several
-    ranks; async_scheduling=auto is off while speculating."""
+    drafting while more than that many requests run), and pagedserve's `draft_length` (adaptive: only the
+    drafts expected to pay for their rows; fixed). Greedy and sampled requests without logit processors
+    verify their drafts in the step's flat batch and give exactly the tokens they give without it (docs/
+    engine-settings.md); other requests decode as before. Empty: off. Refused with async_scheduling=on and
+    several ranks; async_scheduling=auto is off while speculating."""
+    kv_events_config: str | dict = ""
+    """The prefix cache's events for LLM-aware routers (vLLM's --kv-events-config, backend/kv_events.py):
+    a dict, a JSON object or `key=value,key=value` of vLLM's keys `enable_kv_cache_events` (default true
+    once set), `publisher` (zmq), `endpoint` (where the PUB socket binds; default tcp://*:5557) and
+    `topic`. Empty: off. Needs pyzmq and msgpack (`pip install 'pagedserve[kv-events]'`)."""
 
     def __post_init__(self) -> None:
         self._coerce_types()
@@ -221,6 +227,10 @@ class EngineConfig:
         _at_least(self, "tensor_parallel_size", 1)
         self._validate_lora()
         self._validate_speculative()
+        from .kv_events import parse as parse_kv_events
+
+        self.kv_events = parse_kv_events(self.kv_events_config)
+        """The parsed kv_events_config, None when off."""
         if self.tensor_parallel_size > 1:
             self._validate_tensor_parallel()
         if self.model and not os.path.exists(self.model):

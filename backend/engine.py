@@ -48,6 +48,7 @@ from .tokenizer import apply_chat_template, encode_prompt
 
 if TYPE_CHECKING:
     from .cpu.backend import CpuBackend
+    from .kv_events import KVEventPublisher
 
 logger = logging.getLogger("pagedserve")
 
@@ -132,6 +133,7 @@ class LLMEngine:
             max_loras=config.max_loras if self.lora is not None else 0,
             speculator=self.speculator,
         )
+        self.kv_events = self._start_kv_events(config)
         runner_args = (loaded.model, num_blocks, config.block_size, self.kv_dtype, self.device, config.attention_backend,
                        config.max_num_batched_tokens if compiled else 0)
         if self.workers:
@@ -301,6 +303,20 @@ class LLMEngine:
         """Stop the tensor-parallel workers (nothing to do with one rank, which may step on)."""
         self.runner.close()
 
+    def _start_kv_events(self, config: EngineConfig) -> KVEventPublisher | None:
+        """The prefix cache's events for routers (kv_events_config): recorded by the block manager,
+        sent once a step. The first batch clears what a router knew of this worker (a restart)."""
+        if config.kv_events is None:
+            return None
+        from .kv_events import KVEventPublisher, KVEventRecorder
+
+        recorder = self.scheduler.block_manager.events = KVEventRecorder(config.block_size)
+        publisher = KVEventPublisher(config.kv_events)
+        recorder.cleared()
+        publisher.publish(recorder.take())
+        logger.info("publishing KV-cache events on %s", publisher.endpoint)
+        return publisher
+
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, or a launched step whose results are not applied yet."""
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -330,6 +346,8 @@ class LLMEngine:
                 self.speculator.observe_step(batch.num_tokens, time.perf_counter() - started)
         if self.groups:
             outputs = self._merge_samples(outputs)
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.block_manager.events.take())  # type: ignore[union-attr]  # set with it
         return outputs
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep:

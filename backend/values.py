@@ -6,6 +6,7 @@ as strings ("0", "1500", "true"); these accept them and raise ValueError otherwi
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -44,3 +45,33 @@ def to_bool(value: Any) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise ValueError(value)
+
+
+def setting_items(field: str, value: Any) -> dict[str, Any]:
+    """A setting made of keys (vLLM's --speculative-config, --kv-events-config): a dict (Python
+    API), a JSON object, or `key=value,key=value` (config.pbtxt and `pagedserve serve --set`,
+    which cannot carry quotes). Errors name `field`."""
+    from .errors import ConfigError
+
+    if isinstance(value, dict):
+        return dict(value)
+    if not isinstance(value, str):
+        raise ConfigError(field, f"expected a dict, a JSON object or key=value,key=value; got {value!r}")
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(field, f"is not valid JSON ({error.msg} at character {error.pos})") from None
+        if not isinstance(parsed, dict):
+            raise ConfigError(field, "must be a JSON object")
+        return parsed
+    items: dict[str, Any] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        key, sep, item = part.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(field, f"expected key=value,key=value, got {part.strip()!r}")
+        items[key.strip()] = item.strip()
+    return items

@@ -1,5 +1,6 @@
 """Two pagedserve replicas behind vLLM's router, a multi-turn chat workload, side by side in one run:
-one replica alone (the hit rate to match), then the router with `round_robin` and `cache_aware`.
+one replica alone (the hit rate to match), then the router with `round_robin`, `cache_aware` (placing by
+the prompts it routed) and `kv_aware` (placing by the KV-cache events each replica publishes).
 
     python benchmarks/peers/vllm_router.py --setup     # once: the router in its own venv
     python benchmarks/replicas.py [--conversations 16] [--concurrency 8] [--max-tokens 24]
@@ -39,6 +40,8 @@ from pagedserve.client.process import ServerProcess, free_port, http_status
 from pagedserve.client.repository import write_repository
 from pagedserve.client.triton_server import TritonServer
 
+ENGINE_BLOCK_SIZE = "16"
+"""The engine's default block_size: what the router's KV index must be told."""
 ENGINE = {"dtype": "float32", "max_num_seqs": "16", "max_model_len": "2048", "kv_cache_bytes": str(512 * 1024**2),
           "num_threads": "1"}
 """One core each: two replicas share this machine's two cores (two threads each would fight over them)."""
@@ -59,6 +62,8 @@ class Replica:
     triton: TritonServer
     gateway: ServerProcess
     url: str
+    kv_events: str
+    """Where its engine publishes its KV-cache events (tcp://127.0.0.1:PORT)."""
 
     def counter(self, name: str) -> float:
         return read_metrics(self.triton.metrics_url, (name,))[name] or 0.0
@@ -69,8 +74,11 @@ class Replica:
 
 
 def start_replica(workdir: Path, name: str, engine: dict[str, str] | None = None) -> Replica:
-    """A tritonserver with the `llm` model (the bundled model unless `engine` names one) and its gateway."""
-    repository = write_repository(workdir / name / "repo", engine=engine or ENGINE)
+    """A tritonserver with the `llm` model (the bundled model unless `engine` names one), publishing
+    its KV-cache events on a port of its own, and its gateway."""
+    kv_events = f"tcp://127.0.0.1:{free_port()}"
+    repository = write_repository(workdir / name / "repo",
+                                  engine={**(engine or ENGINE), "kv_events_config": f"endpoint={kv_events}"})
     triton = TritonServer(repository, log_file=workdir / name / "tritonserver.log", models=["llm"],
                           http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()).start(timeout=300)
     port = free_port()
@@ -80,7 +88,15 @@ def start_replica(workdir: Path, name: str, engine: dict[str, str] | None = None
     url = f"http://127.0.0.1:{port}"
     # ready for a router: Triton serves, and the gateway's tokenizer renders (routers render every request first)
     gateway.wait_ready(lambda: http_status(f"{url}/health") == 200 and renders(url), time.monotonic() + 120)
-    return Replica(name, triton, gateway, url)
+    return Replica(name, triton, gateway, url, kv_events)
+
+
+def router_arguments(replicas: list[Replica], policy: str) -> list[str]:
+    """What `policy` needs beyond the worker URLs: kv_aware subscribes to each replica's events."""
+    if policy != "kv_aware":
+        return []
+    sources = [arg for r in replicas for arg in ("--kv-event-source", f"{r.url}={r.kv_events}")]
+    return [*sources, "--kv-event-block-size", ENGINE_BLOCK_SIZE, "--kv-event-model", "llm"]
 
 
 def renders(url: str) -> bool:
@@ -206,7 +222,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--policies", default="round_robin,cache_aware")
+    parser.add_argument("--policies", default="round_robin,cache_aware,kv_aware")
     args = parser.parse_args()
     vllm_router.setup()
     workdir = Path(tempfile.mkdtemp(prefix="pagedserve-replicas-"))
@@ -229,7 +245,8 @@ def main() -> None:
                 url = replicas[0].url
             else:
                 port = free_port()
-                router = vllm_router.start([r.url for r in replicas], port, workdir / f"router-{policy}.log", policy=policy)
+                router = vllm_router.start([r.url for r in replicas], port, workdir / f"router-{policy}.log", policy=policy,
+                                           extra=router_arguments(replicas, policy))
                 url = f"http://127.0.0.1:{port}"
             try:
                 row = run_row(url, chats, args.concurrency, args.max_tokens)

@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from ..values import to_int
+from ..values import setting_items, to_int
 
 FIELD = "speculative_config"
 METHODS = ("ngram",)
@@ -38,7 +37,7 @@ def parse(value: Any) -> SpeculativeConfig | None:
     """The parsed setting, or None when speculation is off (empty string, None or {})."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
-    items = _items(value)
+    items = setting_items(FIELD, value)
     if not items:
         return None
     unknown = sorted(set(items) - set(KEYS))
@@ -75,31 +74,6 @@ def parse(value: Any) -> SpeculativeConfig | None:
     if draft_length not in DRAFT_LENGTHS:
         raise ConfigError(FIELD, f"draft_length must be one of {list(DRAFT_LENGTHS)}, got {draft_length!r}")
     return SpeculativeConfig(method, k, low, high, limit, draft_length)
-
-
-def _items(value: Any) -> dict[str, Any]:
-    if isinstance(value, dict):
-        return dict(value)
-    if not isinstance(value, str):
-        raise ConfigError(FIELD, f"expected a dict, a JSON object or key=value,key=value; got {value!r}")
-    text = value.strip()
-    if text.startswith("{"):
-        try:
-            parsed = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ConfigError(FIELD, f"is not valid JSON ({error.msg} at character {error.pos})") from None
-        if not isinstance(parsed, dict):
-            raise ConfigError(FIELD, "must be a JSON object")
-        return parsed
-    items: dict[str, Any] = {}
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        key, sep, item = part.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(FIELD, f"expected key=value,key=value, got {part.strip()!r}")
-        items[key.strip()] = item.strip()
-    return items
 
 
 def _int(items: dict[str, Any], name: str) -> int:

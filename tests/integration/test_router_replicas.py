@@ -1,7 +1,8 @@
 """Two pagedserve replicas (a tritonserver with the `pagedserve openai` gateway in front, each) behind
 vLLM's router (`vllm-router`, in its own venv: benchmarks/peers/vllm_router.py, made on first use),
-as a team past one replica runs them: under `cache_aware` every turn of a conversation lands on
-the replica that holds its history's KV blocks; under `round_robin`, when one replica's
+as a team past one replica runs them: under `cache_aware` and `kv_aware` (fed by each replica's
+KV-cache events) every turn of a conversation lands on the replica that holds its history's KV
+blocks; under `round_robin`, when one replica's
 tritonserver is killed with requests in flight, no request hangs, requests sent after it all
 succeed on the other, and the replica gets traffic again once it is back."""
 
@@ -14,7 +15,7 @@ import openai
 import pytest
 
 from benchmarks.peers import vllm_router
-from benchmarks.replicas import HITS, QUERIES, Replica, kill_in_flight, start_replica
+from benchmarks.replicas import HITS, QUERIES, Replica, kill_in_flight, router_arguments, start_replica
 from pagedserve.client.process import ServerProcess, free_port
 
 from ..test_openai_gateway_limits import wait_for
@@ -61,11 +62,13 @@ def chat_turns(conversation: int, turns: int) -> list[dict[str, str]]:
     return history
 
 
-def test_cache_aware_routing_keeps_each_conversation_where_its_history_is(replicas, tmp_path):
+@pytest.mark.parametrize("policy", ["cache_aware", "kv_aware"])
+def test_prefix_aware_routing_keeps_each_conversation_where_its_history_is(replicas, tmp_path, policy):
     """First turns arrive together, so the router spreads them by load; each later turn (one at a
     time, so the replica that ran it is known from the counters) lands on the replica that holds
-    its history's KV blocks: its prefix-cache hits grow there."""
-    process, client = router(replicas, tmp_path, "cache_aware", "--log-level", "debug")
+    its history's KV blocks: its prefix-cache hits grow there. cache_aware places by the prompts it
+    routed; kv_aware by the blocks each replica's engine says it stored (its KV-cache events)."""
+    process, client = router(replicas, tmp_path, policy, "--log-level", "debug", *router_arguments(replicas, policy))
 
     def ask(conversation: int, turns: int) -> None:
         client.chat.completions.create(model="llm", messages=chat_turns(conversation, turns), max_tokens=6, temperature=0)
