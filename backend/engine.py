@@ -311,9 +311,9 @@ class LLMEngine:
         from .kv_events import KVEventPublisher, KVEventRecorder
 
         recorder = self.scheduler.block_manager.events = KVEventRecorder(config.block_size)
-        publisher = KVEventPublisher(config.kv_events)
+        publisher = KVEventPublisher(config.kv_events, recorder)
         recorder.cleared()
-        publisher.publish(recorder.take())
+        publisher.flush()
         logger.info("publishing KV-cache events on %s", publisher.endpoint)
         return publisher
 
@@ -347,7 +347,7 @@ class LLMEngine:
         if self.groups:
             outputs = self._merge_samples(outputs)
         if self.kv_events is not None:
-            self.kv_events.publish(self.scheduler.block_manager.events.take())  # type: ignore[union-attr]  # set with it
+            self.kv_events.flush()
         return outputs
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep:
@@ -409,8 +409,7 @@ class LLMEngine:
                 self.sampler.redraw(seq, state, len(tokens), verification.vocab_size)
         if step.logits is None:
             return emitted, None
-        rows = [seq for seq, count in zip(seqs, counts) for _ in range(count)]
-        flat = self.sampler.logprobs(step.logits, rows, row_tokens)
+        flat = self.sampler.logprobs(step.logits, verification.rows, row_tokens)
         logprobs, offset = [], 0
         for count, tokens in zip(counts, emitted):
             logprobs.append(flat[offset : offset + len(tokens)])

@@ -96,11 +96,14 @@ class KVEventRecorder:
 
 
 class KVEventPublisher:
-    """A ZMQ PUB socket sending each step's events as one numbered batch."""
+    """A ZMQ PUB socket sending each step's events (those `recorder` gathered) as one numbered batch."""
 
-    def __init__(self, config: KVEventsConfig):
+    def __init__(self, config: KVEventsConfig, recorder: KVEventRecorder):
+        import msgpack
         import zmq
 
+        self.recorder = recorder
+        self._zmq, self._pack = zmq, msgpack.packb
         self._context: Any = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, 100_000)
@@ -110,18 +113,20 @@ class KVEventPublisher:
         self._topic = config.topic.encode()
         self._sequence = 0
 
+    def flush(self) -> None:
+        """Send what the recorder gathered since the last flush."""
+        self.publish(self.recorder.take())
+
     def publish(self, events: list[dict[str, Any]]) -> None:
         """One batch (nothing when there are no events); never blocks (a slow subscriber loses
         messages, and its router sees the gap in the sequence numbers)."""
         if not events:
             return
-        import msgpack
-        import zmq
-
-        payload = msgpack.packb([time.time(), events, None], use_bin_type=True)
+        payload = self._pack([time.time(), events, None], use_bin_type=True)
         try:
-            self._socket.send_multipart([self._topic, self._sequence.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
-        except zmq.Again:
+            self._socket.send_multipart([self._topic, self._sequence.to_bytes(8, "big"), payload],
+                                        flags=self._zmq.NOBLOCK)
+        except self._zmq.Again:
             pass
         self._sequence += 1
 

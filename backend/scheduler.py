@@ -258,7 +258,7 @@ class Scheduler:
         and few enough that all accepted plus the model's own token stay within max_tokens and
         max_model_len."""
         speculator = self.speculator
-        if speculator is None or seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens or not speculator.eligible(seq):
+        if speculator is None or not speculator.may_draft(seq):
             return []
         cap = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
         if self.max_model_len is not None:

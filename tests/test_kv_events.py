@@ -56,13 +56,13 @@ def test_named_blocks_are_stored_in_chains_and_evicted_ones_removed():
 
 
 def test_batches_go_out_as_vllm_sends_them():
-    publisher = KVEventPublisher(KVEventsConfig("tcp://127.0.0.1:*", "kv"))
+    recorder = KVEventRecorder(16)
+    publisher = KVEventPublisher(KVEventsConfig("tcp://127.0.0.1:*", "kv"), recorder)
     subscriber = zmq.Context.instance().socket(zmq.SUB)
     subscriber.setsockopt(zmq.SUBSCRIBE, b"")
     subscriber.setsockopt(zmq.RCVTIMEO, 5000)
     subscriber.connect(publisher.endpoint)
     try:
-        recorder = KVEventRecorder(16)
         received = []
         for _ in range(50):  # a PUB socket drops what it sends before the subscription is through
             recorder.cleared()

@@ -31,6 +31,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..sequence import Sequence
 
+def num_kept(drafts: list[int], tokens: list[int]) -> int:
+    """How many leading drafts equal the tokens that came (a verify keeps those and stops)."""
+    kept = 0
+    while kept < min(len(drafts), len(tokens)) and tokens[kept] == drafts[kept]:
+        kept += 1
+    return kept
+
+
 @dataclass
 class StepCost:
     """Seconds of a decode-only step by its query tokens."""
@@ -92,18 +100,18 @@ class DraftLengths:
         """Request-steps where a decoding request that could draft was given no drafts."""
         self.row_cost = 0.0
         """What one more row adds to a plain step's time at the last step's batch size, relative to it."""
-        self._acceptance: dict[int, tuple[Sequence, Acceptance]] = {}
-        self._shadows: dict[int, tuple[Sequence, int, list[int]]] = {}
+        self._acceptance: dict[Sequence, Acceptance] = {}
+        self._shadows: dict[Sequence, tuple[int, list[int]]] = {}
         """Per held-back request: where its shadow draft starts in its tokens, and the draft."""
-        self._lengths: dict[int, int] = {}
+        self._lengths: dict[Sequence, int] = {}
 
     def begin_step(self, running: list[Sequence], decoding: list[Sequence]) -> None:
         """Choose this step's lengths for the running requests that may draft (`decoding`), and
         forget requests no longer running."""
         if len(self._acceptance) > len(running) or len(self._shadows) > len(running):
-            alive = {id(seq) for seq in running}
-            self._acceptance = {key: value for key, value in self._acceptance.items() if key in alive}
-            self._shadows = {key: value for key, value in self._shadows.items() if key in alive}
+            alive = set(running)
+            self._acceptance = {seq: value for seq, value in self._acceptance.items() if seq in alive}
+            self._shadows = {seq: value for seq, value in self._shadows.items() if seq in alive}
         if not self.adaptive:
             return
         if self._shadows:
@@ -111,55 +119,53 @@ class DraftLengths:
         n = len(running)
         plain, more = self.cost.at(n), self.cost.at(n + 1)
         self.row_cost = (more - plain) / plain if plain and more is not None else 0.0
-        lengths = dict.fromkeys(map(id, decoding), self.k)  # two sizes not measured yet: measure them
+        lengths = dict.fromkeys(decoding, self.k)  # two sizes not measured yet: measure them
         if plain and more is not None:
             lengths = self._best(decoding, n, plain)
         self.num_backed_off += sum(1 for length in lengths.values() if length == 0)
         self._lengths = lengths
 
-    def _best(self, decoding: list[Sequence], n: int, plain: float) -> dict[int, int]:
+    def _best(self, decoding: list[Sequence], n: int, plain: float) -> dict[Sequence, int]:
         """The lengths of the D most likely rows, for the D with the most tokens a second."""
-        rows = sorted(((self._rate(seq) ** j, id(seq)) for seq in decoding for j in range(1, self.k + 1)), reverse=True)
+        rows = sorted(((self._rate(seq) ** j, index) for index, seq in enumerate(decoding) for j in range(1, self.k + 1)),
+                      reverse=True)
         best_d, best_rate, expected = 0, n / plain, float(n)
         for d, (value, _) in enumerate(rows, start=1):
             expected += value
             seconds = self.cost.at(n + d)
             if seconds and expected / seconds > best_rate:
                 best_d, best_rate = d, expected / seconds
-        lengths = dict.fromkeys(map(id, decoding), 0)
-        for _, key in rows[:best_d]:
-            lengths[key] += 1
+        lengths = dict.fromkeys(decoding, 0)
+        for _, index in rows[:best_d]:
+            lengths[decoding[index]] += 1
         return lengths
 
     def length(self, seq: Sequence) -> int:
         """How many drafts `seq` should verify this step (before the budget's and limits' caps)."""
-        return self._lengths.get(id(seq), self.k) if self.adaptive else self.k
+        return self._lengths.get(seq, self.k) if self.adaptive else self.k
 
     def wants_shadow(self, seq: Sequence) -> bool:
         """Whether a held-back request should propose a shadow draft now (it has none outstanding)."""
-        entry = self._shadows.get(id(seq))
-        return entry is None or entry[0] is not seq
+        return seq not in self._shadows
 
     def shadow(self, seq: Sequence, drafts: list[int]) -> None:
         """A held-back request's proposal for the tokens after its current ones, kept unverified."""
         if drafts:
-            self._shadows[id(seq)] = (seq, seq.num_tokens, drafts)
+            self._shadows[seq] = (seq.num_tokens, drafts)
 
     def _check_shadows(self, decoding: list[Sequence]) -> None:
         """Score each shadow draft whose outcome is known: every drafted position's token is in, or
         one of them differs (a verify would have stopped there)."""
         for seq in decoding:
-            entry = self._shadows.get(id(seq))
-            if entry is None or entry[0] is not seq:
+            entry = self._shadows.get(seq)
+            if entry is None:
                 continue
-            _, start, drafts = entry
+            start, drafts = entry
             known = seq.token_ids[start : start + len(drafts)]
-            kept = 0
-            while kept < len(known) and known[kept] == drafts[kept]:
-                kept += 1
+            kept = num_kept(drafts, known)
             if kept < len(known) or len(known) == len(drafts):
                 self._entry(seq).update(len(drafts), kept)
-                del self._shadows[id(seq)]
+                del self._shadows[seq]
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         self._entry(seq).update(drafted, accepted)
@@ -169,11 +175,7 @@ class DraftLengths:
         self.cost.observe(tokens, seconds)
 
     def _rate(self, seq: Sequence) -> float:
-        entry = self._acceptance.get(id(seq))
-        return entry[1].rate if entry is not None and entry[0] is seq else Acceptance().rate
+        return (self._acceptance.get(seq) or Acceptance()).rate
 
     def _entry(self, seq: Sequence) -> Acceptance:
-        entry = self._acceptance.get(id(seq))
-        if entry is None or entry[0] is not seq:
-            entry = self._acceptance[id(seq)] = (seq, Acceptance())
-        return entry[1]
+        return self._acceptance.setdefault(seq, Acceptance())

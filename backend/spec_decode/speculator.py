@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import SpeculativeConfig
-from .draft_length import DraftLengths
+from .draft_length import DraftLengths, num_kept
 from .ngram import propose_ngram
 
 if TYPE_CHECKING:
@@ -45,12 +45,14 @@ class SpecStats:
 
 @dataclass
 class Verification:
-    """A launched verify: every row's token, each sequence's first row's token, the drafts, and
-    the generator state of each seeded sampled sequence before its rows drew (None elsewhere)."""
+    """A launched verify: every row's token, each sequence's first row's token, the drafts, each
+    row's sequence, and the generator state of each seeded sampled sequence before its rows drew
+    (None elsewhere)."""
 
     tokens: torch.Tensor
     firsts: torch.Tensor
     drafts: list[list[int]]
+    rows: list[Sequence]
     generator_states: list[torch.Tensor | None]
     vocab_size: int
 
@@ -62,15 +64,16 @@ class Speculator:
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.lengths = DraftLengths(config.num_speculative_tokens, config.draft_length == "adaptive")
 
-    @property
-    def num_speculative_tokens(self) -> int:
-        return self.config.num_speculative_tokens
-
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         p = seq.params
         return (not p.needs_penalties and not p.bad_words_ids and p.structured_outputs is None
                 and seq.grammar is None and seq.num_output_tokens >= p.min_tokens)
+
+    def may_draft(self, seq: Sequence) -> bool:
+        """Whether seq drafts this step if its length allows: it decodes (its one new token known)
+        and is eligible."""
+        return seq.num_uncomputed_tokens == 1 and not seq.num_pending_tokens and self.eligible(seq)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A decode-only step's query tokens and seconds, for the draft lengths' step cost."""
@@ -83,19 +86,18 @@ class Speculator:
 
     def begin_step(self, running: list[Sequence]) -> None:
         """Before a step's drafts are proposed: each decoding request's draft length for it."""
-        decoding = [seq for seq in running if seq.num_uncomputed_tokens == 1 and not seq.num_pending_tokens
-                    and self.eligible(seq)]
-        self.lengths.begin_step(running, decoding)
+        self.lengths.begin_step(running, [seq for seq in running if self.may_draft(seq)])
 
     def propose(self, seq: Sequence, cap: int) -> list[int]:
         """Up to min(cap, the request's draft length) draft tokens after seq's known tokens."""
-        length, c = self.lengths.length(seq), self.config
+        length = self.lengths.length(seq)
         if length == 0 and self.lengths.wants_shadow(seq):  # held back: what it would have drafted, scored later
-            self.lengths.shadow(seq, propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max,
-                                                   c.num_speculative_tokens, self.max_model_len))
+            self.lengths.shadow(seq, self._ngram(seq, self.config.num_speculative_tokens))
         k = min(cap, length)
-        if k <= 0:
-            return []
+        return self._ngram(seq, k) if k > 0 else []
+
+    def _ngram(self, seq: Sequence, k: int) -> list[int]:
+        c = self.config
         return propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k, self.max_model_len)
 
     @staticmethod
@@ -112,7 +114,7 @@ class Speculator:
             first.append(offsets)
             offsets += 1 + len(draft)
         firsts = tokens.index_select(0, torch.tensor(first, dtype=torch.int64, device=tokens.device))
-        return Verification(tokens, firsts, drafts, states, logits.shape[-1])
+        return Verification(tokens, firsts, drafts, rows, states, logits.shape[-1])
 
     def accept(self, row_tokens: list[int], drafts: list[list[int]], seqs: list[Sequence]) -> list[list[int]]:
         """Each sequence's tokens for this step: its accepted drafts and one token of the model's."""
@@ -121,9 +123,7 @@ class Speculator:
         for seq, draft in zip(seqs, drafts):
             rows = row_tokens[offset : offset + 1 + len(draft)]
             offset += 1 + len(draft)
-            m = 0
-            while m < len(draft) and rows[m] == draft[m]:
-                m += 1
+            m = num_kept(draft, rows)
             emitted.append(rows[: m + 1])
             if draft:
                 self.lengths.verified(seq, len(draft), m)

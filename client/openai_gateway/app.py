@@ -271,8 +271,9 @@ def _digest(key: bytes) -> bytes:
 class RequestGuard:
     """ASGI middleware, in front of every route: checks the API key (every route but
     OPEN_PATHS; before any of the body is read), counts the generation requests in flight,
-    reads the body whole before the app sees it, at most `max_body_bytes` (413 past it, naming the knob; a declared Content-Length
-    past it is refused unread) and within `body_timeout_s` of the headers (408); and
+    reads the body whole before the app sees it, at most `max_body_bytes` (413 past it,
+    naming the knob; a declared Content-Length past it is refused unread) and within
+    `body_timeout_s` of the headers (408); and
     turns any exception that escapes the app into an OpenAI-shaped 500 `internal_error`."""
 
     def __init__(self, app: Any, config: GatewayConfig, load: Load | None = None):

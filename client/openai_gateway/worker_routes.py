@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from . import schemas, translate
@@ -69,8 +70,7 @@ def add_worker_routes(app: FastAPI, config: GatewayConfig, load: Load, tokenizer
         return JSONResponse({"model": body.model, "token_ids": ids})
 
     @app.post("/tokenize")
-    async def tokenize(request: Request) -> JSONResponse:
-        body = await _json_object(request)
+    async def tokenize(body: Annotated[dict[str, Any], Body()]) -> JSONResponse:
         for name, default in _DEFAULTS.items():
             if body.get(name, default) != default:
                 raise unsupported(name, f"must be {str(default).lower()} here: the engine tokenizes prompts that way")
@@ -99,25 +99,15 @@ def add_worker_routes(app: FastAPI, config: GatewayConfig, load: Load, tokenizer
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-async def _json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError as error:
-        raise OpenAIError(400, f"the body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise OpenAIError(400, "the body must be a JSON object")
-    return body
-
-
 def _validated(model: type[Any], fields: dict[str, Any]) -> Any:
+    """`fields` as a request body of `model`; its errors as a typed body's, which the app's
+    handler words (naming the field)."""
     from pydantic import ValidationError
 
     try:
         return model(**fields)
     except ValidationError as error:
-        first = error.errors()[0]
-        param = ".".join(str(part) for part in first.get("loc", ())) or None
-        raise OpenAIError(400, f"`{param}`: {first.get('msg')}", param=param) from None
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
 
 
 def _fetch(url: str) -> bytes:
