@@ -455,6 +455,9 @@ class LLMEngine:
             prefix_hit_tokens=kv.prefix_hit_tokens,
             block_size=kv.block_size,
             last_step=scheduler.last_step,
+            max_lora=scheduler.max_loras,
+            running_lora_adapters=scheduler.lora_adapters(scheduler.running) if scheduler.max_loras else (),
+            waiting_lora_adapters=scheduler.lora_adapters(scheduler.waiting) if scheduler.max_loras else (),
             **self._spec_stats(),
         )
 

@@ -120,6 +120,12 @@ class EngineStats:
     """Of those, tokens whose KV blocks were reused."""
     block_size: int = 16
     last_step: StepCounts = field(default_factory=StepCounts)
+    max_lora: int = 0
+    """LoRA adapters a step may run at once (max_loras; 0: LoRA off),"""
+    running_lora_adapters: tuple[str, ...] = ()
+    """the adapters running requests name,"""
+    waiting_lora_adapters: tuple[str, ...] = ()
+    """and those waiting requests name."""
     spec_num_drafts: int = 0
     """Speculative decoding (vLLM v1's vllm:spec_decode_* counters): request-steps that verified drafts,"""
     spec_num_draft_tokens: int = 0

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence as Seq, cast
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence as Seq, cast
 
 from .block_manager import BlockManager
 from .errors import InvalidRequestError, QueueFullError
@@ -178,6 +178,10 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def lora_adapters(self, queue: Iterable[Sequence]) -> tuple[str, ...]:
+        """The LoRA adapters `queue`'s requests name, sorted (vLLM's lora_requests_info labels)."""
+        return tuple(sorted({s.params.lora_name for s in queue} - {None}))
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -10,7 +10,7 @@ Three groups:
 - TensorRT-LLM backend's `nv_trt_llm_*` gauge families (request, KV cache block,
   in-flight batcher, general) with its label sets, always on.
 - vLLM's model-server gauges (requests running and waiting, KV-cache usage, the cache's
-  configuration), always on: LLM-aware routers and the Gateway API Inference Extension's
+  configuration; the LoRA adapters running and waiting, with LoRA on), always on: LLM-aware routers and the Gateway API Inference Extension's
   endpoint picker rank a pagedserve replica by them as they rank a vLLM pod.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from ..outputs import EngineStats, RequestOutput
@@ -69,6 +69,12 @@ class _Families:
         if buckets is not None:
             return family.Metric(labels=labels, buckets=buckets)
         return family.Metric(labels=labels)
+
+    def series(self, name: str, description: str, kind: str) -> Callable[[Mapping[str, str]], Any]:
+        """One family whose series are made as their labels appear: call the result with a label set."""
+        family = self.pb_utils.MetricFamily(name=name, description=description, kind=getattr(self.pb_utils.MetricFamily, kind))
+        self.families.append(family)
+        return lambda labels: family.Metric(labels={**self.labels, **labels})
 
     def labelled(
         self, name: str, description: str, label: str, values: tuple[str, ...], labels: Mapping[str, str],
@@ -122,8 +128,10 @@ class TrtllmMetrics:
 class ModelServerGauges:
     """vLLM's gauges of the Gateway API Inference Extension's model server protocol, labelled with
     vLLM's `model_name` too: waiting and running requests, KV-cache usage (0-1; under its v1 name and
-    its older `gpu_cache_usage_perc`, which older pickers read), and `cache_config_info` (1, with the
-    block size and block count as labels, which prefix-cache scorers read)."""
+    its older `gpu_cache_usage_perc`, which older pickers read), `cache_config_info` (1, with the
+    block size and block count as labels, which prefix-cache scorers read) and, with LoRA on,
+    `lora_requests_info` (the adapters running and waiting and max_lora as labels, the time of the
+    latest refresh as its value: endpoint pickers send an adapter's requests where it is loaded)."""
 
     def __init__(self, families: _Families, model_name: str):
         self._families, self._labels = families, {"model_name": model_name}
@@ -134,6 +142,8 @@ class ModelServerGauges:
         self.usage = [families.metric(name, "KV-cache usage. 1 means 100 percent usage.", "GAUGE", labels=self._labels)
                       for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")]
         self.cache_config: Any = None
+        self._lora_series: Callable[[Mapping[str, str]], Any] | None = None
+        self.lora_info: dict[tuple[str, str, str], Any] = {}
 
     def refresh(self, stats: EngineStats) -> None:
         self.waiting.set(stats.num_waiting)
@@ -145,6 +155,21 @@ class ModelServerGauges:
                 "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "GAUGE",
                 labels={**self._labels, "block_size": str(stats.block_size), "num_gpu_blocks": str(stats.kv_blocks_total)})
             self.cache_config.set(1)
+        if stats.max_lora:
+            self._refresh_lora(stats)
+
+    def _refresh_lora(self, stats: EngineStats) -> None:
+        """The series of the current adapters set to now. As in vLLM, a label set once seen stays (a
+        Triton metric lives as long as its family), with the time it was last current: pickers read
+        the newest series."""
+        key = (",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters), str(stats.max_lora))
+        if key not in self.lora_info:
+            if self._lora_series is None:
+                self._lora_series = self._families.series("vllm:lora_requests_info", "Running stats on lora requests.",
+                                                          "GAUGE")
+            self.lora_info[key] = self._lora_series(dict(zip(("running_lora_adapters", "waiting_lora_adapters",
+                                                              "max_lora"), key)))
+        self.lora_info[key].set(time.time())
 
 
 class SpecDecodeMetrics:

@@ -7,9 +7,11 @@ greedy text with that adapter; an unknown adapter is refused by name and the ser
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
@@ -19,7 +21,7 @@ from pagedserve.client.repository import write_repository
 from pagedserve.client.triton_server import TritonServer
 
 from ..lora_checks import write_adapters
-from .conftest import llm_inputs, stream_request, tensor, texts
+from .conftest import llm_inputs, stream_request, tensor, texts, wait_idle
 
 PROMPTS = ["The quick brown fox jumps over", "Printers in Venice, Paris and Antwerp"]
 
@@ -57,6 +59,7 @@ def test_adapters_are_served_by_name_on_every_contract(tmp_path, small_llama):
         assert error is None and "".join(texts(results)) == expected[("7", PROMPTS[0])]
         _, error = stream_request(server, llm_inputs(PROMPTS[0], max_tokens=4, lora_name="nope"))
         assert error is not None and "'lora_name': unknown adapter 'nope'; this model serves" in str(error)
+        check_lora_requests_info(server)
 
         port = free_port()
         command = [sys.executable, "-m", "pagedserve.client.cli", "openai", "--port", str(port), "--triton-url",
@@ -72,3 +75,35 @@ def test_adapters_are_served_by_name_on_every_contract(tmp_path, small_llama):
                 assert done.model == name and done.choices[0].text == expected[(name, PROMPTS[0])]
         finally:
             gateway.stop()
+
+
+def lora_requests_info(server) -> list[tuple[dict[str, str], float]]:
+    """Each `vllm:lora_requests_info` series on the metrics port: its labels and value."""
+    body = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return [(dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value))
+            for labels, value in re.findall(r"^vllm:lora_requests_info\{([^}]*)\} (\S+)$", body, re.M)]
+
+
+def newest_lora_requests_info(server) -> dict[str, str]:
+    """The labels of the newest series (the highest time), which endpoint pickers read."""
+    return max(lora_requests_info(server), key=lambda series: series[1])[0]
+
+
+def check_lora_requests_info(server) -> None:
+    """vLLM's LoRA gauge as endpoint pickers read it (the newest series): while an adapter's request
+    runs it names that adapter among the running ones; once idle, none, with max_lora the engine's
+    max_loras."""
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream_request, server, llm_inputs(PROMPTS[1], max_tokens=400, temperature=0,
+                                                                 ignore_eos=True, lora_name="q-and-v"))
+        seen: list[str] = []
+        while not running.done():
+            seen.append(newest_lora_requests_info(server)["running_lora_adapters"])
+            time.sleep(0.05)
+        assert running.result()[1] is None
+    assert "q-and-v" in seen
+    wait_idle(server)
+    time.sleep(0.5)  # a refresh after the request left
+    newest = newest_lora_requests_info(server)
+    assert newest["running_lora_adapters"] == newest["waiting_lora_adapters"] == ""
+    assert newest["max_lora"] == "4"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -146,3 +147,26 @@ def test_the_model_server_protocols_gauges_read_the_engines_state():
     assert info.labels == {**LABELS, "model_name": "llm_engine", "block_size": "16", "num_gpu_blocks": "400"}
     metrics.refresh(dataclasses.replace(stats, num_waiting=0, kv_usage=0.5))
     assert gauges.waiting.total == 0 and gauges.usage[0].total == 0.5 and gauges.cache_config is info
+    assert gauges.lora_info == {}  # LoRA off: no vllm:lora_requests_info
+
+
+def test_lora_requests_info_names_the_adapters_as_vllm_does(monkeypatch):
+    """With LoRA on, vllm:lora_requests_info: the adapters running and waiting (comma-separated) and
+    max_lora as labels, the refresh's time as the value; pickers read the newest series, so a label
+    set seen before is set again rather than made twice."""
+    metrics = EngineMetrics(FakePbUtils(), LABELS, vllm=False)
+    stats = EngineStats(num_running=2, num_waiting=1, peak_num_running=2, kv_blocks_total=40, kv_blocks_used=4,
+                        kv_blocks_free=36, kv_usage=0.1, prefix_hit_rate=0.0, num_preemptions=0, prompt_tokens=0,
+                        generation_tokens=0, max_lora=4, running_lora_adapters=("a", "b"), waiting_lora_adapters=("c",))
+    clock = itertools.count(100.0)
+    monkeypatch.setattr("pagedserve.backend.triton_adapter.metrics.time.time", lambda: next(clock))
+    metrics.refresh(stats)
+    busy = metrics.model_server.lora_info[("a,b", "c", "4")]
+    assert busy.family.name == "vllm:lora_requests_info" and busy.total >= 100.0
+    assert busy.labels == {**LABELS, "running_lora_adapters": "a,b", "waiting_lora_adapters": "c", "max_lora": "4"}
+    metrics.refresh(dataclasses.replace(stats, running_lora_adapters=(), waiting_lora_adapters=()))
+    idle = metrics.model_server.lora_info[("", "", "4")]
+    assert idle.total > busy.total  # the newest says: nothing running
+    metrics.refresh(stats)
+    assert metrics.model_server.lora_info[("a,b", "c", "4")] is busy and busy.total > idle.total
+    assert len({m.family for m in metrics.model_server.lora_info.values()}) == 1
