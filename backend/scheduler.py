@@ -181,7 +181,7 @@ class Scheduler:
 
     def lora_adapters(self, queue: Iterable[Sequence]) -> tuple[str, ...]:
         """The LoRA adapters `queue`'s requests name, sorted (vLLM's lora_requests_info labels)."""
-        return tuple(sorted({s.params.lora_name for s in queue} - {None}))
+        return tuple(sorted({s.params.lora_name for s in queue if s.params.lora_name is not None}))
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -10,8 +10,9 @@ Three groups:
 - TensorRT-LLM backend's `nv_trt_llm_*` gauge families (request, KV cache block,
   in-flight batcher, general) with its label sets, always on.
 - vLLM's model-server gauges (requests running and waiting, KV-cache usage, the cache's
-  configuration; the LoRA adapters running and waiting, with LoRA on), always on: LLM-aware routers and the Gateway API Inference Extension's
-  endpoint picker rank a pagedserve replica by them as they rank a vLLM pod.
+  configuration; the LoRA adapters running and waiting, with LoRA on), always on:
+  LLM-aware routers and the Gateway API Inference Extension's endpoint picker rank a
+  pagedserve replica by them as they rank a vLLM pod.
 """
 
 from __future__ import annotations

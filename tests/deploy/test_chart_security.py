@@ -59,7 +59,9 @@ def test_every_pod_runs_restricted(manifests, value_set):
         assert context["runAsNonRoot"] is True
         assert context["runAsUser"] == context["runAsGroup"] == context["fsGroup"] == IMAGE_UID
         assert context["seccompProfile"] == {"type": "RuntimeDefault"}
-        assert pod["automountServiceAccountToken"] is False
+        # An API token only where the router discovers Triton's pods through the API.
+        discovers = "--service-discovery" in pod["containers"][0].get("args", [])
+        assert pod["automountServiceAccountToken"] is discovers
         assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
         for volume in pod["volumes"]:
             kinds = set(volume) - {"name"}
@@ -86,13 +88,13 @@ def test_every_written_place_is_a_volume(manifests, value_set):
             assert volumes[mounts["/tmp"]["name"]]["emptyDir"]["sizeLimit"]
             env = {e["name"]: e.get("value") for e in container.get("env", [])}
             for name in WRITABLE_ENV:
-                if name not in env:
-                    assert container["name"] == "gateway" and name != "HOME"  # no caches used there
+                if name not in env:  # no caches used there; the router writes nothing at all
+                    assert container["name"] == "router" or (container["name"] == "gateway" and name != "HOME")
                     continue
                 under = [path for path in mounts if env[name] == path or env[name].startswith(path + "/")]
                 assert under, f"{container['name']}: ${name}={env[name]} is on the read-only root filesystem"
         if deployment["metadata"]["name"] == FULLNAME:
-            server = server_container(manifests[value_set])
+            server = pod["containers"][0]
             shm = next(m for m in server["volumeMounts"] if m["mountPath"] == "/dev/shm")
             assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
             assert volumes[shm["name"]]["emptyDir"]["sizeLimit"]

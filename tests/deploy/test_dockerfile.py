@@ -19,6 +19,7 @@ from .test_helm_chart import ROOT, manifests, named, server_container  # noqa: F
 
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / "docker" / "Dockerfile.dockerignore"
+ROUTER_DOCKERFILE = ROOT / "docker" / "router.Dockerfile"
 CACHE_ENV = ("PAGEDSERVE_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_HOME", "CUDA_CACHE_PATH")
 
 
@@ -40,9 +41,9 @@ class Stage:
         return found
 
 
-def stages() -> list[Stage]:
+def stages(dockerfile: Path = DOCKERFILE) -> list[Stage]:
     """The Dockerfile's stages: instructions with continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(line for line in DOCKERFILE.read_text().splitlines()
+    text = re.sub(r"\\\n", " ", "\n".join(line for line in dockerfile.read_text().splitlines()
                                         if not line.lstrip().startswith("#")))
     found: list[Stage] = []
     for line in text.splitlines():
@@ -163,3 +164,20 @@ def test_stage_parser_reads_this_file():
     assert [stage.name for stage in found] == ["wheel", None]
     assert found[0].base == found[1].base == "nvcr.io/nvidia/tritonserver:26.09-py3"
     assert ("ENV", "PAGEDSERVE_MODEL_REPOSITORY=/opt/pagedserve/model_repository") in found[1].instructions
+
+
+def test_router_image_is_the_tested_router_as_the_charts_user():
+    """docker/router.Dockerfile installs the vllm-router version the integration test runs
+    (benchmarks/peers/vllm_router.py), which the chart's router.image.tag defaults to, and runs
+    as the chart's UID and GID."""
+    import yaml
+
+    from benchmarks.peers.vllm_router import VERSION
+
+    [stage] = stages(ROUTER_DOCKERFILE)
+    assert stage.all("ARG") == [f"VLLM_ROUTER_VERSION={VERSION}"]
+    assert any('"vllm-router==${VLLM_ROUTER_VERSION}"' in run for run in stage.all("RUN"))
+    assert stage.all("USER") == ["1000:1000"] and stage.all("ENTRYPOINT") == ['["vllm-router"]']
+    values = yaml.safe_load((ROOT / "deploy" / "helm" / "pagedserve" / "values.yaml").read_text())
+    assert values["router"]["image"]["tag"] == VERSION
+    assert values["podSecurityContext"]["runAsUser"] == values["podSecurityContext"]["runAsGroup"] == 1000

@@ -39,7 +39,11 @@ from ..triton_adapter.fakes import FakePbUtils, MetricFamily
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "pagedserve"
 ADAPTER_VALUES = ROOT / "deploy" / "helm" / "prometheus-adapter-values.yaml"
-SERVICEMONITOR_CRD = Path(__file__).resolve().parent / "schemas" / "monitoring.coreos.com_servicemonitors.yaml"
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+CRDS = {"monitoring.coreos.com/v1": SCHEMAS / "monitoring.coreos.com_servicemonitors.yaml",
+        "inference.networking.k8s.io/v1": SCHEMAS / "inference.networking.k8s.io_inferencepools.yaml"}
+"""The custom resources' schemas: the Prometheus Operator's ServiceMonitor, the Gateway API Inference
+Extension's InferencePool (its repository's config/crd/bases, v1)."""
 KUBERNETES_VERSIONS = (all_versions()[0], all_versions()[-1])
 RELEASE, NAMESPACE = "demo", "llm"
 FULLNAME = "demo-pagedserve"
@@ -85,9 +89,21 @@ NETWORK_POLICY_GATEWAY = {
 }
 WRITABLE_ROOT = {"securityContext": {"readOnlyRootFilesystem": False}}
 GRPC_ONLY = {"service": {"expose": {"http": False, "grpc": True, "metrics": False}}}
+SIDECAR = {"gateway": {"enabled": True, "placement": "sidecar", "apiKey": {"value": API_KEY}}}
+ROUTER = {**SIDECAR, "replicaCount": 2, "engine": {"enable_prefix_caching": True},
+          "router": {"enabled": True, "image": {"repository": "registry.example.com/vllm-router"}}}
+ROUTER_STATIC = {**SIDECAR, "router": {"enabled": True, "image": {"repository": "registry.example.com/vllm-router"},
+                                       "policy": "kv_aware", "workerUrls": ["http://replica-a:9000", "http://replica-b:9000"],
+                                       "extraArgs": ["--kv-event-source=http://replica-a:9000=tcp://replica-a:5557",
+                                                     "--kv-event-source=http://replica-b:9000=tcp://replica-b:5557"]}}
+INFERENCE_POOL = {**SIDECAR, "inferencePool": {"enabled": True, "endpointPicker": {"name": "llm-epp"}}}
+NETWORK_POLICY_ROUTER = {**ROUTER, "networkPolicy": {
+    "enabled": True, "gateway": {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "web"}}}]}}}
 VALUE_SETS = {"default": {}, "full": FULL, "external": EXTERNAL, "gateway": GATEWAY,
               "gateway-existing-secret": GATEWAY_EXISTING_SECRET, "network-policy": NETWORK_POLICY,
-              "network-policy-gateway": NETWORK_POLICY_GATEWAY, "writable-root": WRITABLE_ROOT, "grpc-only": GRPC_ONLY}
+              "network-policy-gateway": NETWORK_POLICY_GATEWAY, "writable-root": WRITABLE_ROOT, "grpc-only": GRPC_ONLY,
+              "sidecar": SIDECAR, "router": ROUTER, "router-static": ROUTER_STATIC, "inference-pool": INFERENCE_POOL,
+              "network-policy-router": NETWORK_POLICY_ROUTER}
 
 
 def helm_binary() -> str:
@@ -149,8 +165,9 @@ def named(documents: list[dict], kind: str, name: str = FULLNAME) -> dict:
 
 
 def server_container(documents: list[dict]) -> dict:
+    """Triton's container (first; the gateway sidecar, gateway.placement=sidecar, beside it)."""
     containers = named(documents, "Deployment")["spec"]["template"]["spec"]["containers"]
-    assert [c["name"] for c in containers] == ["tritonserver"]
+    assert [c["name"] for c in containers] in (["tritonserver"], ["tritonserver", "gateway"])
     return containers[0]
 
 
@@ -187,20 +204,26 @@ def _strict(schema: object) -> object:
 
 
 @pytest.fixture(scope="module")
-def servicemonitor_validator() -> jsonschema.Draft7Validator:
-    crd = next(doc for doc in yaml.safe_load_all(SERVICEMONITOR_CRD.read_text()) if doc)
-    assert crd["spec"]["group"] == "monitoring.coreos.com" and crd["spec"]["names"]["kind"] == "ServiceMonitor"
-    schema = next(v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == "v1")
-    return jsonschema.Draft7Validator(_strict(schema))
+def crd_validators() -> dict[str, jsonschema.Draft7Validator]:
+    """apiVersion -> the validator of its CRD's schema (strict)."""
+    validators = {}
+    for api_version, path in CRDS.items():
+        crd = next(doc for doc in yaml.safe_load_all(path.read_text()) if doc)
+        group, version = api_version.split("/")
+        assert crd["spec"]["group"] == group
+        schema = next(v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == version)
+        validators[api_version] = jsonschema.Draft7Validator(_strict(schema))
+    return validators
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_every_manifest_is_valid(servicemonitor_validator, value_set, version):
+def test_every_manifest_is_valid(crd_validators, value_set, version):
     documents = render(VALUE_SETS[value_set], kube_version=version)
     kinds = sorted(doc["kind"] for doc in documents)
     base = ["Deployment", "Service", "ServiceAccount"]
     gateway = ["Deployment", "Service"]
+    router = ["Deployment", "Service", "ServiceAccount"]
     expected = {"default": base,
                 "full": ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "Service", "ServiceAccount", "ServiceMonitor"],
                 "external": ["Deployment", "HorizontalPodAutoscaler", "Service", "ServiceAccount"],
@@ -208,12 +231,18 @@ def test_every_manifest_is_valid(servicemonitor_validator, value_set, version):
                 "gateway-existing-secret": sorted(base + gateway),  # the Secret is the user's
                 "network-policy": sorted(base + ["NetworkPolicy"]),
                 "network-policy-gateway": sorted(base + gateway + ["Secret", "NetworkPolicy", "NetworkPolicy"]),
-                "writable-root": base, "grpc-only": base}[value_set]
+                "writable-root": base, "grpc-only": base,
+                "sidecar": sorted(base + ["Secret"]),  # no Deployment of the gateway's own
+                "router": sorted(base + ["ConfigMap", "Secret"] + router + ["Role", "RoleBinding"]),
+                "router-static": sorted(base + ["Secret"] + router),  # no discovery: no Role
+                "inference-pool": sorted(base + ["Secret", "InferencePool"]),
+                "network-policy-router": sorted(base + ["ConfigMap", "Secret"] + router + ["Role", "RoleBinding"]
+                                                + ["NetworkPolicy", "NetworkPolicy"])}[value_set]
     assert kinds == expected
     for doc in documents:
         assert doc["metadata"]["namespace"] == NAMESPACE
-        if doc["apiVersion"] == "monitoring.coreos.com/v1":
-            errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in servicemonitor_validator.iter_errors(doc)]
+        if doc["apiVersion"] in crd_validators:
+            errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in crd_validators[doc["apiVersion"]].iter_errors(doc)]
             assert not errors, f"{doc['kind']}: {errors}"
         else:
             try:
@@ -223,7 +252,7 @@ def test_every_manifest_is_valid(servicemonitor_validator, value_set, version):
                 pytest.fail(f"{doc['kind']} invalid for Kubernetes {version}: {path}: {error.message}")
 
 
-def test_schemas_catch_mistakes(manifests, servicemonitor_validator):
+def test_schemas_catch_mistakes(manifests, crd_validators):
     """The checks above can fail: a misspelt field is refused by both kinds of schema."""
     deployment = copy.deepcopy(named(manifests["full"], "Deployment"))
     deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
@@ -231,7 +260,10 @@ def test_schemas_catch_mistakes(manifests, servicemonitor_validator):
         kubernetes_validate.validate(deployment, KUBERNETES_VERSIONS[-1], strict=True)
     monitor = copy.deepcopy(one(manifests["full"], "ServiceMonitor"))
     monitor["spec"]["endpoints"][0]["intervall"] = "15s"
-    assert not servicemonitor_validator.is_valid(monitor)
+    assert not crd_validators["monitoring.coreos.com/v1"].is_valid(monitor)
+    pool = copy.deepcopy(one(manifests["inference-pool"], "InferencePool"))
+    pool["spec"]["targetPort"] = pool["spec"].pop("targetPorts")
+    assert not crd_validators["inference.networking.k8s.io/v1"].is_valid(pool)
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -273,6 +305,8 @@ def test_ports_and_service(manifests):
         offered = {"http": (8000, "http"), "grpc": (8001, "grpc"), "metrics": (8002, "metrics")}
         if value_set == "grpc-only":  # service.expose: the Service offers only what it names
             offered = {"grpc": (8001, "grpc")}
+        if VALUE_SETS[value_set].get("gateway", {}).get("placement") == "sidecar":  # the sidecars' OpenAI API
+            offered["openai"] = (9000, "openai")
         assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == offered
         pod_labels = named(documents, "Deployment")["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["selector"].items() <= pod_labels.items()

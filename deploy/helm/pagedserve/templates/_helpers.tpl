@@ -70,6 +70,131 @@ The Secret holding the gateway's API key: the one named in values, else the char
 {{- default (include "pagedserve.gateway.fullname" .) .Values.gateway.apiKey.existingSecret }}
 {{- end }}
 
+{{/*
+The gateway's container. "sidecar": in Triton's pod, calling that pod's Triton on localhost
+(its /metrics passes that Triton's metrics through, as pickers scraping the pod's port read
+them), with Triton's writable volumes and read-only mounts (the tokenizer is read from the
+engine's `model` path); else its own Deployment's, calling Triton's Service.
+*/}}
+{{- define "pagedserve.gateway.container" -}}
+{{- $root := .root }}
+{{- $v := $root.Values }}
+{{- $port := ternary "openai" "http" .sidecar }}
+- name: gateway
+  image: {{ include "pagedserve.gateway.image" $root | quote }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  args:
+    - pagedserve
+    - openai
+    - --host=0.0.0.0
+    - --port={{ int $v.gateway.port }}
+    {{- if .sidecar }}
+    - --triton-url=localhost:8001
+    {{- else }}
+    - --triton-url={{ include "pagedserve.fullname" $root }}:{{ $v.service.ports.grpc }}
+    {{- end }}
+    - --model={{ $v.modelName }}
+    {{- with $v.gateway.servedModelName }}
+    - --served-model-name={{ . }}
+    {{- end }}
+    {{- range $v.gateway.extraArgs }}
+    - {{ . | quote }}
+    {{- end }}
+  ports:
+    - name: {{ $port }}
+      containerPort: {{ int $v.gateway.port }}
+      protocol: TCP
+  env:
+    - name: PAGEDSERVE_API_KEY
+      valueFrom:
+        secretKeyRef:
+          name: {{ include "pagedserve.gateway.secretName" $root }}
+          key: {{ $v.gateway.apiKey.secretKey }}
+    {{- if .sidecar }}
+    {{- include "pagedserve.writableEnv" $root | nindent 4 }}
+    {{- else }}
+    - name: HOME
+      value: {{ $v.home.path | quote }}
+    {{- end }}
+    {{- with $v.gateway.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  # /health answers 200 only while Triton's model is ready: readiness only.
+  # Liveness: the port answers.
+  readinessProbe:
+    httpGet:
+      path: /health
+      port: {{ $port }}
+    periodSeconds: 5
+    failureThreshold: 3
+    timeoutSeconds: 5
+  livenessProbe:
+    tcpSocket:
+      port: {{ $port }}
+    periodSeconds: 10
+    failureThreshold: 6
+    timeoutSeconds: 5
+  {{- if .sidecar }}
+  lifecycle:
+    preStop:
+      # Triton's own wait: leave the endpoints first, then finish open streams on SIGTERM.
+      exec:
+        command: ["sleep", "{{ int $v.shutdown.preStopSleepSecs }}"]
+  {{- end }}
+  {{- with $v.gateway.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    {{- if .sidecar }}
+    {{- include "pagedserve.writableMounts" $root | nindent 4 }}
+    {{- if $v.modelRepository.volume }}
+    - name: model-repository
+      mountPath: {{ $v.modelRepository.path }}
+      readOnly: true
+    {{- end }}
+    {{- with $v.extraVolumeMounts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+    {{- else }}
+    - name: tmp
+      mountPath: /tmp
+    - name: home
+      mountPath: {{ $v.home.path }}
+    {{- end }}
+{{- end }}
+
+{{/*
+The router's objects (vLLM's router in front of the gateway sidecars).
+*/}}
+{{- define "pagedserve.router.fullname" -}}
+{{- printf "%s-router" (include "pagedserve.fullname" . | trunc 56 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "pagedserve.router.selectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-router" (include "pagedserve.name" . | trunc 56 | trimSuffix "-") }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "pagedserve.router.labels" -}}
+helm.sh/chart: {{ include "pagedserve.chart" . }}
+{{ include "pagedserve.router.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: router
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+The gateway sidecar's port is the pod's OpenAI port: what the router and an InferencePool pick.
+*/}}
+{{- define "pagedserve.gateway.sidecar" -}}
+{{- if and .Values.gateway.enabled (eq .Values.gateway.placement "sidecar") }}true{{ end }}
+{{- end }}
+
 {{- define "pagedserve.gateway.image" -}}
 {{- if .Values.gateway.image.repository }}
 {{- printf "%s:%s" .Values.gateway.image.repository (default .Chart.AppVersion .Values.gateway.image.tag | toString) }}
@@ -220,6 +345,34 @@ Fail rendering on settings that cannot work together.
 {{- end }}
 {{- if not $key.secretKey }}
 {{- fail "gateway.apiKey.secretKey: name the Secret's key that holds the API key" }}
+{{- end }}
+{{- end }}
+{{- if not (has .Values.gateway.placement (list "deployment" "sidecar")) }}
+{{- fail (printf "gateway.placement must be deployment or sidecar, got %v" .Values.gateway.placement) }}
+{{- end }}
+{{- $sidecar := include "pagedserve.gateway.sidecar" . }}
+{{- $router := .Values.router }}
+{{- if $router.enabled }}
+{{- if not $sidecar }}
+{{- fail "router.enabled routes to each pod's OpenAI port: set gateway.enabled=true and gateway.placement=sidecar" }}
+{{- end }}
+{{- if not $router.image.repository }}
+{{- fail "router.image.repository: vLLM's router publishes no image; build docker/router.Dockerfile (pagedserve repository) and push it where your nodes pull" }}
+{{- end }}
+{{- $policies := list "cache_aware" "round_robin" "random" "power_of_two" "consistent_hash" "sticky_least_loaded" "kv_aware" }}
+{{- if not (has $router.policy $policies) }}
+{{- fail (printf "router.policy must be one of %s, got %v" (join ", " $policies) $router.policy) }}
+{{- end }}
+{{- if and (eq $router.policy "kv_aware") (not $router.workerUrls) }}
+{{- fail "router.policy=kv_aware needs each worker's KV-event endpoint (--kv-event-source URL=ENDPOINT), which pod discovery does not give: list router.workerUrls and pass the sources in router.extraArgs, or use cache_aware" }}
+{{- end }}
+{{- end }}
+{{- if .Values.inferencePool.enabled }}
+{{- if not $sidecar }}
+{{- fail "inferencePool.enabled: the pool's port is each pod's OpenAI port: set gateway.enabled=true and gateway.placement=sidecar" }}
+{{- end }}
+{{- if not .Values.inferencePool.endpointPicker.name }}
+{{- fail "inferencePool.endpointPicker.name: name the Service of the endpoint picker your cluster runs for this pool (e.g. llm-d's inference scheduler)" }}
 {{- end }}
 {{- end }}
 {{- end }}
