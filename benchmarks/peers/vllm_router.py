@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from pagedserve.client.process import ServerProcess, http_status
+from pagedserve.client.process import ServerProcess, free_port, http_status
 
 VERSION = "0.1.17"
 READY_PATH = "/readiness"
@@ -56,8 +56,10 @@ def setup() -> Path:
 def command(workers: Sequence[str], port: int, policy: str = "cache_aware", health_interval_s: int = 1,
             extra: Sequence[str] = ()) -> list[str]:
     """The router's command line over `workers` (base URLs), checking their health every
-    `health_interval_s` (a dead replica leaves the rotation after 3 failed checks)."""
+    `health_interval_s` (a dead replica leaves the rotation after 3 failed checks); its Prometheus
+    exporter on a free port (its default, 29000, may be taken: the router then panics at start)."""
     return [str(router_binary()), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port(exclude={port})),
             "--worker-urls", *workers, "--health-check-interval-secs", str(health_interval_s),
             "--health-check-timeout-secs", "2", "--worker-startup-check-interval", "1",
             "--retry-initial-backoff-ms", "100", "--retry-max-backoff-ms", "2000", *extra]
