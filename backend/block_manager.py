@@ -23,12 +23,15 @@ if TYPE_CHECKING:
     from .kv_events import KVEventRecorder
 
 
-def hash_block(parent: bytes | None, token_ids: Iterable[int]) -> bytes:
+def hash_block(parent: bytes | None, token_ids: Iterable[int], extra: bytes = b"") -> bytes:
     """Content hash of a full block, chained to its parent so equal blocks at
     different prefixes get different names. 128-bit blake2b: collisions are not
-    a practical concern, unlike Python's predictable hash()."""
+    a practical concern, unlike Python's predictable hash(). `extra`: what else
+    the block's keys and values depend on (the images whose tokens it holds)."""
     digest = hashlib.blake2b(parent or b"", digest_size=16)
     digest.update(array("q", token_ids).tobytes())
+    if extra:
+        digest.update(b"extra:" + extra)
     return digest.digest()
 
 
@@ -197,7 +200,8 @@ class BlockManager:
         size = self.block_size
         for index in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[index - 1] if index else _salt(seq)
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[index * size : (index + 1) * size]))
+            extra = seq.mm.hash_key(index * size, (index + 1) * size) if seq.mm is not None else b""
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[index * size : (index + 1) * size], extra))
 
     # -- allocation ------------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:

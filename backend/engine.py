@@ -22,18 +22,22 @@ from tqdm.auto import tqdm
 
 from .batch_invariant import make_batch_invariant, runs_invariant_kernels
 from .block_manager import BlockManager
+from .checkpoints.hf import checkpoint_tensors
 from .compiled_forward import compile_wanted
 from .config import EngineConfig
 from .cuda_graphs import decode_graphs_wanted
 from .device import max_model_len, num_kv_blocks, resolve_device, resolve_dtype
 from .distributed import TensorParallelRunner, start_workers
-from .errors import InvalidRequestError
+from .errors import ConfigError, InvalidRequestError
 from .kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from .lora.manager import LoRAManager
+from .model_config import ModelConfig
 from .model_files import resolve_model_path
 from .model_loader import load_model, read_checkpoint
 from .model_runner import ModelRunner, StagedTokens
 from .models.parallel import SINGLE_RANK
+from .multimodal import VLM_ARCHITECTURES, MultiModalPrompt
+from .multimodal.image_inputs import ImageInputs
 from .output_renderer import OutputRenderer
 from .outputs import Completion, EngineStats, RequestOutput
 from .quantization import quantize_model
@@ -45,6 +49,10 @@ from .sequence import FinishReason, Sequence, SequenceStatus
 from .spec_decode import Speculator, Verification
 from .structured_output import GrammarCompiler
 from .tokenizer import apply_chat_template, encode_prompt
+
+PromptInput = str | Seq[int] | dict[str, Any]
+"""A prompt: text, token ids, or vLLM's prompt dict ({"prompt": text, "multi_modal_data": {"image":
+file bytes or PIL images}}, or {"prompt_token_ids": ids})."""
 
 if TYPE_CHECKING:
     from .cpu.backend import CpuBackend
@@ -114,6 +122,8 @@ class LLMEngine:
             cpu.prepare(loaded.model, loaded.config, self.dtype, tensor_parallel)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.images = self._load_images(loaded.config)
+        """A vision-language model's processor and image embedder (backend/multimodal/), else None."""
         self.lora = LoRAManager(loaded.model, config, self.dtype, self.device) if config.enable_lora else None
         """The adapters this model serves (enable_lora), else None."""
 
@@ -140,7 +150,8 @@ class LLMEngine:
             self.runner: ModelRunner = TensorParallelRunner(self.workers, *runner_args)
         else:
             graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) else 0
-            self.runner = ModelRunner(*runner_args, graphs, self.max_model_len, self.lora, batch_invariant=config.deterministic)
+            self.runner = ModelRunner(*runner_args, graphs, self.max_model_len, self.lora, batch_invariant=config.deterministic,
+                                      images=self.images.embedder if self.images is not None else None)
         if config.kv_cache_dtype == "fp8":
             calibrate_kv_scales(self.runner, self.encode(CALIBRATION_TEXT)[: self.max_model_len])
         self.runner.capture_graphs()  # after calibration: the captured kernels take the KV scales as constants
@@ -160,6 +171,13 @@ class LLMEngine:
             time.perf_counter() - started, self.model_path, self.device, self.dtype,
             num_blocks, config.block_size, self.max_model_len,
         )
+
+    def _load_images(self, model_config: ModelConfig) -> ImageInputs | None:
+        if not model_config.vision_language:
+            return None
+        if self.workers is not None:
+            raise ConfigError("tensor_parallel_size", "vision-language models run on one rank; set it to 1")
+        return ImageInputs.load(self.model_path, checkpoint_tensors(self.model_path), self.device, self.dtype)
 
     @property
     def block_manager(self) -> BlockManager:
@@ -220,24 +238,50 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | Seq[int],
+        prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
         final_only: bool = False,
     ) -> str:
-        """Queue a request (text or token ids). Raises InvalidRequestError or QueueFullError.
-        final_only: only its finished output is wanted (`generate`): no text is rendered
-        step by step (OutputRenderer)."""
+        """Queue a request (text, token ids, or vLLM's prompt dict with images:
+        {"prompt": ..., "multi_modal_data": {"image": ...}}). Raises InvalidRequestError or
+        QueueFullError. final_only: only its finished output is wanted (`generate`): no text is
+        rendered step by step (OutputRenderer)."""
+        ids, mm = self.prompt_inputs(prompt)
+        return self.add_processed(ids, mm, params, request_id, arrival_time, final_only)
+
+    def prompt_inputs(self, prompt: PromptInput) -> tuple[list[int], MultiModalPrompt | None]:
+        """A prompt's token ids and, where it has images, the images (placeholders expanded)."""
+        if isinstance(prompt, str):
+            return self.encode(prompt), None
+        if not isinstance(prompt, dict):
+            return [int(t) for t in prompt], None
+        images = (prompt.get("multi_modal_data") or {}).get("image")
+        if images is None:
+            text = prompt.get("prompt")
+            return (self.encode(text), None) if text is not None else ([int(t) for t in prompt["prompt_token_ids"]], None)
+        if self.images is None:
+            raise InvalidRequestError("image", "this model takes no images; serve a vision-language model "
+                                               f"({', '.join(sorted(VLM_ARCHITECTURES))})")
+        text = prompt.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError("prompt", "must be a non-empty string with a placeholder for each image")
+        ids, mm = self.images.process(text, images if isinstance(images, (list, tuple)) else [images])
+        return ids, mm
+
+    def add_processed(self, ids: Seq[int], mm: MultiModalPrompt | None = None, params: SamplingParams | None = None,
+                      request_id: str | None = None, arrival_time: float | None = None, final_only: bool = False) -> str:
+        """`add_request` for a prompt `prompt_inputs` made already (ids, and its images or None)."""
+        ids = [int(t) for t in ids]
         params = params or self.default_sampling_params()
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_admission(ids, params)  # its caps count the words the request gave, before they are tokenized
         params = self._with_bad_word_ids(params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.groups or request_id in self.renderers:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq_id = request_id if params.n == 1 else sample_id(request_id, 0)
-        seq = Sequence(seq_id, ids, params, arrival_time=arrival_time or time.monotonic())
+        seq = Sequence(seq_id, ids, params, arrival_time=arrival_time or time.monotonic(), mm=mm)
         self.scheduler.add(seq)
         self._start(seq, final_only)
         if params.n > 1:
@@ -493,20 +537,21 @@ class LLMEngine:
     # -- offline ---------------------------------------------------------------
     def generate(
         self,
-        prompts: Iterable[str | Seq[int]],
+        prompts: Iterable[PromptInput],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[Completion]:
-        """Run prompts to completion in one continuous batch; results in prompt order."""
+        """Run prompts (text, token ids, or prompt dicts with images) to completion in one continuous
+        batch; results in prompt order."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or self.default_sampling_params()] * len(prompts)
         completions: dict[str, Completion] = {}
         order = []
         for prompt, p in zip(prompts, params):
-            request_id = self.add_request(prompt, p, final_only=True)
+            prompt_ids, mm = self.prompt_inputs(prompt)
+            request_id = self.add_processed(prompt_ids, mm, p, final_only=True)
             order.append(request_id)
-            prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
             completions[request_id] = Completion(request_id, prompt_ids)
         with tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm, leave=False) as bar:
             while self.has_unfinished_requests():

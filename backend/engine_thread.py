@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterator, Sequence as Seq
+from typing import Any, Callable, Iterator, Sequence as Seq
 
 from .engine import LLMEngine
 from .errors import EngineDeadError, EngineHungError, EngineStepError
@@ -58,7 +58,7 @@ class EngineThread:
         """Held by the engine thread whenever it touches callbacks (all but the step itself), and by
         the watchdog while it fails a hung step's requests: no output after a request's error final."""
         self._wake = threading.Event()
-        self._adds: deque[tuple[str, list[int], SamplingParams, OutputCallback]] = deque()
+        self._adds: deque[tuple[str, list[int], SamplingParams, OutputCallback, Any]] = deque()
         self._aborts: deque[str] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopping = False
@@ -84,8 +84,14 @@ class EngineThread:
         """Serving: alive, not shutting down, no step hung (the model's readiness and gauge)."""
         return self.is_alive and not self._stopping and self.hung_since is None
 
+    def prompt_inputs(self, prompt: Any) -> tuple[list[int], Any]:
+        """The engine's `prompt_inputs` (tokens, and a prompt's images processed), on the caller's thread:
+        a picture's decoding and resizing never stall a step."""
+        return self.engine.prompt_inputs(prompt)
+
     def submit(
-        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, on_output: OutputCallback
+        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, on_output: OutputCallback,
+        mm: Any = None,
     ) -> None:
         """Validate and queue a request. Raises InvalidRequestError, QueueFullError, EngineDeadError.
 
@@ -106,7 +112,7 @@ class EngineThread:
                     f"an engine step has hung for {time.monotonic() - self.hung_since:.0f} s (past step_timeout_s="
                     f"{self.step_timeout_s:g}); the model reports not ready until it returns; retry on another replica")
             self.engine.check_admission(ids, params, arriving=len(self._adds))
-            self._adds.append((request_id, ids, params, on_output))
+            self._adds.append((request_id, ids, params, on_output, mm))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -241,10 +247,10 @@ class EngineThread:
     def _apply_inbox(self) -> None:
         while self._adds:
             with self._lock:
-                request_id, ids, params, callback = self._adds.popleft()
+                request_id, ids, params, callback, mm = self._adds.popleft()
             self._callbacks[request_id] = callback
             try:
-                self.engine.add_request(ids, params, request_id=request_id)
+                self.engine.add_processed(ids, mm, params, request_id=request_id)
             except Exception as error:  # noqa: BLE001 - admitted already: a duplicate id, or a lost race for the last queue slot
                 self._deliver(_error_output(request_id, error))
         while self._aborts:
@@ -275,7 +281,7 @@ class EngineThread:
         """Requests accepted but never added get their final too."""
         while self._adds:
             with self._lock:
-                request_id, _, _, callback = self._adds.popleft()
+                request_id, _, _, callback, _ = self._adds.popleft()
             self._callbacks[request_id] = callback
             self._deliver(_error_output(request_id, error))
 

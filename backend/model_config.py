@@ -113,6 +113,8 @@ class ModelConfig:
     (`use_model_defaults`: the CLI's, LLMClient's, the OpenAI gateway's) gets where it is silent."""
     bos_token_id: int | None = None
     checkpoint_dtype: str = "float32"
+    vision_language: str | None = None
+    """The vision-language family (backend/multimodal/) whose language model this is; None: a text model."""
     source_group_size: int | None = None
     """Block size of the checkpoint's own weight quantization (GGUF Q4_1: 32), if any."""
     source_block_format: str | None = None

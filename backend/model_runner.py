@@ -21,6 +21,7 @@ from .compiled_forward import CompiledForward
 from .cuda_graphs import DecodeGraphs
 from .lora.manager import LoRAManager
 from .models.llama import LlamaForCausalLM
+from .multimodal.step_embeddings import EmbeddingPatch, ImageEmbedder
 from .process_tuning import advise_huge_pages
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
@@ -42,6 +43,7 @@ class StepArrays:
     device_rows: np.ndarray  # [k] int64: input rows whose token is still on the device
     device_src: np.ndarray  # [k] int64: its row in the step before's sampled tokens
     token_slots: np.ndarray | None = None  # [tokens] int32: each token's LoRA slot (-1 none); None: no adapter rows
+    image_patch: EmbeddingPatch | None = None  # image rows (host) and their embeddings (the encoder's device)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class ModelInputs:
     logits_indices: torch.Tensor
     sampling_seqs: list[Sequence]
     lora_slots: torch.Tensor | None = None
+    image_patch: EmbeddingPatch | None = None
 
 
 class ModelRunner:
@@ -81,15 +84,18 @@ class ModelRunner:
         max_model_len: int = 0,
         lora: LoRAManager | None = None,
         batch_invariant: bool = False,
+        images: ImageEmbedder | None = None,
     ):
         """compile_max_tokens > 0: run the compiled step (backend/compiled_forward.py),
         warmed up now for steps of up to that many tokens. graph_max_seqs > 0 (CUDA):
         decode steps of up to that many sequences replay whole CUDA graphs
         (backend/cuda_graphs.py), captured by `capture_graphs` for contexts up to max_model_len.
         lora: the model's adapters (enable_lora); a step with adapter rows runs eager, not a graph.
-        batch_invariant: the attention's batch-invariant form (`deterministic`)."""
+        batch_invariant: the attention's batch-invariant form (`deterministic`).
+        images: a vision-language model's image embeddings; a step with image rows runs eager."""
         self.model = model
         self.lora = lora
+        self.images = images
         self.config = model.config
         self.block_size = block_size
         self.device = device
@@ -171,7 +177,8 @@ class ModelRunner:
                           sampling_seqs=[s for s, keep in zip(seqs, sampling) if keep],
                           device_rows=np.asarray(device_rows, dtype=np.int64),
                           device_src=np.asarray(device_src, dtype=np.int64),
-                          token_slots=None if seq_slots is None else seq_slots[rows])
+                          token_slots=None if seq_slots is None else seq_slots[rows],
+                          image_patch=self.images.patch(seqs, starts, query_start) if self.images is not None else None)
 
     def remember(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """The tokens a step sampled, on the device, for the next step's inputs (async
@@ -229,6 +236,8 @@ class ModelRunner:
             logits_indices=to(arrays.logits_indices),
             sampling_seqs=arrays.sampling_seqs,
             lora_slots=None if arrays.token_slots is None else to(arrays.token_slots),
+            image_patch=None if arrays.image_patch is None else EmbeddingPatch(
+                to(arrays.image_patch.rows.numpy()), arrays.image_patch.values.to(self.device)),
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -239,7 +248,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one forward; logits [num_sampling_seqs, vocab] float32 and those sequences, in
         the order of the logits' rows (a decode graph's rows keep each sequence's row)."""
-        if self.graphs is not None and not self._adapted(batch) and self.graphs.takes(batch):
+        if self.graphs is not None and not self._adapted(batch) and not _has_image_rows(batch) and self.graphs.takes(batch):
             return self.graphs.run(batch)
         inputs = self.to_inputs(self.plan(batch))
         return self.run(inputs), inputs.sampling_seqs
@@ -251,14 +260,14 @@ class ModelRunner:
         """One forward over prepared inputs: logits of the rows `logits_indices` names,
         [len(logits_indices), vocab] float32 (the one call a tensor-parallel worker makes per step)."""
         input_ids, positions, pieces = inputs.input_ids, inputs.positions, None
-        if self.compiled:
+        if self.compiled and inputs.image_patch is None:
             pad = self.compiled.rows(len(input_ids)) - len(input_ids)
             input_ids, positions, pieces = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad)), self.compiled.pieces
         if self.lora is not None:
             self.lora.activate(inputs.lora_slots, inputs.logits_indices)
         hidden = self.model(
             input_ids, positions, kv_caches or self.kv_caches, inputs.meta, attention or self.attention_kernels, pieces,
-            inputs.logits_indices,
+            inputs.logits_indices, inputs.image_patch,
         )
         if len(inputs.logits_indices) == 0:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
@@ -292,6 +301,12 @@ class ModelRunner:
         inputs = self.prepare(batch)
         inputs.logits_indices = torch.arange(len(token_ids), device=self.device)
         return self.run(inputs, kv_caches, attention)
+
+
+def _has_image_rows(batch: ScheduledBatch) -> bool:
+    """Whether a sequence of the batch computes prompt tokens of a prompt with images."""
+    starts = batch.starts or [seq.num_computed_tokens for seq in batch.seqs]
+    return any(seq.mm is not None and start < seq.num_prompt_tokens for seq, start in zip(batch.seqs, starts))
 
 
 def _is_range(values: np.ndarray) -> bool:

@@ -33,10 +33,10 @@ class SampleGroup:
 
     @classmethod
     def fork(cls, request_id: str, first: Sequence, n: int, final_only: bool = False) -> SampleGroup:
-        """A group whose samples 1..n-1 copy `first` (prompt, parameters, arrival)."""
+        """A group whose samples 1..n-1 copy `first` (prompt and its images, parameters, arrival)."""
         forks = [
             Sequence(sample_id(request_id, i), list(first.prompt_token_ids), first.params,
-                     arrival_time=first.arrival_time, sample_index=i, fork_of=first)
+                     arrival_time=first.arrival_time, sample_index=i, fork_of=first, mm=first.mm)
             for i in range(1, n)
         ]
         return cls(request_id, [first, *forks], forks_waiting=list(forks), final_only=final_only)

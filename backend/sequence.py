@@ -71,6 +71,8 @@ class Sequence:
     """The sample whose prompt blocks this one shares (n > 1)."""
     grammar: Any = None
     """Its structured output's matcher (xgrammar), made when the engine starts it."""
+    mm: Any = None
+    """Its prompt's images (a multimodal.MultiModalPrompt), None for text."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -3,6 +3,7 @@ ModelConfig, and the tensors of the safetensors files (sharded or not)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Iterator
@@ -11,6 +12,7 @@ import torch
 
 from ..errors import ConfigError
 from ..model_config import ModelConfig
+from ..multimodal.vlm_config import VLM_ARCHITECTURES, is_vision_language, language_model_config, language_model_tensors
 from . import Checkpoint
 from .generation_config import eos_token_ids, generation_defaults, read_generation_config
 from .gpt_oss import gpt_oss_fields, gpt_oss_tensors
@@ -38,10 +40,17 @@ their parts (`_split_fused`), so that loading, tensor-parallel sharding and quan
 every family's checkpoint alike."""
 
 
+def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the directory's safetensors files, under the checkpoint's own names."""
+    return _safetensors_tensors(_safetensors_files(path))
+
+
 def read_hf_checkpoint(path: str) -> Checkpoint:
     config = hf_dir_config(path)
     files = _safetensors_files(path)
     tensors, count = _safetensors_tensors(files), _count_safetensors(files)
+    if config.vision_language:  # the language model's tensors; the vision encoder reads its own
+        tensors = language_model_tensors(tensors)
     if config.architecture == "mixtral":
         tensors = _mixtral_names(tensors)
     if config.architecture == "gpt_oss":
@@ -101,13 +110,22 @@ def hf_dir_config(path: str) -> ModelConfig:
 
 
 def hf_model_config(config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
-    """The ModelConfig of parsed config.json (and generation_config.json) contents."""
+    """The ModelConfig of parsed config.json (and generation_config.json) contents; a vision-language
+    model's is its language model's (backend/multimodal/vlm_config.py)."""
+    if is_vision_language(config):
+        try:
+            text = language_model_config(config)
+        except ValueError as error:
+            raise ConfigError("model", str(error)) from None
+        return dataclasses.replace(hf_model_config(text, generation_config),
+                                   vision_language=VLM_ARCHITECTURES[config["architectures"][0]])
     archs = config.get("architectures") or ["LlamaForCausalLM"]
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(
             "model",
-            f"architecture {arch} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}",
+            f"architecture {arch} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)} and, with images, "
+            f"{sorted(VLM_ARCHITECTURES)}",
         )
     family = SUPPORTED_ARCHITECTURES[arch]
     num_heads = config["num_attention_heads"]

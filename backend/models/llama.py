@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ from .parallel import (
     VocabParallelEmbedding,
 )
 from .rope import rope_frequencies
+
+if TYPE_CHECKING:
+    from ..multimodal.step_embeddings import EmbeddingPatch
 
 
 class RMSNorm(nn.Module):
@@ -314,6 +317,7 @@ class LlamaForCausalLM(nn.Module):
         kernels: AttentionKernels,
         pieces: ForwardPieces | None = None,
         output_rows: torch.Tensor | None = None,
+        patch: EmbeddingPatch | None = None,
     ) -> torch.Tensor:
         """Hidden states of every input token, [num_tokens, hidden], or of the rows
         `output_rows` names (ascending, distinct: the rows a step samples).
@@ -328,7 +332,10 @@ class LlamaForCausalLM(nn.Module):
             if hidden is not None:
                 return hidden
         eager, pieces = pieces is None, pieces or EAGER_PIECES
-        h, q, k, v = pieces.first(self, input_ids, positions)
+        if patch is None:
+            h, q, k, v = pieces.first(self, input_ids, positions)
+        else:
+            h, q, k, v = first_piece(self, input_ids, positions, patch)
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches)):
             attn = attention(kernels, q, k, v, kv_cache, meta, layer.self_attn.scale, layer.self_attn.window,
@@ -380,9 +387,12 @@ Residual = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """h (the residual stream) and the next layer's q, k, v."""
 
 
-def first_piece(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> Residual:
-    """Embedding, then the first layer up to its attention."""
+def first_piece(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+                patch: EmbeddingPatch | None = None) -> Residual:
+    """Embedding (with `patch`'s rows given: images'), then the first layer up to its attention."""
     h = model.embed(input_ids)
+    if patch is not None:
+        h = h.index_copy(0, patch.rows, patch.values.to(h.dtype))
     first: LlamaDecoderLayer = model.layers[0]  # type: ignore[assignment]  # a ModuleList's items are typed Module
     return (h, *first.self_attn.project(first.input_layernorm(h), model.rotary, positions))
 

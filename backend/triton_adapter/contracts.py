@@ -79,7 +79,10 @@ class VllmText:
         return self
 
     def plan(self, inputs: Arrays, requested: set[str], tokenizer: Any) -> RelayPlan:
-        prompt_ids = parse_prompt(inputs, tokenizer)
+        return self.plan_tokens(inputs, requested, tokenizer, parse_prompt(inputs, tokenizer))
+
+    def plan_tokens(self, inputs: Arrays, requested: set[str], tokenizer: Any, prompt_ids: list[int]) -> RelayPlan:
+        """`plan` for a prompt tokenized already (with its images: the engine's processor did it)."""
         extras = select_outputs(requested, requested_returns(inputs), ())
         forwarded = {name: array for name, array in inputs.items() if name not in TEXT_LEVEL_INPUTS}
         forwarded["input_ids"] = np.asarray(prompt_ids, dtype=np.int32)

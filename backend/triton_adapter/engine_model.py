@@ -55,7 +55,7 @@ from .contracts import Contract, RenderedReply, Reply, VllmText
 from .finals import CANCELLED, Failure, send_final
 from .metrics import EngineMetrics, RequestTiming
 from .python_model import log_info
-from .requests import BLS_CALLER, EngineRequest, parse_engine_request
+from .requests import BLS_CALLER, EngineRequest, image_input, image_prompt_text, parse_engine_request
 from .responses import CLIENT_OUTPUTS, engine_response, merge_outputs
 from .tensors import flag, request_inputs, scalar, to_tensors
 
@@ -86,7 +86,8 @@ class ActiveRequest:
 class EngineModel:
     """Per-request lifecycle of the engine-hosting model over an EngineThread.
 
-    `engine_thread` needs submit(request_id, prompt_token_ids, params, on_output),
+    `engine_thread` needs submit(request_id, prompt_token_ids, params, on_output, mm), prompt_inputs(prompt)
+    (a prompt with images: a vision-language model's `image` input),
     abort(request_id) and shutdown(timeout); `stats` returns the engine's EngineStats
     (read for the gauges only when `metrics` is given). With a `contract` (a subclass
     names it), requests without `input_ids` speak it: text in, text out.
@@ -164,9 +165,14 @@ class EngineModel:
                 self._cancel(scalar(inputs, "cancel_request_id"))
                 response_sender.send(flags=self.final_flag)
                 return
-            requested, reply, rendered_reply = request.requested_output_names(), None, None
+            requested, reply, rendered_reply, images = request.requested_output_names(), None, None, None
             if self.contract is not None and "input_ids" not in inputs:
-                plan = self.contract.plan(inputs, set(requested), self.tokenizer)
+                if isinstance(self.contract, VllmText) and "image" in inputs:  # the engine's processor expands
+                    prompt_ids, images = self.engine_thread.prompt_inputs(  # the placeholders: its ids, its images
+                        {"prompt": image_prompt_text(inputs), "multi_modal_data": {"image": image_input(inputs)}})
+                    plan = self.contract.plan_tokens(inputs, set(requested), self.tokenizer, prompt_ids)
+                else:
+                    plan = self.contract.plan(inputs, set(requested), self.tokenizer)
                 inputs, requested, reply = plan.engine_inputs, plan.engine_outputs, plan.reply
                 rendered_reply = plan.rendered_reply
             parsed = parse_engine_request(inputs, self.tokenizer, request.parameters(), requested, self.model_defaults)
@@ -183,7 +189,7 @@ class EngineModel:
                 self.active[request_id] = ActiveRequest(response_sender, parsed, RequestTiming(time.monotonic()),
                                                         reply=reply, rendered_reply=rendered_reply)
             submitted = request_id
-            self.engine_thread.submit(request_id, parsed.prompt_token_ids, parsed.params, self.outbox.put)
+            self.engine_thread.submit(request_id, parsed.prompt_token_ids, parsed.params, self.outbox.put, images)
         except Exception as error:  # noqa: BLE001 - any failure to start a request is that request's error final
             if submitted is not None:
                 with self.lock:

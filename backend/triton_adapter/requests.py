@@ -11,6 +11,8 @@ the input at fault, since its message is what the client reads.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -96,6 +98,36 @@ def parse_prompt(inputs: Arrays, tokenizer: Any) -> list[int]:
     if flag(inputs, "apply_chat_template"):
         return apply_chat_template(tokenizer, [{"role": "user", "content": text}])
     return encode_prompt(tokenizer, text)
+
+
+def image_input(inputs: Arrays) -> list[bytes] | None:
+    """`image` as Triton's vLLM backend takes it: one base64-encoded image file per element (a
+    `data:image/...;base64,` URL's payload too); None when absent."""
+    if "image" not in inputs:
+        return None
+    values = strings(inputs, "image")
+    if not values:
+        raise InvalidRequestError("image", "is empty; send one base64-encoded image file per element")
+    images = []
+    for index, value in enumerate(values):
+        payload = value.partition(",")[2] if value.startswith("data:") else value
+        try:
+            images.append(base64.b64decode(payload, validate=True))
+        except (binascii.Error, ValueError) as error:
+            raise InvalidRequestError("image", f"element {index} is not base64 ({error}); send each image file "
+                                               "base64-encoded") from None
+    return images
+
+
+def image_prompt_text(inputs: Arrays) -> str:
+    """The text an `image` request's images go into: `text_input`, raw, with one placeholder per image."""
+    if scalar(inputs, "messages") is not None or flag(inputs, "apply_chat_template"):
+        raise InvalidRequestError("image", "goes with a raw `text_input` holding one placeholder per image; "
+                                           "`messages` and `apply_chat_template` with images are not supported")
+    text = scalar(inputs, "text_input")
+    if not text:
+        raise InvalidRequestError("text_input", "is required with `image`: the prompt, with a placeholder for each image")
+    return text
 
 
 def _json_input(name: str, value: str) -> Any:

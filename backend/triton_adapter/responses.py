@@ -22,7 +22,7 @@ from .tensors import Arrays, flag, token_ids
 CLIENT_OUTPUTS = tuple(RETURN_OUTPUTS.values())
 """Outputs a text client gets as the engine makes them."""
 ENGINE_OUTPUTS = (*CORE_OUTPUTS, *CLIENT_OUTPUTS, ERROR_OUTPUT)
-TEXT_LEVEL_INPUTS = ("text_input", "messages", "tools", "chat_template_kwargs", "apply_chat_template")
+TEXT_LEVEL_INPUTS = ("text_input", "messages", "tools", "chat_template_kwargs", "apply_chat_template", "image")
 """`llm` inputs it consumes itself; the rest go on to the engine unchanged."""
 
 

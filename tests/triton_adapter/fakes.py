@@ -255,11 +255,14 @@ class FakeEngineThread:
         self.aborted: list[str] = []
         self.shut_down = False
         self.is_ready = True
+        self.images: dict[str, Any] = {}
+        """Each submitted request's processed images (None: text)."""
 
-    def submit(self, request_id, prompt_token_ids, params, on_output) -> None:
+    def submit(self, request_id, prompt_token_ids, params, on_output, mm=None) -> None:
         if self.submit_error is not None:
             raise self.submit_error
         self.submitted[request_id] = (list(prompt_token_ids), params)
+        self.images[request_id] = mm
         self.callbacks[request_id] = on_output
 
     def emit(self, request_id: str, new_ids: list[int], finished: bool = False, **fields: Any) -> None:

@@ -1,0 +1,86 @@
+"""The checkpoint's vision tower and projector, built by transformers from the checkpoint's config
+and run through the model's own `get_image_features`: an image's embeddings are exactly the ones
+transformers puts in place of its placeholder tokens. The language model is the text engine's
+(paged, with its kernels); the one transformers would build here is dropped unbuilt."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import ConfigError
+
+_LANGUAGE_MODEL_PREFIXES = ("language_model.", "model.language_model.", "lm_head.")
+
+
+class VisionEncoder:
+    """Image embeddings [tokens, hidden] for one image's processor outputs."""
+
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype):
+        self.model, self.device, self.dtype = model, device, dtype
+
+    @classmethod
+    def load(cls, model_dir: str, tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device,
+             dtype: torch.dtype) -> VisionEncoder:
+        """The encoder of the checkpoint at `model_dir`, its weights from `tensors` (the checkpoint's,
+        every one: the language model's are skipped). ConfigError naming what is missing or left over."""
+        from transformers import AutoConfig, AutoModelForImageTextToText
+        from transformers.initialization import no_init_weights
+
+        config = AutoConfig.from_pretrained(model_dir)
+        shell = copy.deepcopy(config)
+        text = shell.get_text_config()
+        text.num_hidden_layers = 0  # the language model is built empty, then dropped
+        if hasattr(text, "layer_types"):
+            text.layer_types = []
+        previous = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(dtype)
+            with no_init_weights(), torch.device(device):
+                full = AutoModelForImageTextToText.from_config(shell)
+        finally:
+            torch.set_default_dtype(previous)
+        model = full.model
+        model.language_model = None  # get_image_features never reads it
+        params = dict(model.state_dict())
+        loaded: set[str] = set()
+        left_over: list[str] = []
+        for name, tensor in tensors:
+            if name.startswith(_LANGUAGE_MODEL_PREFIXES):
+                continue
+            target = _module_name(name, params)
+            if target is None:
+                left_over.append(name)
+                continue
+            with torch.no_grad():
+                params[target].copy_(tensor.to(params[target].dtype))
+            loaded.add(target)
+        missing = sorted(set(params) - loaded)
+        if missing or left_over:
+            raise ConfigError("model", f"the vision encoder's weights do not match its config: missing {missing[:5]}, "
+                                       f"not used {left_over[:5]}")
+        return cls(model.eval(), device, dtype)
+
+    @torch.inference_mode()
+    def encode(self, pixels: dict[str, Any]) -> torch.Tensor:
+        """One image's embeddings, [tokens, hidden], from its processor outputs."""
+        inputs = {key: value.to(self.device, self.dtype if value.is_floating_point() else value.dtype)
+                  for key, value in pixels.items()}
+        features = self.model.get_image_features(**inputs, return_dict=True).pooler_output
+        if isinstance(features, (list, tuple)):
+            features = torch.cat(list(features), dim=0)
+        return features.reshape(-1, features.shape[-1])
+
+
+def _module_name(name: str, params: dict[str, torch.Tensor]) -> str | None:
+    """The encoder's parameter a checkpoint tensor fills: its name without the `model.` prefix of
+    transformers 5's layout, or without the `vision_model.` level older vision towers had."""
+    for candidate in (name, name.removeprefix("model.")):
+        if candidate in params:
+            return candidate
+        flat = candidate.replace(".vision_model.", ".", 1)
+        if flat in params:
+            return flat
+    return None

@@ -1,0 +1,52 @@
+"""What the engine holds for a vision-language model: the processor that turns a prompt and its
+images into tokens and pixels, and the embedder a step asks for image rows (encoder + cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from .encoder import VisionEncoder
+from .encoder_cache import EncoderCache
+from .inputs import MultiModalPrompt
+from .processor import ImagePromptProcessor
+from .step_embeddings import ImageEmbedder
+from .vlm_config import is_vision_language
+
+DEFAULT_ENCODER_CACHE_BYTES = 256 * 2**20
+
+
+class ImageInputs:
+    def __init__(self, processor: ImagePromptProcessor, embedder: ImageEmbedder):
+        self.processor, self.embedder = processor, embedder
+
+    @classmethod
+    def load(cls, model_dir: str, tensors: Any, device: torch.device, dtype: torch.dtype,
+             cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES) -> ImageInputs | None:
+        """The image side of the checkpoint at `model_dir` (its weights from `tensors`), None for a
+        text model."""
+        config = read_config(model_dir)
+        if config is None or not is_vision_language(config):
+            return None
+        token_id = config.get("image_token_index", config.get("image_token_id"))
+        if token_id is None:
+            raise ConfigError("model", f"{model_dir}: config.json names no image token (image_token_index)")
+        processor = ImagePromptProcessor(model_dir, int(token_id))
+        encoder = VisionEncoder.load(model_dir, tensors, device, dtype)
+        return cls(processor, ImageEmbedder(encoder, EncoderCache(cache_bytes)))
+
+    def process(self, prompt: str, images: Sequence[Any]) -> tuple[list[int], MultiModalPrompt]:
+        return self.processor.process(prompt, images)
+
+
+def read_config(model_dir: str) -> dict[str, Any] | None:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+

@@ -1,0 +1,39 @@
+"""A prompt's images as the engine carries them: where each image's placeholder tokens lie in
+the prompt, what identifies its content, and the pixels its encoder reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class ImageItem:
+    """One image of a prompt: its tokens are prompt positions [offset, offset + length)."""
+
+    content_hash: bytes
+    """Of the decoded pixels (images.image_hash): equal pictures share encoder outputs and KV blocks."""
+    offset: int
+    length: int
+    pixels: dict[str, Any] = field(repr=False, default_factory=dict)
+    """The processor's tensors for this image alone (pixel_values, ...), as the encoder takes them."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(eq=False)
+class MultiModalPrompt:
+    """The images of one prompt, in prompt order."""
+
+    images: list[ImageItem]
+
+    def hash_key(self, start: int, end: int) -> bytes:
+        """What a block of prompt positions [start, end) adds to its hash: the content hash of each
+        image with a token inside it (the same tokens with another image are another block)."""
+        return b"".join(image.content_hash for image in self.images if image.offset < end and start < image.end)
+
+    def overlapping(self, start: int, end: int) -> list[ImageItem]:
+        """The images with a token among positions [start, end)."""
+        return [image for image in self.images if image.offset < end and start < image.end]

@@ -1,0 +1,77 @@
+"""The checkpoint's own processor (transformers' AutoProcessor): a prompt with image placeholders
+and its images become token ids with each placeholder expanded to the image's tokens, and the
+pixels the vision tower reads, exactly as the model was trained on them."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..errors import InvalidRequestError
+from .images import DEFAULT_MAX_IMAGE_PIXELS, image_hash, load_image
+from .inputs import ImageItem, MultiModalPrompt
+
+DEFAULT_MAX_IMAGES = 8
+"""Images one request may carry (`max_images_per_prompt`)."""
+
+_PER_IMAGE_KEYS = ("pixel_values", "image_sizes")
+"""The processor's outputs with one row per image."""
+
+
+class ImagePromptProcessor:
+    """Prompts with images for one vision-language checkpoint."""
+
+    def __init__(self, model_dir: str, image_token_id: int, max_images: int = DEFAULT_MAX_IMAGES,
+                 max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.image_token_id = image_token_id
+        self.placeholder: str = (getattr(self.processor, "image_token", None)
+                                 or self.processor.tokenizer.convert_ids_to_tokens(image_token_id))
+        """The text a prompt writes where an image goes (LLaVA's `<image>`)."""
+        self.max_images, self.max_pixels = max_images, max_pixels
+
+    def process(self, prompt: str, images: Sequence[Any], field: str = "image") -> tuple[list[int], MultiModalPrompt]:
+        """Token ids of `prompt` (one placeholder per image, in order) and its images; InvalidRequestError
+        naming the field for too many images, an unreadable one, or placeholders that do not match."""
+        if len(images) > self.max_images:
+            raise InvalidRequestError(field, f"{len(images)} images; the limit is {self.max_images} (max_images_per_prompt)")
+        decoded = [load_image(image, f"{field}[{i}]" if len(images) > 1 else field, self.max_pixels)
+                   for i, image in enumerate(images)]
+        count = prompt.count(self.placeholder)
+        if count != len(decoded):
+            raise InvalidRequestError("prompt", f"has {count} image placeholders ({self.placeholder}) for {len(decoded)} "
+                                                f"images; put one {self.placeholder} where each image goes")
+        try:
+            out = self.processor(images=decoded or None, text=prompt, return_tensors="pt")
+        except (ValueError, TypeError) as error:
+            raise InvalidRequestError(field, f"the model's processor refused it: {error}") from None
+        ids = out["input_ids"][0].tolist()
+        ranges = self._placeholder_ranges(ids, len(decoded))
+        items = [ImageItem(image_hash(image), offset, length,
+                           {key: out[key][i:i + 1] for key in _PER_IMAGE_KEYS if key in out})
+                 for i, (image, (offset, length)) in enumerate(zip(decoded, ranges))]
+        return ids, MultiModalPrompt(items)
+
+    def _placeholder_ranges(self, ids: list[int], num_images: int) -> list[tuple[int, int]]:
+        """(offset, length) of each image's expanded placeholder tokens: the runs of the image token,
+        split evenly where images touch (each image has the same count here)."""
+        runs: list[list[int]] = []
+        for position, token in enumerate(ids):
+            if token == self.image_token_id:
+                if runs and runs[-1][0] + runs[-1][1] == position:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([position, 1])
+        total = sum(length for _, length in runs)
+        if num_images == 0 or total % num_images:
+            if num_images == 0 and not runs:
+                return []
+            raise InvalidRequestError("prompt", f"expands to {total} image tokens for {num_images} images")
+        each = total // num_images
+        ranges = []
+        for start, length in runs:
+            if length % each:
+                raise InvalidRequestError("prompt", f"an image token run of {length} is not a whole number of images")
+            ranges += [(start + k * each, each) for k in range(length // each)]
+        return ranges

@@ -1,0 +1,53 @@
+"""Vision-language checkpoints seen from the text engine: their language model's config.json
+section and tensor names, so that everything text models have (paged KV, kernels, quantization,
+LoRA) loads it unchanged; the vision part is the encoder's (encoder.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+VLM_ARCHITECTURES = {
+    "LlavaForConditionalGeneration": "llava",
+}
+"""Supported vision-language architectures (config.json `architectures[0]`) -> their family."""
+
+TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""The language model inside, by its text_config model_type -> the text architecture that loads it."""
+
+_LM_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+"""Checkpoint names of the language model (transformers 4's and 5's layouts) -> a text model's."""
+
+
+def is_vision_language(config: dict[str, Any]) -> bool:
+    """Whether a parsed config.json is a vision-language model's."""
+    archs = config.get("architectures") or []
+    return bool(archs) and archs[0] in VLM_ARCHITECTURES
+
+
+def language_model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config.json as a text model's: its text_config, with the architecture
+    that loads it; ValueError naming the model type where none does."""
+    text = dict(config.get("text_config") or {})
+    model_type = text.get("model_type", "llama")
+    if model_type not in TEXT_ARCHITECTURES:
+        raise ValueError(f"{config['architectures'][0]} with a {model_type!r} language model is not supported; "
+                         f"supported: {sorted(TEXT_ARCHITECTURES)}")
+    text["architectures"] = [TEXT_ARCHITECTURES[model_type]]
+    for key in ("torch_dtype", "dtype"):
+        text.setdefault(key, config.get(key))
+    if "tie_word_embeddings" in config:
+        text.setdefault("tie_word_embeddings", config["tie_word_embeddings"])
+    return text
+
+
+def language_model_tensors(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The language model's tensors under a text model's names; the vision tower's and projector's
+    are left out (the encoder reads them)."""
+    for name, tensor in tensors:
+        for prefix, ours in _LM_PREFIXES:
+            if name.startswith(prefix):
+                yield ours + name[len(prefix):], tensor
+                break

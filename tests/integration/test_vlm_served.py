@@ -1,0 +1,58 @@
+"""Images through a real tritonserver, as Triton's vLLM-backend users send them: `llm`'s `image`
+input (BYTES, one base64-encoded image file per element) beside `text_input` holding a placeholder
+per image, over gRPC streaming and HTTP's generate endpoint; both give the offline engine's greedy
+text for a tiny random LLaVA, with one image and with two. Bad images are refused by field and
+the server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.error
+import urllib.request
+
+from pagedserve.backend import LLMEngine, SamplingParams
+from pagedserve.client.repository import write_repository
+from pagedserve.client.triton_server import TritonServer
+
+from ..vlm_checks import pictures, png_bytes, write_tiny_llava
+from .conftest import llm_inputs, stream_request, tensor, texts
+
+ONE = "Describe the picture: <image> What is in it?"
+TWO = "Compare <image> with <image> and tell the difference between them."
+SAMPLING = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+
+
+def image_tensor(files: list[bytes]):
+    return tensor("image", [base64.b64encode(f).decode() for f in files])
+
+
+def test_images_through_llm_equal_the_offline_engine(tmp_path):
+    model = write_tiny_llava(tmp_path / "llava")
+    files = [png_bytes(p) for p in pictures(3)]
+    offline = LLMEngine(model=model, dtype="float32")
+    params = SamplingParams(**SAMPLING)
+    expected = [c.text for c in offline.generate([{"prompt": ONE, "multi_modal_data": {"image": files[0]}},
+                                                  {"prompt": TWO, "multi_modal_data": {"image": files[1:]}}],
+                                                 params, use_tqdm=False)]
+    assert expected[0] != expected[1]
+    repository = write_repository(tmp_path / "repo", model=model, engine={"dtype": "float32"})
+    with TritonServer(repository, log_file=tmp_path / "server.log", models=["llm"]).start(timeout=300) as server:
+        for prompt, images, text in ((ONE, files[:1], expected[0]), (TWO, files[1:], expected[1])):
+            results, error = stream_request(server, [*llm_inputs(prompt, **SAMPLING), image_tensor(images)])
+            assert error is None and "".join(texts(results)) == text
+        body = {"text_input": ONE, "image": [base64.b64encode(files[0]).decode()], "exclude_input_in_output": True,
+                "sampling_parameters": json.dumps(SAMPLING)}
+        request = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        assert json.load(urllib.request.urlopen(request, timeout=120))["text_output"] == expected[0]
+
+        _, error = stream_request(server, [*llm_inputs(ONE, **SAMPLING), image_tensor([b"not an image"])])
+        assert error is not None and "'image': is not an image Pillow can read" in str(error)
+        bad = tensor("image", ["this is not base64!"])
+        _, error = stream_request(server, [*llm_inputs(ONE, **SAMPLING), bad])
+        assert error is not None and "'image': element 0 is not base64" in str(error)
+        _, error = stream_request(server, [*llm_inputs(TWO, **SAMPLING), image_tensor(files[:1])])
+        assert error is not None and "has 2 image placeholders (<image>) for 1 images" in str(error)
+        results, error = stream_request(server, [*llm_inputs(ONE, **SAMPLING), image_tensor(files[:1])])
+        assert error is None and "".join(texts(results)) == expected[0]  # the server serves on

@@ -1,0 +1,117 @@
+"""Images in, text out, offline (backend/multimodal/): a tiny random LLaVA saved by transformers gives
+transformers' greedy tokens with one and two images, beside a text-only request in one continuous
+batch, with chunked prefill cutting through its images and with prefix-cache hits; the prefix cache
+shares blocks between requests with the same image and never between two images; an image resent
+is encoded once; bad images are refused by field."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.backend import LLMEngine, SamplingParams
+from pagedserve.backend.errors import InvalidRequestError
+
+from .vlm_checks import pictures, png_bytes, transformers_greedy, write_tiny_llava
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Describe the picture: <image> What is in it?",
+           "Compare <image> with <image> and tell the difference between them.",
+           "The quick brown fox jumps over the lazy dog"]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> str:
+    return write_tiny_llava(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def expected(llava) -> list[list[int]]:
+    images = pictures(3)
+    return [transformers_greedy(llava, PROMPTS[0], images[:1], TOKENS),
+            transformers_greedy(llava, PROMPTS[1], images[1:3], TOKENS),
+            transformers_greedy(llava, PROMPTS[2], [], TOKENS)]
+
+
+def requests(images: list) -> list:
+    return [{"prompt": PROMPTS[0], "multi_modal_data": {"image": images[0]}},
+            {"prompt": PROMPTS[1], "multi_modal_data": {"image": images[1:3]}},
+            PROMPTS[2]]
+
+
+def greedy(engine: LLMEngine, prompts: list) -> list[list[int]]:
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    return [c.token_ids for c in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_same(ours: list[list[int]], theirs: list[list[int]]) -> None:
+    for mine, expected in zip(ours, theirs):
+        assert len(expected) >= 4 and mine[: len(expected)] == expected  # transformers stops at EOS
+
+
+@pytest.mark.parametrize("chunk", [None, 16], ids=["whole-prompts", "chunks-of-16"])
+def test_greedy_equals_transformers_beside_text(llava, expected, chunk):
+    """One image, two images and text alone in one batch; a budget of 16 tokens a step cuts the
+    16-token images (which start a few tokens in) in two, and the next chunk starts inside them.
+    Images as PIL pictures and as PNG file bytes give the same."""
+    settings = {"max_num_batched_tokens": chunk} if chunk else {}
+    engine = LLMEngine(model=llava, dtype="float32", **settings)
+    images = pictures(3)
+    assert_same(greedy(engine, requests(images)), expected)
+    assert_same(greedy(engine, requests([png_bytes(i) for i in images])), expected)  # prefix hits now
+
+
+def test_prefix_cache_shares_an_image_never_two(llava):
+    engine = LLMEngine(model=llava, dtype="float32", block_size=8)
+    first, other = pictures(2)
+    prompt = "Describe the picture in every detail you can see: <image> What is in it?"
+    params = SamplingParams(max_tokens=2, temperature=0)
+    engine.generate([{"prompt": prompt, "multi_modal_data": {"image": first}}], params, use_tqdm=False)
+    hits = engine.block_manager.prefix_hit_tokens
+    engine.generate([{"prompt": prompt, "multi_modal_data": {"image": other}}], params, use_tqdm=False)
+    ids, mm = engine.prompt_inputs({"prompt": prompt, "multi_modal_data": {"image": other}})
+    text_before = mm.images[0].offset // 8 * 8  # the whole blocks before the image: text alone
+    assert text_before > 0 and engine.block_manager.prefix_hit_tokens - hits == text_before
+    hits = engine.block_manager.prefix_hit_tokens
+    engine.generate([{"prompt": prompt, "multi_modal_data": {"image": first}}], params, use_tqdm=False)
+    assert engine.block_manager.prefix_hit_tokens - hits == (len(ids) - 1) // 8 * 8  # all but the last block
+
+
+def test_an_image_resent_is_encoded_once(llava):
+    engine = LLMEngine(model=llava, dtype="float32", enable_prefix_caching=False)
+    picture = pictures(1)[0]
+    params = SamplingParams(max_tokens=2, temperature=0)
+    for prompt in (PROMPTS[0], "Another question about <image> please"):
+        engine.generate([{"prompt": prompt, "multi_modal_data": {"image": picture}}], params, use_tqdm=False)
+    assert engine.images.embedder.num_encoded == 1
+
+
+@pytest.mark.parametrize("image, field, message", [
+    (b"not an image at all", "image", "is not an image Pillow can read"),
+    ("a string", "image", "must be image file bytes or a PIL image"),
+])
+def test_bad_images_are_refused_by_field(llava, image, field, message):
+    engine = LLMEngine(model=llava, dtype="float32")
+    with pytest.raises(InvalidRequestError, match=message) as error:
+        engine.add_request({"prompt": PROMPTS[0], "multi_modal_data": {"image": image}})
+    assert error.value.field == field
+    assert not engine.has_unfinished_requests()
+
+
+def test_placeholders_must_match_the_images(llava):
+    engine = LLMEngine(model=llava, dtype="float32")
+    with pytest.raises(InvalidRequestError, match=r"has 2 image placeholders \(<image>\) for 1 images"):
+        engine.add_request({"prompt": PROMPTS[1], "multi_modal_data": {"image": pictures(1)}})
+    truncated = png_bytes(pictures(1)[0])[:200]
+    with pytest.raises(InvalidRequestError, match="could not be decoded|is not an image"):
+        engine.add_request({"prompt": PROMPTS[0], "multi_modal_data": {"image": truncated}})
+    with pytest.raises(InvalidRequestError, match="the limit is 8"):
+        engine.add_request({"prompt": "<image>" * 9, "multi_modal_data": {"image": pictures(9)}})
+
+
+def test_a_text_model_refuses_images(small_llama):
+    engine = LLMEngine(model=small_llama, dtype="float32")
+    with pytest.raises(InvalidRequestError, match="this model takes no images") as error:
+        engine.add_request({"prompt": "Look: <image>", "multi_modal_data": {"image": pictures(1)}})
+    assert error.value.field == "image"

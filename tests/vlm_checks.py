@@ -1,0 +1,88 @@
+"""Tiny random vision-language checkpoints saved by transformers (their processors too), and the
+pictures the tests send: for comparing the engine with transformers token for token."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+
+from .conftest import LONG_TEXT
+
+IMAGE_TOKEN = "<image>"
+
+
+def tokenizer_with_image_token():
+    """A small Llama-2-style tokenizer whose special tokens include LLaVA's `<image>`."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator([LONG_TEXT] * 3, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN]))
+    spec = json.loads(tok.to_str())
+    for byte in range(256):
+        spec["model"]["vocab"].setdefault(f"<0x{byte:02X}>", len(spec["model"]["vocab"]))
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+
+
+def write_tiny_llava(directory: str | os.PathLike) -> str:
+    """LlavaForConditionalGeneration: a 2-layer CLIP vision tower on 32x32 pictures (8x8 patches: 16
+    image tokens after the class token is dropped), a 2-layer projector, a 2-layer Llama; saved with
+    its LlavaProcessor (CLIPImageProcessor), float32."""
+    import torch
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tokenizer = tokenizer_with_image_token()
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                       eos_token_id=2, pad_token_id=3, initializer_range=0.3, tie_word_embeddings=False)
+    config = LlavaConfig(vision_config=vision, text_config=text,
+                         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), image_seq_length=16,
+                         vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                                  crop_size={"height": 32, "width": 32}),
+                               tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return str(directory)
+
+
+def pictures(count: int = 3, seed: int = 0) -> list:
+    """Distinct random RGB pictures of different sizes (PIL)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    sizes = [(40, 60), (50, 30), (64, 64), (33, 47)]
+    return [Image.fromarray(rng.integers(0, 255, (*sizes[i % len(sizes)], 3), dtype=np.uint8)) for i in range(count)]
+
+
+def png_bytes(image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def transformers_greedy(model_dir: str, prompt: str, images: list, max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `prompt` with `images`, through the checkpoint's processor."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    inputs = processor(images=images or None, text=prompt, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
