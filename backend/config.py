@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import ConfigError
-from .values import to_bool, to_float, to_int
+from .values import setting_items, to_bool, to_float, to_int
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -153,6 +153,15 @@ class EngineConfig:
     a dict, a JSON object or `key=value,key=value` of vLLM's keys `enable_kv_cache_events` (default true
     once set), `publisher` (zmq), `endpoint` (where the PUB socket binds; default tcp://*:5557) and
     `topic`. Empty: off. Needs pyzmq and msgpack (`pip install 'pagedserve[kv-events]'`)."""
+    limit_mm_per_prompt: str | dict = ""
+    """Most images one prompt of a vision-language model may carry (vLLM's --limit-mm-per-prompt): a dict,
+    a JSON object or `image=N`; empty: 8."""
+    max_image_pixels: int = 4096 * 4096
+    """Largest image (width x height) a vision-language model takes, checked from the file's header before
+    any pixel is decoded (a small file may claim a huge picture)."""
+    encoder_cache_bytes: int = 256 * 2**20
+    """Bytes of image embeddings kept by image content (a conversation that resends an image is not
+    encoded again); least recently used dropped first."""
 
     def __post_init__(self) -> None:
         self._coerce_types()
@@ -227,6 +236,7 @@ class EngineConfig:
         _at_least(self, "tensor_parallel_size", 1)
         self._validate_lora()
         self._validate_speculative()
+        self._validate_images()
         from .kv_events import parse as parse_kv_events
 
         self.kv_events = parse_kv_events(self.kv_events_config)
@@ -254,6 +264,21 @@ class EngineConfig:
                 raise ConfigError("enable_lora", f"adapters run in the eager step on one rank, their deltas in "
                                                  f"batches of any size (not batch-invariant); set {name} to "
                                                  f"{' or '.join(map(repr, neutral))} (got {getattr(self, name)!r})")
+
+    def _validate_images(self) -> None:
+        limits = setting_items("limit_mm_per_prompt", self.limit_mm_per_prompt) if self.limit_mm_per_prompt else {}
+        unknown = set(limits) - {"image"}
+        if unknown:
+            raise ConfigError("limit_mm_per_prompt", f"only `image` is taken, got {sorted(unknown)}")
+        try:
+            self.max_images_per_prompt = int(limits.get("image", 8))
+            """The parsed limit_mm_per_prompt's image count."""
+        except (TypeError, ValueError):
+            raise ConfigError("limit_mm_per_prompt", f"image: a whole number, got {limits['image']!r}") from None
+        if self.max_images_per_prompt < 0:
+            raise ConfigError("limit_mm_per_prompt", f"image: must be >= 0, got {self.max_images_per_prompt}")
+        _at_least(self, "max_image_pixels", 1)
+        _at_least(self, "encoder_cache_bytes", 0)
 
     def _validate_speculative(self) -> None:
         from .spec_decode.config import parse

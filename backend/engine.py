@@ -52,7 +52,8 @@ from .tokenizer import apply_chat_template, encode_prompt
 
 PromptInput = str | Seq[int] | dict[str, Any]
 """A prompt: text, token ids, or vLLM's prompt dict ({"prompt": text, "multi_modal_data": {"image":
-file bytes or PIL images}}, or {"prompt_token_ids": ids})."""
+file bytes or PIL images}}, {"prompt_token_ids": ids}, or chat {"messages": [...]} whose image parts,
+{"type": "image"}, take the images in order)."""
 
 if TYPE_CHECKING:
     from .cpu.backend import CpuBackend
@@ -177,7 +178,9 @@ class LLMEngine:
             return None
         if self.workers is not None:
             raise ConfigError("tensor_parallel_size", "vision-language models run on one rank; set it to 1")
-        return ImageInputs.load(self.model_path, checkpoint_tensors(self.model_path), self.device, self.dtype)
+        config = self.config
+        return ImageInputs.load(self.model_path, checkpoint_tensors(self.model_path), self.device, self.dtype,
+                                config.max_images_per_prompt, config.max_image_pixels, config.encoder_cache_bytes)
 
     @property
     def block_manager(self) -> BlockManager:
@@ -258,17 +261,22 @@ class LLMEngine:
         if not isinstance(prompt, dict):
             return [int(t) for t in prompt], None
         images = (prompt.get("multi_modal_data") or {}).get("image")
+        messages, template_kwargs = prompt.get("messages"), prompt.get("chat_template_kwargs")
         if images is None:
+            if messages is not None:
+                return self.encode(messages=messages, chat_template_kwargs=template_kwargs), None
             text = prompt.get("prompt")
             return (self.encode(text), None) if text is not None else ([int(t) for t in prompt["prompt_token_ids"]], None)
         if self.images is None:
             raise InvalidRequestError("image", "this model takes no images; serve a vision-language model "
                                                f"({', '.join(sorted(VLM_ARCHITECTURES))})")
-        text = prompt.get("prompt")
-        if not isinstance(text, str) or not text:
-            raise InvalidRequestError("prompt", "must be a non-empty string with a placeholder for each image")
-        ids, mm = self.images.process(text, images if isinstance(images, (list, tuple)) else [images])
-        return ids, mm
+        if messages is not None:  # image parts ({"type": "image"}) become the template's placeholders
+            text = self.images.processor.render_chat(messages, template_kwargs)
+        else:
+            text = prompt.get("prompt")
+            if not isinstance(text, str) or not text:
+                raise InvalidRequestError("prompt", "must be a non-empty string with a placeholder for each image")
+        return self.images.process(text, images if isinstance(images, (list, tuple)) else [images])
 
     def add_processed(self, ids: Seq[int], mm: MultiModalPrompt | None = None, params: SamplingParams | None = None,
                       request_id: str | None = None, arrival_time: float | None = None, final_only: bool = False) -> str:

@@ -141,6 +141,10 @@ def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
     openai.add_argument(FLAGS["generation_config"], dest="generation_config", default=default("generation_config"),
                         choices=GENERATION_CONFIGS, help="sampling fields a request leaves out: auto, the served model's "
                                                        "generation_config.json; vllm, vLLM's defaults (default: %(default)s)")
+    openai.add_argument(FLAGS["allowed_media_domains"], dest="allowed_media_domains", nargs="*",
+                        default=[], metavar="HOST",
+                        help="hosts (and subdomains) whose http(s) image URLs the gateway fetches; none by default: "
+                             "images come as data: URLs")
     limits = openai.add_argument_group("limits", "What one request or connection may take; the errors past the "
                                                  "body, choices and time limits name their flag.")
     helps = {
@@ -153,6 +157,8 @@ def add_openai_arguments(openai: argparse.ArgumentParser) -> None:
         "keep_alive_timeout_s": (float, "seconds an idle kept-alive connection stays open"),
         "request_timeout_s": (float, "deadline of one request to Triton, seconds: past it the request is "
                                      "cancelled and answered 504 (an error event when streamed)"),
+        "max_image_bytes": (int, "largest image fetched from an allowed URL, bytes"),
+        "image_fetch_timeout_s": (float, "seconds an image URL's file may take to arrive"),
     }
     for name, (kind, text) in helps.items():
         limits.add_argument(FLAGS[name], dest=name, type=kind, default=default(name),

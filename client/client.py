@@ -84,9 +84,16 @@ def as_messages(prompt: str | None, messages: list[dict[str, str]] | None,
 
 def infer_inputs(module: Any, values: dict[str, Any]) -> list[Any]:
     """InferInputs of shape [1] from Python values (str -> BYTES, bool -> BOOL, int -> INT32,
-    float -> FP32); `module` is tritonclient.grpc, .grpc.aio or .http."""
+    float -> FP32), of shape [N] from a list of N str (BYTES: `image`'s base64 files); `module` is
+    tritonclient.grpc, .grpc.aio or .http."""
     inputs = []
     for name, value in values.items():
+        if isinstance(value, list):
+            array = np.array([v.encode("utf-8") for v in value], dtype=np.object_)
+            tensor = module.InferInput(name, [len(value)], "BYTES")
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+            continue
         if isinstance(value, str):
             array, dtype = np.array([value.encode("utf-8")], dtype=np.object_), "BYTES"
         elif isinstance(value, bool):

@@ -11,7 +11,7 @@ import pytest
 from pagedserve.backend import LLMEngine, SamplingParams
 from pagedserve.backend.errors import InvalidRequestError
 
-from .vlm_checks import pictures, png_bytes, transformers_greedy, write_tiny_llava
+from .vlm_checks import chat_text, pictures, png_bytes, transformers_greedy, write_tiny_llava
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +62,19 @@ def test_greedy_equals_transformers_beside_text(llava, expected, chunk):
     assert_same(greedy(engine, requests([png_bytes(i) for i in images])), expected)  # prefix hits now
 
 
+def test_chat_messages_take_their_images_through_the_chat_template(llava):
+    """Image parts ({"type": "image"}) become the processor's chat template's placeholders, the images
+    taken in order: transformers' greedy tokens on the same rendering."""
+    first, second = pictures(2)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"},
+                                             {"type": "text", "text": "with"}, {"type": "image"}]},
+                {"role": "assistant", "content": "They differ."},
+                {"role": "user", "content": "How?"}]
+    expected = transformers_greedy(llava, chat_text(llava, messages), [first, second], TOKENS)
+    engine = LLMEngine(model=llava, dtype="float32")
+    assert_same(greedy(engine, [{"messages": messages, "multi_modal_data": {"image": [first, second]}}]), [expected])
+
+
 def test_prefix_cache_shares_an_image_never_two(llava):
     engine = LLMEngine(model=llava, dtype="float32", block_size=8)
     first, other = pictures(2)
@@ -108,6 +121,32 @@ def test_placeholders_must_match_the_images(llava):
         engine.add_request({"prompt": PROMPTS[0], "multi_modal_data": {"image": truncated}})
     with pytest.raises(InvalidRequestError, match="the limit is 8"):
         engine.add_request({"prompt": "<image>" * 9, "multi_modal_data": {"image": pictures(9)}})
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A valid 1x1 PNG whose header claims width x height (a decompression bomb's shape)."""
+    import struct
+    import zlib
+
+    data = bytearray(png_bytes(pictures(1)[0].resize((1, 1))))
+    header = b"IHDR" + struct.pack(">II", width, height) + bytes(data[24:29])
+    data[12:29] = header
+    data[29:33] = struct.pack(">I", zlib.crc32(header))
+    return bytes(data)
+
+
+def test_the_image_caps_are_settings_named_in_their_errors(llava):
+    engine = LLMEngine(model=llava, dtype="float32", limit_mm_per_prompt="image=1", max_image_pixels=3000)
+    with pytest.raises(InvalidRequestError, match=r"2 images; the limit is 1 \(the engine's limit_mm_per_prompt\)"):
+        engine.add_request({"prompt": PROMPTS[1], "multi_modal_data": {"image": pictures(2)}})
+    with pytest.raises(InvalidRequestError, match=r"is 64x64 = 4096 pixels; the limit is 3000 \(the engine's max_image_pixels"):
+        engine.add_request({"prompt": PROMPTS[0], "multi_modal_data": {"image": pictures(3)[2]}})
+    with pytest.raises(InvalidRequestError, match="is 100x200 = 20000 pixels"):
+        engine.add_request({"prompt": PROMPTS[0], "multi_modal_data": {"image": png_claiming(100, 200)}})
+    bomb = png_claiming(100_000, 100_000)  # past Pillow's own guard too
+    with pytest.raises(InvalidRequestError, match=r"is over the engine's max_image_pixels \(3000\)"):
+        engine.add_request({"prompt": PROMPTS[0], "multi_modal_data": {"image": bomb}})
+    assert not engine.has_unfinished_requests()
 
 
 def test_a_text_model_refuses_images(small_llama):

@@ -64,7 +64,8 @@ def test_text_parts_are_joined_and_developer_reads_as_system():
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]},
+     "messages[0].content"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(fields, param):
     request = ChatCompletionRequest(**({"model": "llm", "messages": [{"role": "user", "content": "hi"}]} | fields))

@@ -12,6 +12,11 @@ import numpy as np
 from .conftest import LONG_TEXT
 
 IMAGE_TOKEN = "<image>"
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | upper }}: {% if message['content'] is string %}"
+                 "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+                 "<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n"
+                 "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+"""LLaVA-1.5's shape of chat: `USER: <image>\n...` turns, then `ASSISTANT:`."""
 
 
 def tokenizer_with_image_token():
@@ -55,7 +60,7 @@ def write_tiny_llava(directory: str | os.PathLike) -> str:
     processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
                                                                   crop_size={"height": 32, "width": 32}),
                                tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1)
+                               num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return str(directory)
@@ -74,6 +79,13 @@ def png_bytes(image) -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
+
+
+def chat_text(model_dir: str, messages: list[dict]) -> str:
+    """The checkpoint's processor's rendering of chat messages (image parts as {"type": "image"})."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_dir).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def transformers_greedy(model_dir: str, prompt: str, images: list, max_new_tokens: int) -> list[int]:

@@ -12,8 +12,9 @@ import torch
 from ..errors import ConfigError
 from .encoder import VisionEncoder
 from .encoder_cache import EncoderCache
+from .images import DEFAULT_MAX_IMAGE_PIXELS
 from .inputs import MultiModalPrompt
-from .processor import ImagePromptProcessor
+from .processor import DEFAULT_MAX_IMAGES, ImagePromptProcessor
 from .step_embeddings import ImageEmbedder
 from .vlm_config import is_vision_language
 
@@ -26,16 +27,18 @@ class ImageInputs:
 
     @classmethod
     def load(cls, model_dir: str, tensors: Any, device: torch.device, dtype: torch.dtype,
+             max_images: int = DEFAULT_MAX_IMAGES, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
              cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES) -> ImageInputs | None:
         """The image side of the checkpoint at `model_dir` (its weights from `tensors`), None for a
-        text model."""
+        text model; `max_images` a prompt's images, `max_pixels` an image's, `cache_bytes` the encoder
+        cache's (EngineConfig's limit_mm_per_prompt, max_image_pixels, encoder_cache_bytes)."""
         config = read_config(model_dir)
         if config is None or not is_vision_language(config):
             return None
         token_id = config.get("image_token_index", config.get("image_token_id"))
         if token_id is None:
             raise ConfigError("model", f"{model_dir}: config.json names no image token (image_token_index)")
-        processor = ImagePromptProcessor(model_dir, int(token_id))
+        processor = ImagePromptProcessor(model_dir, int(token_id), max_images, max_pixels)
         encoder = VisionEncoder.load(model_dir, tensors, device, dtype)
         return cls(processor, ImageEmbedder(encoder, EncoderCache(cache_bytes)))
 

@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import InvalidRequestError
 
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
-"""Largest width x height accepted (`max_image_pixels`): about 16.8 megapixels."""
+"""Largest width x height accepted (the engine's `max_image_pixels`): about 16.8 megapixels."""
 
 
 def load_image(data: Any, field: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Any:
@@ -25,6 +25,8 @@ def load_image(data: Any, field: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     elif isinstance(data, (bytes, bytearray, memoryview)):
         try:
             image = Image.open(io.BytesIO(bytes(data)))
+        except Image.DecompressionBombError as error:  # Pillow's own guard, far above ours, read from the header
+            raise InvalidRequestError(field, f"is over the engine's max_image_pixels ({max_pixels}): {error}") from None
         except (UnidentifiedImageError, OSError, ValueError) as error:
             raise InvalidRequestError(field, f"is not an image Pillow can read ({error})") from None
     else:
@@ -34,7 +36,7 @@ def load_image(data: Any, field: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
         raise InvalidRequestError(field, f"has no pixels ({width}x{height})")
     if width * height > max_pixels:
         raise InvalidRequestError(field, f"is {width}x{height} = {width * height} pixels; the limit is {max_pixels} "
-                                         "(max_image_pixels): send a smaller image")
+                                         "(the engine's max_image_pixels): send a smaller image")
     try:
         return image.convert("RGB")  # decodes: a truncated or corrupt file fails here
     except (OSError, ValueError, Image.DecompressionBombError) as error:

@@ -35,7 +35,8 @@ class ImagePromptProcessor:
         """Token ids of `prompt` (one placeholder per image, in order) and its images; InvalidRequestError
         naming the field for too many images, an unreadable one, or placeholders that do not match."""
         if len(images) > self.max_images:
-            raise InvalidRequestError(field, f"{len(images)} images; the limit is {self.max_images} (max_images_per_prompt)")
+            raise InvalidRequestError(field, f"{len(images)} images; the limit is {self.max_images} (the engine's "
+                                             "limit_mm_per_prompt)")
         decoded = [load_image(image, f"{field}[{i}]" if len(images) > 1 else field, self.max_pixels)
                    for i, image in enumerate(images)]
         count = prompt.count(self.placeholder)
@@ -52,6 +53,15 @@ class ImagePromptProcessor:
                            {key: out[key][i:i + 1] for key in _PER_IMAGE_KEYS if key in out})
                  for i, (image, (offset, length)) in enumerate(zip(decoded, ranges))]
         return ids, MultiModalPrompt(items)
+
+    def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> str:
+        """Chat messages as prompt text through the checkpoint's chat template (the processor's), an
+        image part ({"type": "image"}) written as the template writes an image's placeholder."""
+        try:
+            return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **(template_kwargs or {}))
+        except (ValueError, TypeError, KeyError) as error:
+            raise InvalidRequestError("messages", f"the model's chat template refused them: {error}") from None
 
     def _placeholder_ranges(self, ids: list[int], num_images: int) -> list[tuple[int, int]]:
         """(offset, length) of each image's expanded placeholder tokens: the runs of the image token,

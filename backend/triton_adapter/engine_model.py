@@ -55,7 +55,7 @@ from .contracts import Contract, RenderedReply, Reply, VllmText
 from .finals import CANCELLED, Failure, send_final
 from .metrics import EngineMetrics, RequestTiming
 from .python_model import log_info
-from .requests import BLS_CALLER, EngineRequest, image_input, image_prompt_text, parse_engine_request
+from .requests import BLS_CALLER, EngineRequest, image_input, image_prompt, parse_engine_request
 from .responses import CLIENT_OUTPUTS, engine_response, merge_outputs
 from .tensors import flag, request_inputs, scalar, to_tensors
 
@@ -169,7 +169,7 @@ class EngineModel:
             if self.contract is not None and "input_ids" not in inputs:
                 if isinstance(self.contract, VllmText) and "image" in inputs:  # the engine's processor expands
                     prompt_ids, images = self.engine_thread.prompt_inputs(  # the placeholders: its ids, its images
-                        {"prompt": image_prompt_text(inputs), "multi_modal_data": {"image": image_input(inputs)}})
+                        image_prompt(inputs, image_input(inputs) or []))
                     plan = self.contract.plan_tokens(inputs, set(requested), self.tokenizer, prompt_ids)
                 else:
                     plan = self.contract.plan(inputs, set(requested), self.tokenizer)

@@ -119,15 +119,24 @@ def image_input(inputs: Arrays) -> list[bytes] | None:
     return images
 
 
-def image_prompt_text(inputs: Arrays) -> str:
-    """The text an `image` request's images go into: `text_input`, raw, with one placeholder per image."""
-    if scalar(inputs, "messages") is not None or flag(inputs, "apply_chat_template"):
-        raise InvalidRequestError("image", "goes with a raw `text_input` holding one placeholder per image; "
-                                           "`messages` and `apply_chat_template` with images are not supported")
+def image_prompt(inputs: Arrays, images: list[bytes]) -> dict[str, Any]:
+    """The prompt an `image` request's images go into (the engine's prompt dict): `messages`, whose
+    image parts ({"type": "image"}) take the images in order through the chat template, or a raw
+    `text_input` with a placeholder for each image."""
+    messages = scalar(inputs, "messages")
+    data = {"image": images}
+    if messages:
+        template_kwargs = scalar(inputs, "chat_template_kwargs")
+        return {"messages": _json_input("messages", messages), "multi_modal_data": data,
+                "chat_template_kwargs": _json_input("chat_template_kwargs", template_kwargs) if template_kwargs else None}
+    if flag(inputs, "apply_chat_template"):
+        raise InvalidRequestError("image", "with `apply_chat_template`: send `messages` with an image part "
+                                           "({\"type\": \"image\"}) where each image goes")
     text = scalar(inputs, "text_input")
     if not text:
-        raise InvalidRequestError("text_input", "is required with `image`: the prompt, with a placeholder for each image")
-    return text
+        raise InvalidRequestError("text_input", "is required with `image` (or `messages`): the prompt, with a "
+                                                "placeholder for each image")
+    return {"prompt": text, "multi_modal_data": data}
 
 
 def _json_input(name: str, value: str) -> Any:

@@ -33,6 +33,9 @@ FLAGS = {
     "tool_call_parser": "--tool-call-parser",
     "reasoning_parser": "--reasoning-parser",
     "generation_config": "--generation-config",
+    "allowed_media_domains": "--allowed-media-domains",
+    "max_image_bytes": "--max-image-bytes",
+    "image_fetch_timeout_s": "--image-fetch-timeout",
 }
 GENERATION_CONFIGS = ("auto", "vllm")
 
@@ -112,6 +115,14 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     """Deadline of one request to Triton, first token to last; past it the Triton requests
     are cancelled and the client gets 504 (an error event when streamed)."""
+    # -- images (a vision-language model's `image_url` parts) -------------------------------
+    allowed_media_domains: list[str] = field(default_factory=list)
+    """Hosts (and their subdomains) whose http(s) image URLs the gateway fetches (vLLM's
+    --allowed-media-domains); empty: none, images come as data: URLs only."""
+    max_image_bytes: int = 20 * 1024 * 1024
+    """Largest image fetched from a URL, bytes."""
+    image_fetch_timeout_s: float = 10.0
+    """Seconds a URL's image may take to arrive."""
 
     def __post_init__(self) -> None:
         self.api_key = self._resolve_api_key()
@@ -133,13 +144,16 @@ class GatewayConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise GatewayConfigError(f"reasoning_parser (--reasoning-parser): {self.reasoning_parser!r} is not one of "
                                      f"{', '.join(REASONING_PARSERS)}")
+        self.allowed_media_domains = [domain.strip().lower().lstrip(".") for domain in self.allowed_media_domains
+                                      if domain.strip()]
         if ":" not in self.triton_url:
             raise GatewayConfigError(f"triton_url: {self.triton_url!r} must be host:port (the gRPC port, e.g. localhost:8001)")
-        for name in ("max_body_bytes", "max_choices_per_request", "max_connections", "max_header_bytes"):
+        for name in ("max_body_bytes", "max_choices_per_request", "max_connections", "max_header_bytes", "max_image_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GatewayConfigError(f"{name} ({FLAGS[name]}): {value!r} must be a whole number, at least 1")
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "request_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "request_timeout_s",
+                     "image_fetch_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
                 raise GatewayConfigError(f"{name} ({FLAGS[name]}): {value!r} must be a number of seconds above 0")

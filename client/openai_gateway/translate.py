@@ -15,6 +15,7 @@ from typing import Any
 from ..client import USE_MODEL_DEFAULTS
 from .config import knob
 from .errors import OpenAIError, unsupported
+from .images import Image, image_of_part
 from .replies import ReplyPlan, reasoning_for
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from .tools import ToolPlan, tool_plan
@@ -48,7 +49,9 @@ class LLMRequest:
     """One request to the `llm` model: its inputs, and what the gateway must add itself."""
 
     text: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    images: list[Image] = field(default_factory=list)
+    """The chat's images in order (its image_url parts), base64 once `images.resolve` fetched the URLs."""
     sampling: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     echo: bool = False
@@ -77,6 +80,8 @@ class LLMRequest:
             values["tools"] = json.dumps(self.tools.tools)
         if self.template_kwargs:
             values["chat_template_kwargs"] = json.dumps(self.template_kwargs)
+        if self.images:
+            values["image"] = [image for image in self.images if isinstance(image, str)]
         values |= {
             "stream": self.stream,
             "exclude_input_in_output": not (self.echo and not self.stream),
@@ -127,8 +132,10 @@ def chat_request(request: ChatCompletionRequest, default_max_tokens: int, max_ch
     keeps_markers = harmony or (tools is not None and tools.keeps_special_tokens())
     if keeps_markers and request.skip_special_tokens is None:
         sampling["skip_special_tokens"] = False  # Mistral's, Llama's and Harmony's markers are special tokens
+    images: list[Image] = []
     return LLMRequest(
-        messages=[_message(i, m) for i, m in enumerate(request.messages)],
+        messages=[_message(i, m, images) for i, m in enumerate(request.messages)],
+        images=images,
         sampling=sampling,
         stream=request.stream,
         top_logprobs=top,
@@ -212,17 +219,26 @@ def _structured(request: SamplingFields) -> dict[str, Any]:
     raise unsupported("response_format", "must be of type text, json_object or json_schema")
 
 
-def _message(index: int, message: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template reads it: text content; an assistant turn's
+def _message(index: int, message: ChatMessage, images: list[Image]) -> dict[str, Any]:
+    """A message as the chat template reads it: text content (parts with images: the parts, each
+    image an {"type": "image"} placeholder, its image appended to `images`); an assistant turn's
     `tool_calls` with their arguments as objects (what templates expect); a tool turn's
     `tool_call_id`."""
     extra = message.model_extra or {}
-    content = message.content
+    content: Any = message.content
     if isinstance(content, list):
-        for part in content:
-            if part.type != "text":
-                raise unsupported(f"messages[{index}].content", f"has a part of type {part.type!r}; only text is supported")
-        content = "".join(part.text or "" for part in content)
+        parts: list[dict[str, Any]] = []
+        for number, part in enumerate(content):
+            if part.type == "image_url":
+                images.append(image_of_part(part, f"messages[{index}].content[{number}]"))
+                parts.append({"type": "image"})
+            elif part.type == "text":
+                parts.append({"type": "text", "text": part.text or ""})
+            else:
+                raise unsupported(f"messages[{index}].content", f"has a part of type {part.type!r}; text and image_url "
+                                                               "are supported")
+        with_images = any(part["type"] == "image" for part in parts)
+        content = parts if with_images else "".join(part["text"] for part in parts)
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": content or ""}
     if extra.get("tool_calls"):

@@ -1,17 +1,22 @@
 """Images through a real tritonserver, as Triton's vLLM-backend users send them: `llm`'s `image`
 input (BYTES, one base64-encoded image file per element) beside `text_input` holding a placeholder
-per image, over gRPC streaming and HTTP's generate endpoint; both give the offline engine's greedy
-text for a tiny random LLaVA, with one image and with two. Bad images are refused by field and
-the server keeps serving."""
+per image, over gRPC streaming and HTTP's generate endpoint; and as OpenAI clients send them, an
+image_url part (a data: URL) through `pagedserve openai` with the openai SDK, streamed and not. Each
+gives the offline engine's greedy text for a tiny random LLaVA, with one image and with two. Bad
+images are refused by field and the server keeps serving."""
 
 from __future__ import annotations
 
 import base64
 import json
-import urllib.error
+import sys
+import time
 import urllib.request
 
+import openai
+
 from pagedserve.backend import LLMEngine, SamplingParams
+from pagedserve.client.process import ServerProcess, free_port, http_status
 from pagedserve.client.repository import write_repository
 from pagedserve.client.triton_server import TritonServer
 
@@ -56,3 +61,34 @@ def test_images_through_llm_equal_the_offline_engine(tmp_path):
         assert error is not None and "has 2 image placeholders (<image>) for 1 images" in str(error)
         results, error = stream_request(server, [*llm_inputs(ONE, **SAMPLING), image_tensor(files[:1])])
         assert error is None and "".join(texts(results)) == expected[0]  # the server serves on
+        check_openai_chat(server, offline, files[0], tmp_path)
+
+
+def check_openai_chat(server, offline: LLMEngine, picture: bytes, tmp_path) -> None:
+    """An image_url part through the gateway: the chat template's placeholder, the image in order."""
+    data_url = "data:image/png;base64," + base64.b64encode(picture).decode()
+    parts = [{"type": "text", "text": "What is in"}, {"type": "image_url", "image_url": {"url": data_url}}]
+    offline_parts = [{"type": "text", "text": "What is in"}, {"type": "image"}]
+    [completion] = offline.generate([{"messages": [{"role": "user", "content": offline_parts}],
+                                      "multi_modal_data": {"image": picture}}], SamplingParams(**SAMPLING), use_tqdm=False)
+    port = free_port()
+    command = [sys.executable, "-m", "pagedserve.client.cli", "openai", "--port", str(port), "--triton-url", server.grpc_url]
+    gateway = ServerProcess(command, tmp_path / "gateway.log", name="pagedserve openai").start()
+    try:
+        gateway.wait_ready(lambda: http_status(f"http://localhost:{port}/health") == 200, time.monotonic() + 60)
+        client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="none", max_retries=0)
+        ask = dict(model="llm", messages=[{"role": "user", "content": parts}], max_tokens=10, temperature=0,
+                   extra_body={"ignore_eos": True})
+        assert client.chat.completions.create(**ask).choices[0].message.content == completion.text
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(**ask, stream=True)
+                           if chunk.choices)
+        assert streamed == completion.text
+        refused = {**ask, "messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                       "image_url": {"url": "http://169.254.169.254/x"}}]}]}
+        try:
+            client.chat.completions.create(**refused)
+            raise AssertionError("an image URL from a host nobody allowed was fetched")
+        except openai.BadRequestError as error:
+            assert "fetches no image URLs" in str(error) and error.body["param"] == "messages[0].content[0].image_url.url"
+    finally:
+        gateway.stop()
