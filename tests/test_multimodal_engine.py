@@ -62,6 +62,23 @@ def test_greedy_equals_transformers_beside_text(llava, expected, chunk):
     assert_same(greedy(engine, requests([png_bytes(i) for i in images])), expected)  # prefix hits now
 
 
+def test_preempted_image_requests_resume_with_their_images(llava):
+    """A KV cache too small for the batch to grow: the request with an image is preempted and recomputed
+    (its image's embeddings from the encoder cache, or encoded again where it keeps nothing) and still
+    gives transformers' tokens."""
+    picture, tokens = pictures(1)[0], 40
+    expected = [transformers_greedy(llava, PROMPTS[2], [], tokens), transformers_greedy(llava, PROMPTS[0], [picture], tokens)]
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for cache_bytes in (256 * 2**20, 0):
+        engine = LLMEngine(model=llava, dtype="float32", num_kv_blocks=5, block_size=16, encoder_cache_bytes=cache_bytes,
+                           enable_prefix_caching=False)
+        done = engine.generate([PROMPTS[2], {"prompt": PROMPTS[0], "multi_modal_data": {"image": picture}}], params,
+                               use_tqdm=False)  # the newest, the image's, is the one preempted
+        assert_same([c.token_ids for c in done], expected)
+        assert engine.stats().num_preemptions > 0
+        assert engine.images.embedder.num_encoded == 1 if cache_bytes else engine.images.embedder.num_encoded >= 2
+
+
 def test_chat_messages_take_their_images_through_the_chat_template(llava):
     """Image parts ({"type": "image"}) become the processor's chat template's placeholders, the images
     taken in order: transformers' greedy tokens on the same rendering."""

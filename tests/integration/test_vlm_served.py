@@ -3,7 +3,9 @@ input (BYTES, one base64-encoded image file per element) beside `text_input` hol
 per image, over gRPC streaming and HTTP's generate endpoint; and as OpenAI clients send them, an
 image_url part (a data: URL) through `pagedserve openai` with the openai SDK, streamed and not. Each
 gives the offline engine's greedy text for a tiny random LLaVA, with one image and with two. Bad
-images are refused by field and the server keeps serving."""
+images (not base64, not an image, truncated, over the pixel cap by its header, too many, too few
+placeholders) are refused by field while a bystander stream keeps its tokens, and the server serves
+on with no KV block held."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from pagedserve.client.process import ServerProcess, free_port, http_status
 from pagedserve.client.repository import write_repository
 from pagedserve.client.triton_server import TritonServer
 
+from benchmarks.fuzz import Bystander, bystander_text
+
 from ..vlm_checks import pictures, png_bytes, write_tiny_llava
-from .conftest import llm_inputs, stream_request, tensor, texts
+from .conftest import llm_inputs, metric, stream_request, tensor, texts, wait_idle
 
 ONE = "Describe the picture: <image> What is in it?"
 TWO = "Compare <image> with <image> and tell the difference between them."
@@ -52,16 +56,36 @@ def test_images_through_llm_equal_the_offline_engine(tmp_path):
                                          headers={"Content-Type": "application/json"})
         assert json.load(urllib.request.urlopen(request, timeout=120))["text_output"] == expected[0]
 
-        _, error = stream_request(server, [*llm_inputs(ONE, **SAMPLING), image_tensor([b"not an image"])])
-        assert error is not None and "'image': is not an image Pillow can read" in str(error)
-        bad = tensor("image", ["this is not base64!"])
-        _, error = stream_request(server, [*llm_inputs(ONE, **SAMPLING), bad])
-        assert error is not None and "'image': element 0 is not base64" in str(error)
-        _, error = stream_request(server, [*llm_inputs(TWO, **SAMPLING), image_tensor(files[:1])])
-        assert error is not None and "has 2 image placeholders (<image>) for 1 images" in str(error)
+        check_bad_images_harm_no_bystander(server, files)
         results, error = stream_request(server, [*llm_inputs(ONE, **SAMPLING), image_tensor(files[:1])])
         assert error is None and "".join(texts(results)) == expected[0]  # the server serves on
         check_openai_chat(server, offline, files[0], tmp_path)
+
+
+def check_bad_images_harm_no_bystander(server, files: list[bytes]) -> None:
+    """Each kind of bad image gets an error naming its field while a greedy text stream runs beside
+    them with the tokens it gets alone; no KV block is held after."""
+    from ..test_multimodal_engine import png_claiming
+
+    cases = [([b"not an image"], ONE, "'image': is not an image Pillow can read"),
+             ([files[0][: len(files[0]) // 2]], ONE, "'image': could not be decoded"),  # truncated
+             ([png_claiming(100_000, 100_000)], ONE, "'image': is over the engine's max_image_pixels"),
+             ([png_claiming(5_000, 5_000)], ONE, "'image': is 5000x5000 = 25000000 pixels; the limit is 16777216"),
+             (files[:1] * 9, ONE + " <image>" * 8, "'image': 9 images; the limit is 8"),
+             (files[:1], TWO, "'prompt': has 2 image placeholders (<image>) for 1 images")]
+    bystander = Bystander(server.grpc_url, bystander_text(server.grpc_url))
+    bystander.start()
+    try:
+        for images, prompt, message in cases:
+            _, error = stream_request(server, [*llm_inputs(prompt, **SAMPLING), image_tensor(images)])
+            assert error is not None and message in str(error), (message, error)
+        _, error = stream_request(server, [*llm_inputs(ONE, **SAMPLING), tensor("image", ["this is not base64!"])])
+        assert error is not None and "'image': element 0 is not base64" in str(error)
+    finally:
+        bystander.stop()
+    assert bystander.runs >= 1 and not bystander.errors and not bystander.mismatches
+    wait_idle(server)
+    assert metric(server, "pagedserve:kv_blocks_used") == 0
 
 
 def check_openai_chat(server, offline: LLMEngine, picture: bytes, tmp_path) -> None:
