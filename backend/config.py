@@ -159,6 +159,10 @@ class EngineConfig:
     max_image_pixels: int = 4096 * 4096
     """Largest image (width x height) a vision-language model takes, checked from the file's header before
     any pixel is decoded (a small file may claim a huge picture)."""
+    max_num_encoder_input_tokens: int = 0
+    """Image tokens a step may encode (vLLM's encoder budget): a prefill chunk stops before an image
+    past it, which a later step encodes, so many images do not stall the batch's decodes at once; an
+    image larger than this still runs, alone. 0: max_num_batched_tokens."""
     encoder_cache_bytes: int = 256 * 2**20
     """Bytes of image embeddings kept by image content (a conversation that resends an image is not
     encoded again); least recently used dropped first."""
@@ -278,6 +282,7 @@ class EngineConfig:
         if self.max_images_per_prompt < 0:
             raise ConfigError("limit_mm_per_prompt", f"image: must be >= 0, got {self.max_images_per_prompt}")
         _at_least(self, "max_image_pixels", 1)
+        _at_least(self, "max_num_encoder_input_tokens", 0)
         _at_least(self, "encoder_cache_bytes", 0)
 
     def _validate_speculative(self) -> None:

@@ -143,6 +143,8 @@ class LLMEngine:
             eos_token_ids=self.model_config.eos_token_ids,
             max_loras=config.max_loras if self.lora is not None else 0,
             speculator=self.speculator,
+            encoder_budget=self.images.budget(config.max_num_encoder_input_tokens or config.max_num_batched_tokens)
+            if self.images is not None else None,
         )
         self.kv_events = self._start_kv_events(config)
         runner_args = (loaded.model, num_blocks, config.block_size, self.kv_dtype, self.device, config.attention_backend,

@@ -29,6 +29,7 @@ from .sampling_params import SamplingParams
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
+    from .multimodal.encoder_budget import EncoderBudget
     from .spec_decode import Speculator
 
 
@@ -98,10 +99,12 @@ class Scheduler:
         eos_token_ids: Seq[int] = (),
         max_loras: int = 0,
         speculator: Speculator | None = None,
+        encoder_budget: EncoderBudget | None = None,
     ):
         """max_loras > 0: requests of at most that many LoRA adapters run at once (the device's
         slots); the first waiting request of another adapter waits, and those behind it, until a
-        running adapter's last request finishes (first come, first served)."""
+        running adapter's last request finishes (first come, first served). encoder_budget: how
+        much vision encoding a step may take (multimodal/encoder_budget.py)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -112,6 +115,8 @@ class Scheduler:
         self.max_loras = max_loras
         self.speculator = speculator
         """Speculative decoding's proposer and verifier (None: off)."""
+        self.encoder_budget = encoder_budget
+        """A vision-language model's vision encoding per step (None: a text model)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -204,6 +209,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        if self.encoder_budget is not None:
+            self.encoder_budget.begin_step()
         budget = self._schedule_running(batch, budget)
         if batch.num_preempted == 0 and self._may_admit():
             self._schedule_waiting(batch, budget)
@@ -229,7 +236,11 @@ class Scheduler:
             if seq.num_pending_tokens and seq.reaches_limit(self.max_model_len):
                 index += 1  # its token in flight ends it: it finishes when that token arrives
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            wanted = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._encodable(seq, seq.num_computed_tokens, wanted)
+            if num_new == 0 < wanted:  # its next image waits for a step with encoder budget left
+                index += 1
+                continue
             drafts = self._drafts(seq, budget) if drafting else []
             if drafts:
                 spare = self.block_manager.num_free_blocks - self.block_manager.blocks_needed(seq, 1 + len(drafts))
@@ -278,8 +289,8 @@ class Scheduler:
                 break
             cached = self._shared_prompt_blocks(seq) or self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate(seq, num_new, cached):
+            num_new = self._encodable(seq, num_cached, min(seq.num_tokens - num_cached, budget))
+            if num_new == 0 or not self.block_manager.allocate(seq, num_new, cached):
                 break
             self.waiting.popleft()
             self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached)
@@ -291,6 +302,10 @@ class Scheduler:
             budget -= num_new
         if self.policy == "static" and (len(self.running) >= self.max_num_seqs or not self.waiting):
             self._static_batch_open = False
+
+    def _encodable(self, seq: Sequence, start: int, num_new: int) -> int:
+        """Of seq's chunk, what the step's encoder budget lets it take (all of it for text)."""
+        return num_new if self.encoder_budget is None else self.encoder_budget.cut(seq, start, num_new)
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """Whether seq's LoRA adapter runs already or a slot is left for it."""

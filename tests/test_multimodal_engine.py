@@ -79,6 +79,30 @@ def test_preempted_image_requests_resume_with_their_images(llava):
         assert engine.images.embedder.num_encoded == 1 if cache_bytes else engine.images.embedder.num_encoded >= 2
 
 
+@pytest.mark.parametrize("budget, most_per_step", [(16, 1), (0, 3)], ids=["one-image-a-step", "default-budget"])
+def test_the_encoder_budget_spreads_images_over_steps(llava, expected, budget, most_per_step):
+    """Three requests with an image each arrive beside a decoding text request: with an encoder
+    budget of one image (max_num_encoder_input_tokens=16) each step encodes one, the chunks stopping
+    before the next image, and the text request still gets a token every step; the tokens are
+    transformers'. The default budget (max_num_batched_tokens) encodes all three in one step."""
+    engine = LLMEngine(model=llava, dtype="float32", max_num_encoder_input_tokens=budget, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    engine.add_request(PROMPTS[2], params, request_id="text")
+    tokens = {"text": list(engine.step()[0].new_token_ids)}
+    for i, picture in enumerate(pictures(3)):
+        engine.add_request({"prompt": PROMPTS[0], "multi_modal_data": {"image": picture}}, params, request_id=f"image{i}")
+    encoded, text = [], engine.scheduler.requests["text"]
+    while engine.has_unfinished_requests():
+        before, text_before = engine.images.embedder.num_encoded, text.num_output_tokens
+        outputs = engine.step()
+        encoded.append(engine.images.embedder.num_encoded - before)
+        assert text.is_finished or text.num_output_tokens == text_before + 1  # never stalled by the images
+        for output in outputs:
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert max(encoded) == most_per_step and sum(encoded) == 3
+    assert_same([tokens["image0"], tokens["text"]], [expected[0], expected[2]])
+
+
 def test_chat_messages_take_their_images_through_the_chat_template(llava):
     """Image parts ({"type": "image"}) become the processor's chat template's placeholders, the images
     taken in order: transformers' greedy tokens on the same rendering."""

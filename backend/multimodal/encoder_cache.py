@@ -35,5 +35,8 @@ class EncoderCache:
             _, dropped = self._entries.popitem(last=False)
             self.num_bytes -= dropped.numel() * dropped.element_size()
 
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
     def __len__(self) -> int:
         return len(self._entries)

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import ConfigError
 from .encoder import VisionEncoder
+from .encoder_budget import EncoderBudget
 from .encoder_cache import EncoderCache
 from .images import DEFAULT_MAX_IMAGE_PIXELS
 from .inputs import MultiModalPrompt
@@ -41,6 +42,10 @@ class ImageInputs:
         processor = ImagePromptProcessor(model_dir, int(token_id), max_images, max_pixels)
         encoder = VisionEncoder.load(model_dir, tensors, device, dtype)
         return cls(processor, ImageEmbedder(encoder, EncoderCache(cache_bytes)))
+
+    def budget(self, tokens_per_step: int) -> EncoderBudget:
+        """The scheduler's encoder budget over this model's encoder cache."""
+        return EncoderBudget(self.embedder.cache, tokens_per_step)
 
     def process(self, prompt: str, images: Sequence[Any]) -> tuple[list[int], MultiModalPrompt]:
         return self.processor.process(prompt, images)
