@@ -113,6 +113,9 @@ class ModelConfig:
     (`use_model_defaults`: the CLI's, LLMClient's, the OpenAI gateway's) gets where it is silent."""
     bos_token_id: int | None = None
     checkpoint_dtype: str = "float32"
+    mrope_section: tuple[int, ...] | None = None
+    """Multimodal rotary positions (Qwen2.5-VL): how many of each head's rotary frequencies turn by an
+    image token's time, height and width position; text tokens turn alike in all three."""
     vision_language: str | None = None
     """The vision-language family (backend/multimodal/) whose language model this is; None: a text model."""
     source_group_size: int | None = None

@@ -19,8 +19,8 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | upper }}: {%
 """LLaVA-1.5's shape of chat: `USER: <image>\n...` turns, then `ASSISTANT:`."""
 
 
-def tokenizer_with_image_token():
-    """A small Llama-2-style tokenizer whose special tokens include LLaVA's `<image>`."""
+def tokenizer_with_image_token(special: tuple[str, ...] = (IMAGE_TOKEN,)):
+    """A small Llama-2-style tokenizer whose special tokens include LLaVA's `<image>` (or `special`)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -30,7 +30,7 @@ def tokenizer_with_image_token():
     tok.decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     tok.train_from_iterator([LONG_TEXT] * 3, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN]))
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", "<pad>", *special]))
     spec = json.loads(tok.to_str())
     for byte in range(256):
         spec["model"]["vocab"].setdefault(f"<0x{byte:02X}>", len(spec["model"]["vocab"]))
@@ -66,6 +66,45 @@ def write_tiny_llava(directory: str | os.PathLike) -> str:
     return str(directory)
 
 
+QWEN_SPECIAL = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>")
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+                 "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+                 "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+                 "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tiny_qwen25_vl(directory: str | os.PathLike) -> str:
+    """Qwen2_5_VLForConditionalGeneration: a 2-layer vision transformer (4x4 patches, 2x2 merged, a
+    window of 16 with its second block attending in full), a 2-layer Qwen2 language model with
+    multimodal rotary positions (mrope_section 2, 3, 3); saved as a real checkpoint is
+    (processor_class Qwen2_5_VLProcessor), float32."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = tokenizer_with_image_token(QWEN_SPECIAL)
+    tokenizer.chat_template = QWEN_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    config = Qwen2_5_VLConfig(
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1], out_hidden_size=64),
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=3, initializer_range=0.3,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(config).eval().save_pretrained(directory)
+    Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                             size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64}).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    with open(os.path.join(directory, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "Qwen2_5_VLProcessor"}, f)
+    return str(directory)
+
+
 def pictures(count: int = 3, seed: int = 0) -> list:
     """Distinct random RGB pictures of different sizes (PIL)."""
     from PIL import Image
@@ -83,17 +122,19 @@ def png_bytes(image) -> bytes:
 
 def chat_text(model_dir: str, messages: list[dict]) -> str:
     """The checkpoint's processor's rendering of chat messages (image parts as {"type": "image"})."""
-    from transformers import AutoProcessor
+    from pagedserve.backend.multimodal.processor import load_processor
 
-    return AutoProcessor.from_pretrained(model_dir).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return load_processor(model_dir).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def transformers_greedy(model_dir: str, prompt: str, images: list, max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation of `prompt` with `images`, through the checkpoint's processor."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(model_dir)
+    from pagedserve.backend.multimodal.processor import load_processor  # AutoProcessor, or its image part
+
+    processor = load_processor(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     inputs = processor(images=images or None, text=prompt, return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)

@@ -124,6 +124,7 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * attention_factor, sin * attention_factor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.mrope_section = config.mrope_section
         self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -152,6 +153,23 @@ class RotaryEmbedding(nn.Module):
 
     def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    def prime(self, positions: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor, rows_3d: torch.Tensor) -> None:
+        """The step's tables (`tables` returns them for `positions`) with `rows` turned by multimodal
+        rotary positions rows_3d [3, k]: each frequency by the time, height or width position its
+        mrope_section assigns it, as transformers' apply_multimodal_rotary_pos_emb does."""
+        sections = self.mrope_section
+        assert sections is not None, "multimodal rotary positions on a model without mrope_section"
+        cos, sin = self._lookup(positions, dtype)
+        which = torch.repeat_interleave(torch.arange(3, device=rows_3d.device), torch.tensor(sections, device=rows_3d.device))
+        which = torch.cat((which, which))  # the two halves rotate_half pairs
+        picked = [(self.cos[rows_3d[axis]], self.sin[rows_3d[axis]]) for axis in range(3)]
+        dims = torch.arange(which.numel(), device=rows_3d.device)
+        cos_rows = torch.stack([c for c, _ in picked])[which, :, dims].T.to(dtype)
+        sin_rows = torch.stack([s for _, s in picked])[which, :, dims].T.to(dtype)
+        cos, sin = cos.clone(), sin.clone()
+        cos[rows, 0], sin[rows, 0] = cos_rows, sin_rows
+        self._last = (positions, dtype, cos, sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -393,6 +411,8 @@ def first_piece(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: tor
     h = model.embed(input_ids)
     if patch is not None:
         h = h.index_copy(0, patch.rows, patch.values.to(h.dtype))
+        if patch.rope_positions is not None:  # every layer of the step turns the image rows by theirs
+            model.rotary.prime(positions, h.dtype, patch.rows, patch.rope_positions)
     first: LlamaDecoderLayer = model.layers[0]  # type: ignore[assignment]  # a ModuleList's items are typed Module
     return (h, *first.self_attn.project(first.input_layernorm(h), model.rotary, positions))
 

@@ -11,8 +11,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import ConfigError
-
-_LANGUAGE_MODEL_PREFIXES = ("language_model.", "model.language_model.", "lm_head.")
+from .vlm_config import language_model_name
 
 
 class VisionEncoder:
@@ -48,7 +47,7 @@ class VisionEncoder:
         loaded: set[str] = set()
         left_over: list[str] = []
         for name, tensor in tensors:
-            if name.startswith(_LANGUAGE_MODEL_PREFIXES):
+            if language_model_name(name) is not None:
                 continue
             target = _module_name(name, params)
             if target is None:
@@ -72,6 +71,17 @@ class VisionEncoder:
         if isinstance(features, (list, tuple)):
             features = torch.cat(list(features), dim=0)
         return features.reshape(-1, features.shape[-1])
+
+
+    def rope_index(self, processed: dict[str, Any]) -> tuple[Any, int] | None:
+        """A prompt's multimodal rotary positions, [3, tokens] numpy, and the shift of the tokens after
+        it, by the model's own get_rope_index; None for a model without them."""
+        rope_index = getattr(self.model, "get_rope_index", None)
+        if rope_index is None or "mm_token_type_ids" not in processed:
+            return None
+        positions, delta = rope_index(processed["input_ids"], processed["mm_token_type_ids"],
+                                      image_grid_thw=processed.get("image_grid_thw"))
+        return positions[:, 0].numpy().astype("int64"), int(delta.reshape(-1)[0])
 
 
 def _module_name(name: str, params: dict[str, torch.Tensor]) -> str | None:

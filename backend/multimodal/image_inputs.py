@@ -48,7 +48,13 @@ class ImageInputs:
         return EncoderBudget(self.embedder.cache, tokens_per_step)
 
     def process(self, prompt: str, images: Sequence[Any]) -> tuple[list[int], MultiModalPrompt]:
-        return self.processor.process(prompt, images)
+        """Token ids and images of a prompt, with multimodal rotary positions where the model has them."""
+        ids, mm = self.processor.process(prompt, images)
+        found = self.embedder.encoder.rope_index(mm.processed)
+        if found is not None:
+            mm.rope_positions, mm.rope_delta = found
+        mm.processed = {}
+        return ids, mm
 
 
 def read_config(model_dir: str) -> dict[str, Any] | None:

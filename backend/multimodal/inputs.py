@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(eq=False)
 class ImageItem:
@@ -28,6 +30,21 @@ class MultiModalPrompt:
     """The images of one prompt, in prompt order."""
 
     images: list[ImageItem]
+    processed: dict[str, Any] = field(repr=False, default_factory=dict)
+    """The processor's whole-prompt outputs that rotary positions are computed from (then dropped)."""
+    rope_positions: Any = None
+    """Multimodal rotary positions (Qwen2.5-VL): [3, prompt tokens] int64 numpy (time, height, width),
+    equal in all three for text tokens; None: a token's position is its index."""
+    rope_delta: int = 0
+    """What a token past the prompt adds to its index for its position (the image tokens' positions
+    advance by their grid, not one each)."""
+
+    def rope_position(self, indices: Any) -> Any:
+        """The (text) positions of token indices, numpy: a prompt token's from the table (its time
+        row), a later one's its index plus rope_delta."""
+        table = self.rope_positions[0]
+        inside = indices < table.shape[0]
+        return np.where(inside, table[np.minimum(indices, table.shape[0] - 1)], indices + self.rope_delta)
 
     def hash_key(self, start: int, end: int) -> bytes:
         """What a block of prompt positions [start, end) adds to its hash: the content hash of each

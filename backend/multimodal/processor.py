@@ -4,17 +4,70 @@ pixels the vision tower reads, exactly as the model was trained on them."""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Sequence
 
-from ..errors import InvalidRequestError
+from ..errors import ConfigError, InvalidRequestError
 from .images import DEFAULT_MAX_IMAGE_PIXELS, image_hash, load_image
 from .inputs import ImageItem, MultiModalPrompt
 
 DEFAULT_MAX_IMAGES = 8
 """Images one request may carry (`max_images_per_prompt`)."""
 
-_PER_IMAGE_KEYS = ("pixel_values", "image_sizes")
-"""The processor's outputs with one row per image."""
+_PER_IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw")
+"""The processor's outputs with one row per image (pixel_values: one row per patch, with a grid)."""
+_PROMPT_KEYS = ("input_ids", "mm_token_type_ids", "image_grid_thw")
+"""What multimodal rotary positions are computed from (multimodal/rope.py)."""
+
+
+def load_processor(model_dir: str) -> Any:
+    """The checkpoint's processor (AutoProcessor). A Qwen2-VL-family processor whose video part cannot
+    load (its video processor needs torchvision, which serving images does not): its image part alone,
+    the same class with the image processor and tokenizer only."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, ProcessorMixin
+
+    try:
+        return AutoProcessor.from_pretrained(model_dir)
+    except (OSError, ImportError, ValueError) as error:
+        config = _read_json(os.path.join(model_dir, "processor_config.json")) or \
+            _read_json(os.path.join(model_dir, "preprocessor_config.json")) or {}
+        name = config.get("processor_class", "")
+        base = getattr(transformers, name, None) if name.startswith(("Qwen2VL", "Qwen2_5_VL")) else None
+        if base is None:
+            raise ConfigError("model", f"{model_dir}: its processor does not load ({error})") from None
+
+    class ImageOnly(base):  # type: ignore[misc, valid-type]
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any):
+            self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
+            self.video_token = getattr(tokenizer, "video_token", "<|video_pad|>")
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return ImageOnly(AutoImageProcessor.from_pretrained(model_dir), tokenizer,
+                     chat_template=getattr(tokenizer, "chat_template", None))
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _per_image(out: Any, count: int) -> list[dict[str, Any]]:
+    """Each image's share of the processor's outputs: its row of each, or with a patch grid
+    (image_grid_thw: Qwen2.5-VL) its rows of pixel_values, one per patch."""
+    if "image_grid_thw" not in out:
+        return [{key: out[key][i:i + 1] for key in _PER_IMAGE_KEYS if key in out} for i in range(count)]
+    grids = out["image_grid_thw"]
+    ends = grids.prod(dim=-1).cumsum(0).tolist()
+    starts = [0, *ends[:-1]]
+    return [{"pixel_values": out["pixel_values"][start:end], "image_grid_thw": grids[i:i + 1]}
+            for i, (start, end) in enumerate(zip(starts, ends))]
 
 
 class ImagePromptProcessor:
@@ -22,9 +75,7 @@ class ImagePromptProcessor:
 
     def __init__(self, model_dir: str, image_token_id: int, max_images: int = DEFAULT_MAX_IMAGES,
                  max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
-        from transformers import AutoProcessor
-
-        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.processor = load_processor(model_dir)
         self.image_token_id = image_token_id
         self.placeholder: str = (getattr(self.processor, "image_token", None)
                                  or self.processor.tokenizer.convert_ids_to_tokens(image_token_id))
@@ -49,10 +100,9 @@ class ImagePromptProcessor:
             raise InvalidRequestError(field, f"the model's processor refused it: {error}") from None
         ids = out["input_ids"][0].tolist()
         ranges = self._placeholder_ranges(ids, len(decoded))
-        items = [ImageItem(image_hash(image), offset, length,
-                           {key: out[key][i:i + 1] for key in _PER_IMAGE_KEYS if key in out})
-                 for i, (image, (offset, length)) in enumerate(zip(decoded, ranges))]
-        return ids, MultiModalPrompt(items)
+        items = [ImageItem(image_hash(image), offset, length, pixels)
+                 for image, (offset, length), pixels in zip(decoded, ranges, _per_image(out, len(decoded)))]
+        return ids, MultiModalPrompt(items, processed={key: out[key] for key in _PROMPT_KEYS if key in out})
 
     def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> str:
         """Chat messages as prompt text through the checkpoint's chat template (the processor's), an
@@ -65,7 +115,7 @@ class ImagePromptProcessor:
 
     def _placeholder_ranges(self, ids: list[int], num_images: int) -> list[tuple[int, int]]:
         """(offset, length) of each image's expanded placeholder tokens: the runs of the image token,
-        split evenly where images touch (each image has the same count here)."""
+        one per image, or split evenly where images touch (each image has the same count there)."""
         runs: list[list[int]] = []
         for position, token in enumerate(ids):
             if token == self.image_token_id:
@@ -73,6 +123,8 @@ class ImagePromptProcessor:
                     runs[-1][1] += 1
                 else:
                     runs.append([position, 1])
+        if len(runs) == num_images:
+            return [(start, length) for start, length in runs]
         total = sum(length for _, length in runs)
         if num_images == 0 or total % num_images:
             if num_images == 0 and not runs:

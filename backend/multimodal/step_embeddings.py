@@ -23,6 +23,8 @@ class EmbeddingPatch:
 
     rows: torch.Tensor  # [k] int64
     values: torch.Tensor  # [k, hidden]
+    rope_positions: torch.Tensor | None = None
+    """[3, k] int64: the rows' multimodal rotary positions (time, height, width), None without them."""
 
 
 class ImageEmbedder:
@@ -46,6 +48,7 @@ class ImageEmbedder:
         rows query_start[i]...), or None where no scheduled token is an image's."""
         rows: list[np.ndarray] = []
         values: list[torch.Tensor] = []
+        positions: list[np.ndarray] = []
         for i, seq in enumerate(seqs):
             if seq.mm is None:
                 continue
@@ -54,6 +57,9 @@ class ImageEmbedder:
                 first, last = max(start, image.offset), min(end, image.end)
                 rows.append(np.arange(first, last, dtype=np.int64) - start + int(query_start[i]))
                 values.append(self.embeddings(image)[first - image.offset:last - image.offset])
+                if seq.mm.rope_positions is not None:
+                    positions.append(seq.mm.rope_positions[:, first:last])
         if not rows:
             return None
-        return EmbeddingPatch(torch.from_numpy(np.concatenate(rows)), torch.cat(values))
+        rope = torch.from_numpy(np.concatenate(positions, axis=1)) if positions else None
+        return EmbeddingPatch(torch.from_numpy(np.concatenate(rows)), torch.cat(values), rope)

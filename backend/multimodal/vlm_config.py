@@ -10,15 +10,30 @@ import torch
 
 VLM_ARCHITECTURES = {
     "LlavaForConditionalGeneration": "llava",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 """Supported vision-language architectures (config.json `architectures[0]`) -> their family."""
 
-TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM"}
 """The language model inside, by its text_config model_type -> the text architecture that loads it."""
 
 _LM_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                 ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
 """Checkpoint names of the language model (transformers 4's and 5's layouts) -> a text model's."""
+_VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "visual.", "vision_tower.",
+                    "multi_modal_projector.")
+
+
+def language_model_name(name: str) -> str | None:
+    """A checkpoint tensor's name in the text model when it is the language model's, else None (the
+    vision tower's or the projector's). Qwen2.5-VL's checkpoints keep a text model's own names."""
+    for prefix, ours in _LM_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    if name.startswith("model.") and not name.startswith(_VISION_PREFIXES):
+        return name
+    return None
 
 
 def is_vision_language(config: dict[str, Any]) -> bool:
@@ -47,7 +62,6 @@ def language_model_tensors(tensors: Iterator[tuple[str, torch.Tensor]]) -> Itera
     """The language model's tensors under a text model's names; the vision tower's and projector's
     are left out (the encoder reads them)."""
     for name, tensor in tensors:
-        for prefix, ours in _LM_PREFIXES:
-            if name.startswith(prefix):
-                yield ours + name[len(prefix):], tensor
-                break
+        ours = language_model_name(name)
+        if ours is not None:
+            yield ours, tensor

@@ -1,0 +1,57 @@
+"""Qwen2.5-VL offline (backend/multimodal/): a tiny random checkpoint saved by transformers, loaded
+as a real one is (its processor's video part needs torchvision, which serving images does not: the
+image part alone is built), gives transformers' greedy tokens with one and two images of different
+sizes (their own token counts), beside text, whole and chunked, with prefix hits and in chat: the
+image tokens turn by their time / height / width positions and every later token by its index plus
+the image's shift (multimodal rotary positions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.backend import LLMEngine, SamplingParams
+
+from .vlm_checks import QWEN_IMAGE, chat_text, pictures, png_bytes, transformers_greedy, write_tiny_qwen25_vl
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [f"Describe the picture: {QWEN_IMAGE} What is in it?",
+           f"Compare {QWEN_IMAGE} with {QWEN_IMAGE} and tell the difference.",
+           "The quick brown fox jumps over the lazy dog"]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory) -> str:
+    return write_tiny_qwen25_vl(tmp_path_factory.mktemp("qwen25vl"))
+
+
+def greedy(engine: LLMEngine, prompts: list, tokens: int = TOKENS) -> list[list[int]]:
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    return [c.token_ids for c in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_same(ours: list[list[int]], theirs: list[list[int]]) -> None:
+    for mine, expected in zip(ours, theirs):
+        assert len(expected) >= 4 and mine[: len(expected)] == expected
+
+
+@pytest.mark.parametrize("chunk", [None, 16], ids=["whole-prompts", "chunks-of-16"])
+def test_greedy_equals_transformers(qwen, chunk):
+    images = pictures(3)
+    expected = [transformers_greedy(qwen, PROMPTS[0], images[:1], TOKENS),
+                transformers_greedy(qwen, PROMPTS[1], images[1:3], TOKENS),
+                transformers_greedy(qwen, PROMPTS[2], [], TOKENS)]
+    engine = LLMEngine(model=qwen, dtype="float32", **({"max_num_batched_tokens": chunk} if chunk else {}))
+    prompts = [{"prompt": PROMPTS[0], "multi_modal_data": {"image": images[0]}},
+               {"prompt": PROMPTS[1], "multi_modal_data": {"image": [png_bytes(i) for i in images[1:3]]}}, PROMPTS[2]]
+    assert_same(greedy(engine, prompts), expected)
+    assert_same(greedy(engine, prompts), expected)  # prefix hits now
+
+
+def test_chat_with_an_image(qwen):
+    picture = pictures(1)[0]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    expected = transformers_greedy(qwen, chat_text(qwen, messages), [picture], TOKENS)
+    engine = LLMEngine(model=qwen, dtype="float32")
+    assert_same(greedy(engine, [{"messages": messages, "multi_modal_data": {"image": picture}}]), [expected])
