@@ -4,9 +4,12 @@ LoRA) loads it unchanged; the vision part is the encoder's (encoder.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import json
+import os
+from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 VLM_ARCHITECTURES = {
     "LlavaForConditionalGeneration": "llava",
@@ -42,6 +45,15 @@ def is_vision_language(config: dict[str, Any]) -> bool:
     return bool(archs) and archs[0] in VLM_ARCHITECTURES
 
 
+def takes_images(model_path: str) -> bool:
+    """Whether the model at `model_path` (a Hugging Face directory) is a vision-language model."""
+    config_path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config_path):
+        return False
+    with open(config_path) as f:
+        return is_vision_language(json.load(f))
+
+
 def language_model_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's config.json as a text model's: its text_config, with the architecture
     that loads it; ValueError naming the model type where none does."""
@@ -58,7 +70,7 @@ def language_model_config(config: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-def language_model_tensors(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def language_model_tensors(tensors: Iterator[tuple[str, "torch.Tensor"]]) -> Iterator[tuple[str, "torch.Tensor"]]:
     """The language model's tensors under a text model's names; the vision tower's and projector's
     are left out (the encoder reads them)."""
     for name, tensor in tensors:

@@ -110,14 +110,19 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
         deadline = asyncio.get_running_loop().time() + config.request_timeout_s
         return within(merged(streams), deadline, config.request_timeout_s)
 
+    async def card(name: str) -> schemas.ModelCard:
+        takes_images = await tokenizers.get(app.state.triton, triton_model(name)).takes_images()
+        modalities = None if takes_images is None else ["text", "image"] if takes_images else ["text"]
+        return schemas.ModelCard(id=name, created=started, input_modalities=modalities)
+
     @app.get("/v1/models")
-    async def list_models() -> schemas.ModelList:
-        return schemas.ModelList(data=[schemas.ModelCard(id=name, created=started) for name in model_ids])
+    async def list_models() -> JSONResponse:
+        cards = [await card(name) for name in model_ids]
+        return JSONResponse(schemas.ModelList(data=cards).model_dump(exclude_none=True))
 
     @app.get("/v1/models/{model:path}")
-    async def get_model(model: str) -> schemas.ModelCard:
-        triton_model(model)
-        return schemas.ModelCard(id=model, created=started)
+    async def get_model(model: str) -> JSONResponse:
+        return JSONResponse((await card(model)).model_dump(exclude_none=True))
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:

@@ -245,6 +245,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "pagedserve"
+    input_modalities: Optional[list[str]] = None
+    """What a request may send it: ["text"], or ["text", "image"] for a vision-language model; absent
+    where the gateway cannot read the model's config.json."""
 
 
 class ModelList(BaseModel):

@@ -63,6 +63,7 @@ class PromptTokenizer:
         """`triton`: the gateway's TritonLLM (for the model's `model` parameter when `path` is None)."""
         self.triton, self.model, self.path = triton, model, path
         self._tokenizer: Any = None
+        self._takes_images: bool | None = None
         self._lock = asyncio.Lock()
 
     async def tokenizer(self) -> Any:
@@ -71,6 +72,17 @@ class PromptTokenizer:
                 path = self.path if self.path is not None else await self._served_model_path()
                 self._tokenizer = await asyncio.to_thread(_load, path)
             return self._tokenizer
+
+    async def takes_images(self) -> bool | None:
+        """Whether the served model is a vision-language model (its config.json, where the gateway can
+        read it); None where it cannot tell."""
+        if self._takes_images is None:
+            try:
+                path = self.path if self.path is not None else await self._served_model_path()
+                self._takes_images = await asyncio.to_thread(_takes_images, path)
+            except Exception:  # noqa: BLE001 - Triton not ready, or the path not readable here: unknown
+                return None
+        return self._takes_images
 
     async def _served_model_path(self) -> str:
         try:
@@ -92,6 +104,13 @@ class PromptTokenizer:
             return await asyncio.to_thread(parse_prompt, arrays, tokenizer)
         except InvalidRequestError as error:
             raise OpenAIError(400, str(error), param=error.field) from None
+
+
+def _takes_images(path: str) -> bool:
+    from pagedserve.backend.model_files import resolve_model_path
+    from pagedserve.backend.multimodal.vlm_config import takes_images
+
+    return takes_images(resolve_model_path(path))
 
 
 def _load(path: str) -> Any:

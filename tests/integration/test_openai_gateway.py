@@ -196,6 +196,7 @@ def test_the_api_key_guards_every_route_but_health(gateway):
     right = openai.OpenAI(base_url=f"{gateway}/v1", api_key=KEY)
     assert [m.id for m in right.models.list()] == ["llm"]
     assert right.models.retrieve("llm").id == "llm"
+    assert right.models.retrieve("llm").model_extra["input_modalities"] == ["text"]  # a text model
 
 
 def aborted_in_engine(triton) -> int:

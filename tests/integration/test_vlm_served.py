@@ -101,6 +101,8 @@ def check_openai_chat(server, offline: LLMEngine, picture: bytes, tmp_path) -> N
     try:
         gateway.wait_ready(lambda: http_status(f"http://localhost:{port}/health") == 200, time.monotonic() + 60)
         client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="none", max_retries=0)
+        card = json.load(urllib.request.urlopen(f"http://localhost:{port}/v1/models", timeout=30))["data"][0]
+        assert card["input_modalities"] == ["text", "image"]
         ask = dict(model="llm", messages=[{"role": "user", "content": parts}], max_tokens=10, temperature=0,
                    extra_body={"ignore_eos": True})
         assert client.chat.completions.create(**ask).choices[0].message.content == completion.text
