@@ -111,6 +111,40 @@ wild = st.recursive(st.one_of(st.none(), st.booleans(), any_number, odd_text),
                     max_leaves=8)
 
 
+def png_claiming(width: int, height: int) -> bytes:
+    """A valid 1x1 PNG whose header claims width x height (a decompression bomb's shape: the pixel
+    cap must refuse it from the header, before decoding)."""
+    import io
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(out, format="PNG")
+    data = bytearray(out.getvalue())
+    header = b"IHDR" + struct.pack(">II", width, height) + bytes(data[24:29])
+    data[12:29] = header
+    data[29:33] = struct.pack(">I", zlib.crc32(header))
+    return bytes(data)
+
+
+def _base64(data: bytes) -> bytes:
+    import base64
+
+    return base64.b64encode(data)
+
+
+image_values = st.one_of(
+    st.binary(max_size=48).map(_base64),  # base64 of anything: not an image
+    st.builds(lambda: _base64(png_claiming(1, 1))), st.builds(lambda: _base64(png_claiming(1, 1))[:40]),  # truncated
+    st.builds(lambda: _base64(png_claiming(100_000, 100_000))), st.builds(lambda: _base64(png_claiming(5_000, 5_000))),
+    st.sampled_from([b"", b"not base64!", b"data:image/png;base64,", b"====", b"\xff"]), raw_bytes,
+)
+"""What `image` (base64 image files) is fuzzed with: files that are no image, truncated ones, headers
+claiming a bomb's size, strings that are no base64."""
+
+
 def scalar_values(dtype: str) -> st.SearchStrategy:
     if dtype in ("STRING", "BYTES"):
         return raw_bytes
@@ -199,6 +233,8 @@ def triton_case(draw, model: str) -> Case:
         values = scalar_values(item.dtype) if name in varied and draw(st.booleans()) else plausible_values(item)
         if name in ("text_input", "messages") and name in varied:
             values = st.one_of(raw_bytes, plausible_values(item)) if name == "text_input" else raw_bytes
+        if name == "image" and name in varied:
+            values = image_values
         tensors.append(draw(tensor_of(item, batching, values, name in varied)))
         if name in varied:
             kinds.append(name if tensors[-1][2] == WIRE.get(item.dtype, item.dtype) else f"{name}:dtype")

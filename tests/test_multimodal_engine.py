@@ -11,6 +11,8 @@ import pytest
 from pagedserve.backend import LLMEngine, SamplingParams
 from pagedserve.backend.errors import InvalidRequestError
 
+from benchmarks.fuzz import png_claiming
+
 from .vlm_checks import chat_text, pictures, png_bytes, transformers_greedy, write_tiny_llava
 
 pytestmark = pytest.mark.slow
@@ -162,18 +164,6 @@ def test_placeholders_must_match_the_images(llava):
         engine.add_request({"prompt": PROMPTS[0], "multi_modal_data": {"image": truncated}})
     with pytest.raises(InvalidRequestError, match="the limit is 8"):
         engine.add_request({"prompt": "<image>" * 9, "multi_modal_data": {"image": pictures(9)}})
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A valid 1x1 PNG whose header claims width x height (a decompression bomb's shape)."""
-    import struct
-    import zlib
-
-    data = bytearray(png_bytes(pictures(1)[0].resize((1, 1))))
-    header = b"IHDR" + struct.pack(">II", width, height) + bytes(data[24:29])
-    data[12:29] = header
-    data[29:33] = struct.pack(">I", zlib.crc32(header))
-    return bytes(data)
 
 
 def test_the_image_caps_are_settings_named_in_their_errors(llava):

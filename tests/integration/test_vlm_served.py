@@ -22,7 +22,7 @@ from pagedserve.client.process import ServerProcess, free_port, http_status
 from pagedserve.client.repository import write_repository
 from pagedserve.client.triton_server import TritonServer
 
-from benchmarks.fuzz import Bystander, bystander_text
+from benchmarks.fuzz import Bystander, bystander_text, png_claiming
 
 from ..vlm_checks import pictures, png_bytes, write_tiny_llava
 from .conftest import llm_inputs, metric, stream_request, tensor, texts, wait_idle
@@ -65,8 +65,6 @@ def test_images_through_llm_equal_the_offline_engine(tmp_path):
 def check_bad_images_harm_no_bystander(server, files: list[bytes]) -> None:
     """Each kind of bad image gets an error naming its field while a greedy text stream runs beside
     them with the tokens it gets alone; no KV block is held after."""
-    from ..test_multimodal_engine import png_claiming
-
     cases = [([b"not an image"], ONE, "'image': is not an image Pillow can read"),
              ([files[0][: len(files[0]) // 2]], ONE, "'image': could not be decoded"),  # truncated
              ([png_claiming(100_000, 100_000)], ONE, "'image': is over the engine's max_image_pixels"),
