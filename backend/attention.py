@@ -25,6 +25,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
     max_seq_len: int
+    visible_until: torch.Tensor | None = None
+    """[num_tokens] int32: the last key position each query sees where some see past themselves (Gemma
+    3's image tokens, their whole image); None: causal. Such a step attends through the torch reference."""
 
 
 @dataclass
@@ -82,8 +85,9 @@ def attention(
         query, key, value = query[:tokens], key[:tokens], value[:tokens]
     scales = dict(k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)
     kernels.write_cache(key, value, kv_cache.key, kv_cache.value, meta.slot_mapping, **scales)
+    spans = {} if meta.visible_until is None else {"visible_until": meta.visible_until}
     out = kernels.attend(
         query, kv_cache.key, kv_cache.value, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-        max_seq_len=meta.max_seq_len, window=window, softcap=softcap, sinks=sinks, **scales,
+        max_seq_len=meta.max_seq_len, window=window, softcap=softcap, sinks=sinks, **scales, **spans,
     )
     return F.pad(out, (0, 0, 0, 0, 0, rows - tokens)) if rows > tokens else out

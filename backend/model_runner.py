@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.dispatch import read_tuned_configs
 
-from .attention import AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
+from .attention import TORCH_KERNELS, AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
 from .compiled_forward import CompiledForward
 from .cuda_graphs import DecodeGraphs
 from .lora.manager import LoRAManager
@@ -44,6 +44,7 @@ class StepArrays:
     device_src: np.ndarray  # [k] int64: its row in the step before's sampled tokens
     token_slots: np.ndarray | None = None  # [tokens] int32: each token's LoRA slot (-1 none); None: no adapter rows
     image_patch: EmbeddingPatch | None = None  # image rows (host) and their embeddings (the encoder's device)
+    visible_until: np.ndarray | None = None  # [tokens] int32: bidirectional image spans (AttentionMetadata)
 
 
 @dataclass
@@ -165,7 +166,7 @@ class ModelRunner:
         positions = np.arange(num_tokens, dtype=np.int64) - query_start[rows] + starts[rows]
         slots = block_tables[rows, positions // self.block_size].astype(np.int64) * self.block_size
         slots += positions % self.block_size
-        positions = _rotary_positions(seqs, positions, query_start)
+        indices, positions = positions, _rotary_positions(seqs, positions, query_start)
         seq_slots = self.lora.slots_of(seqs) if self.lora is not None else None
         logits_indices = query_start[1:][sampling] - 1
         if batch.has_drafts:  # a verifying sequence's logits at its last token and at each draft, in order
@@ -173,13 +174,18 @@ class ModelRunner:
             firsts = np.cumsum(counts) - counts
             logits_indices = (np.repeat(query_start[1:] - counts, counts)
                               + np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(firsts, counts))
+        patch = self.images.patch(seqs, starts, query_start) if self.images is not None else None
+        visible_until = None
+        if patch is not None and patch.visible_until is not None:  # an image's tokens see all of it
+            visible_until = indices.astype(np.int32)
+            visible_until[patch.rows.numpy()] = patch.visible_until
         return StepArrays(input_ids=input_ids, positions=positions, slots=slots, block_tables=block_tables,
                           seq_lens=seq_lens, query_start=query_start, logits_indices=logits_indices,
                           sampling_seqs=[s for s, keep in zip(seqs, sampling) if keep],
                           device_rows=np.asarray(device_rows, dtype=np.int64),
                           device_src=np.asarray(device_src, dtype=np.int64),
                           token_slots=None if seq_slots is None else seq_slots[rows],
-                          image_patch=self.images.patch(seqs, starts, query_start) if self.images is not None else None)
+                          image_patch=patch, visible_until=visible_until)
 
     def remember(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """The tokens a step sampled, on the device, for the next step's inputs (async
@@ -227,6 +233,7 @@ class ModelRunner:
             query_start_loc=to(arrays.query_start.astype(np.int32)),
             max_query_len=int((arrays.query_start[1:] - arrays.query_start[:-1]).max()),
             max_seq_len=int(arrays.seq_lens.max()),
+            visible_until=None if arrays.visible_until is None else to(arrays.visible_until),
         )
         input_ids = to(arrays.input_ids)
         self.fill_device_tokens(input_ids, arrays.device_rows, arrays.device_src)
@@ -267,8 +274,10 @@ class ModelRunner:
             input_ids, positions, pieces = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad)), self.compiled.pieces
         if self.lora is not None:
             self.lora.activate(inputs.lora_slots, inputs.logits_indices)
+        if attention is None:  # bidirectional image spans: the torch reference alone takes them
+            attention = TORCH_KERNELS if inputs.meta.visible_until is not None else self.attention_kernels
         hidden = self.model(
-            input_ids, positions, kv_caches or self.kv_caches, inputs.meta, attention or self.attention_kernels, pieces,
+            input_ids, positions, kv_caches or self.kv_caches, inputs.meta, attention, pieces,
             inputs.logits_indices, inputs.image_patch,
         )
         if len(inputs.logits_indices) == 0:

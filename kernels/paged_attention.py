@@ -21,6 +21,10 @@ Attention sinks (keyword-only `sinks`, gpt-oss: float [num_heads]): each head's 
 more logit, its sink, in the denominator and no value: out = sum_k e^(s_k) v_k / (e^(sink) +
 sum_k e^(s_k)), so a head may attend to nothing in particular.
 
+Bidirectional spans (keyword-only `visible_until`, the torch reference only: int [num_tokens]): query
+token t sees keys up to position visible_until[t] of its sequence instead of its own (Gemma 3's image
+tokens see their whole image); a chunk holds every token such a span lets a query see.
+
 FP8 KV cache: key_cache/value_cache may be torch.float8_e4m3fn with per-tensor
 scales (keyword-only k_scale, v_scale; dequantized = stored * scale; scales are
 ignored for other cache dtypes, and default to 1.0).
@@ -53,6 +57,7 @@ def paged_attention_ref(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    visible_until: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decodes are batched (one gather, one padded SDPA with GQA folded into the
     query axis); prefill chunks run one sequence at a time.
@@ -99,7 +104,15 @@ def paged_attention_ref(
         if fp8:
             keys, values = _dequant(keys, ks, query.dtype), _dequant(values, vs, query.dtype)
         q = query[starts[i] : starts[i + 1]].transpose(0, 1)  # [h, q, d]
-        if seq_len == q_len and (window is None or window >= seq_len) and softcap is None and sinks is None:
+        if visible_until is not None:
+            until = visible_until[starts[i] : starts[i + 1]].to(query.device)[:, None]
+            visible = visible_keys(q_len, seq_len, window, query.device)
+            key_positions = torch.arange(seq_len, device=query.device)[None, :]
+            own = torch.arange(q_len, device=query.device)[:, None] + (seq_len - q_len)
+            visible |= (key_positions > own) & (key_positions <= until)  # a span's later keys too
+            sink = None if sinks is None else sinks.view(-1, 1, 1)
+            attn = _attend(q, keys, values, visible, scale, softcap, sink)
+        elif seq_len == q_len and (window is None or window >= seq_len) and softcap is None and sinks is None:
             attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
             sink = None if sinks is None else sinks.view(-1, 1, 1)

@@ -19,7 +19,7 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | upper }}: {%
 """LLaVA-1.5's shape of chat: `USER: <image>\n...` turns, then `ASSISTANT:`."""
 
 
-def tokenizer_with_image_token(special: tuple[str, ...] = (IMAGE_TOKEN,)):
+def tokenizer_with_image_token(special: tuple[str, ...] = (IMAGE_TOKEN,), **kwargs):
     """A small Llama-2-style tokenizer whose special tokens include LLaVA's `<image>` (or `special`)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -35,7 +35,7 @@ def tokenizer_with_image_token(special: tuple[str, ...] = (IMAGE_TOKEN,)):
     for byte in range(256):
         spec["model"]["vocab"].setdefault(f"<0x{byte:02X}>", len(spec["model"]["vocab"]))
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
-                                   eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+                                   eos_token="</s>", unk_token="<unk>", pad_token="<pad>", **kwargs)
 
 
 def write_tiny_llava(directory: str | os.PathLike) -> str:
@@ -102,6 +102,37 @@ def write_tiny_qwen25_vl(directory: str | os.PathLike) -> str:
     tokenizer.save_pretrained(directory)
     with open(os.path.join(directory, "processor_config.json"), "w") as f:
         json.dump({"processor_class": "Qwen2_5_VLProcessor"}, f)
+    return str(directory)
+
+
+GEMMA_SPECIAL = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+GEMMA_IMAGE = "<start_of_image>"
+
+
+def write_tiny_gemma3(directory: str | os.PathLike) -> str:
+    """Gemma3ForConditionalGeneration: a 2-layer SigLIP tower on 32x32 pictures (16 patches pooled to 4
+    image tokens), the projector, a 2-layer Gemma 3 (a sliding-window layer, window 64, and a global
+    one); its image tokens attend to one another. Saved with its Gemma3Processor, float32."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, Gemma3TextConfig, SiglipVisionConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = tokenizer_with_image_token(GEMMA_SPECIAL, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    config = Gemma3Config(
+        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                         image_size=32, patch_size=8),
+        text_config=Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                                     sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+                                     max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+                                     initializer_range=0.3),
+        mm_tokens_per_image=4, boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+        image_token_index=tokenizer.image_token_id)
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(config).eval().save_pretrained(directory)
+    Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tokenizer=tokenizer,
+                    image_seq_length=4, chat_template=CHAT_TEMPLATE.replace("<image>", GEMMA_IMAGE)).save_pretrained(directory)
     return str(directory)
 
 

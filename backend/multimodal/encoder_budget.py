@@ -11,8 +11,10 @@ from .encoder_cache import EncoderCache
 
 
 class EncoderBudget:
-    def __init__(self, cache: EncoderCache, tokens_per_step: int):
-        self.cache, self.tokens_per_step = cache, tokens_per_step
+    def __init__(self, cache: EncoderCache, tokens_per_step: int, whole_images: bool = False):
+        """whole_images: a chunk never ends inside an image (an image's tokens attend to one another,
+        Gemma 3): it stops before the image, or takes the rest of it past the token budget."""
+        self.cache, self.tokens_per_step, self.whole_images = cache, tokens_per_step, whole_images
         self._left = tokens_per_step
         self._charged: set[bytes] = set()
 
@@ -31,4 +33,9 @@ class EncoderBudget:
                 return max(0, image.offset - start)  # the chunk stops before it; a later step encodes it
             self._left -= image.length
             self._charged.add(image.content_hash)
+        end = start + num_new
+        if self.whole_images:
+            for image in seq.mm.overlapping(start, end):
+                if end < image.end:  # the chunk would end inside it
+                    return image.offset - start if image.offset > start else image.end - start
         return num_new

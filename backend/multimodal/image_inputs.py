@@ -17,7 +17,7 @@ from .images import DEFAULT_MAX_IMAGE_PIXELS
 from .inputs import MultiModalPrompt
 from .processor import DEFAULT_MAX_IMAGES, ImagePromptProcessor
 from .step_embeddings import ImageEmbedder
-from .vlm_config import is_vision_language
+from .vlm_config import BIDIRECTIONAL_IMAGES, VLM_ARCHITECTURES, is_vision_language
 
 DEFAULT_ENCODER_CACHE_BYTES = 256 * 2**20
 
@@ -41,11 +41,12 @@ class ImageInputs:
             raise ConfigError("model", f"{model_dir}: config.json names no image token (image_token_index)")
         processor = ImagePromptProcessor(model_dir, int(token_id), max_images, max_pixels)
         encoder = VisionEncoder.load(model_dir, tensors, device, dtype)
-        return cls(processor, ImageEmbedder(encoder, EncoderCache(cache_bytes)))
+        family = VLM_ARCHITECTURES[config["architectures"][0]]
+        return cls(processor, ImageEmbedder(encoder, EncoderCache(cache_bytes), bidirectional=family in BIDIRECTIONAL_IMAGES))
 
     def budget(self, tokens_per_step: int) -> EncoderBudget:
         """The scheduler's encoder budget over this model's encoder cache."""
-        return EncoderBudget(self.embedder.cache, tokens_per_step)
+        return EncoderBudget(self.embedder.cache, tokens_per_step, whole_images=self.embedder.bidirectional)
 
     def process(self, prompt: str, images: Sequence[Any]) -> tuple[list[int], MultiModalPrompt]:
         """Token ids and images of a prompt, with multimodal rotary positions where the model has them."""

@@ -77,9 +77,10 @@ class ImagePromptProcessor:
                  max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
         self.processor = load_processor(model_dir)
         self.image_token_id = image_token_id
-        self.placeholder: str = (getattr(self.processor, "image_token", None)
+        self.placeholder: str = (getattr(self.processor, "boi_token", None) or getattr(self.processor, "image_token", None)
                                  or self.processor.tokenizer.convert_ids_to_tokens(image_token_id))
-        """The text a prompt writes where an image goes (LLaVA's `<image>`)."""
+        """The text a prompt writes where an image goes (LLaVA's `<image>`, Qwen2.5-VL's `<|image_pad|>`,
+        Gemma 3's `<start_of_image>`)."""
         self.max_images, self.max_pixels = max_images, max_pixels
 
     def process(self, prompt: str, images: Sequence[Any], field: str = "image") -> tuple[list[int], MultiModalPrompt]:

@@ -25,11 +25,16 @@ class EmbeddingPatch:
     values: torch.Tensor  # [k, hidden]
     rope_positions: torch.Tensor | None = None
     """[3, k] int64: the rows' multimodal rotary positions (time, height, width), None without them."""
+    visible_until: np.ndarray | None = None
+    """[k] int32: the last position each row sees (its image's last), where an image's tokens see one
+    another (Gemma 3); None: causal."""
 
 
 class ImageEmbedder:
-    def __init__(self, encoder: VisionEncoder, cache: EncoderCache):
-        self.encoder, self.cache = encoder, cache
+    def __init__(self, encoder: VisionEncoder, cache: EncoderCache, bidirectional: bool = False):
+        """bidirectional: an image's tokens attend to one another (Gemma 3), so a prefill chunk that
+        holds an image's tokens holds all of them (EncoderBudget) and they see the whole image."""
+        self.encoder, self.cache, self.bidirectional = encoder, cache, bidirectional
         self.num_encoded = 0
 
     def embeddings(self, image: ImageItem) -> torch.Tensor:
@@ -49,6 +54,7 @@ class ImageEmbedder:
         rows: list[np.ndarray] = []
         values: list[torch.Tensor] = []
         positions: list[np.ndarray] = []
+        until: list[np.ndarray] = []
         for i, seq in enumerate(seqs):
             if seq.mm is None:
                 continue
@@ -59,7 +65,10 @@ class ImageEmbedder:
                 values.append(self.embeddings(image)[first - image.offset:last - image.offset])
                 if seq.mm.rope_positions is not None:
                     positions.append(seq.mm.rope_positions[:, first:last])
+                if self.bidirectional:
+                    until.append(np.full(last - first, image.end - 1, dtype=np.int32))
         if not rows:
             return None
         rope = torch.from_numpy(np.concatenate(positions, axis=1)) if positions else None
-        return EmbeddingPatch(torch.from_numpy(np.concatenate(rows)), torch.cat(values), rope)
+        return EmbeddingPatch(torch.from_numpy(np.concatenate(rows)), torch.cat(values), rope,
+                              np.concatenate(until) if until else None)

@@ -14,11 +14,16 @@ if TYPE_CHECKING:
 VLM_ARCHITECTURES = {
     "LlavaForConditionalGeneration": "llava",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
 """Supported vision-language architectures (config.json `architectures[0]`) -> their family."""
 
+BIDIRECTIONAL_IMAGES = {"gemma3"}
+"""Families whose image tokens attend to one another (the rest of the prompt is causal)."""
+
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM"}
+                      "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
+                      "gemma3_text": "Gemma3ForCausalLM"}
 """The language model inside, by its text_config model_type -> the text architecture that loads it."""
 
 _LM_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),

@@ -457,3 +457,31 @@ def test_gpu_write_kv_cache(kv_dtype):
             assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
         else:
             assert torch.equal(a, b)
+
+
+def test_bidirectional_spans_see_their_whole_span():
+    """visible_until (the torch reference's): rows of a span (an image's tokens) see every key up to
+    its end, before and after themselves; other rows stay causal; a later query of the chunk sees the
+    span as any earlier keys. Checked against dense attention with that mask, a prefill of 12 new
+    tokens on 20 of context, and one whose chunk starts inside the span (its earlier rows cached)."""
+    import torch.nn.functional as F
+
+    from .paged_batch import Batch
+
+    for q_len, seq_len, span in ((12, 20, (10, 14)), (6, 20, (12, 17))):
+        batch = Batch([q_len], [seq_len], num_heads=4, num_kv_heads=2, head_dim=16, device=torch.device("cpu"))
+        own = torch.arange(seq_len - q_len, seq_len)
+        until = torch.where((own >= span[0]) & (own < span[1]), span[1] - 1, own).to(torch.int32)
+        out = paged_attention_ref(*batch.ref_args(), visible_until=until)
+        table = batch.ref_block_tables[0].long()
+        keys = batch.ref_key_cache[table].reshape(-1, 2, 16)[:seq_len].transpose(0, 1)
+        values = batch.ref_value_cache[table].reshape(-1, 2, 16)[:seq_len].transpose(0, 1)
+        positions = torch.arange(seq_len)
+        mask = (positions[None, :] <= own[:, None]) | (positions[None, :] <= until[:, None])
+        dense = F.scaled_dot_product_attention(batch.query.transpose(0, 1), keys, values, attn_mask=mask,
+                                               scale=batch.scale, enable_gqa=True).transpose(0, 1)
+        assert torch.allclose(out, dense, atol=1e-5)
+        causal = paged_attention_ref(*batch.ref_args())
+        inside = (own >= span[0]) & (own < span[1] - 1)
+        assert not torch.allclose(out[inside], causal[inside], atol=1e-3)  # the span's rows see more
+        assert torch.allclose(out[~inside], causal[~inside], atol=1e-6)
