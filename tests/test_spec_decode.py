@@ -385,7 +385,7 @@ def test_plan_feeds_the_last_token_then_the_drafts_and_asks_logits_at_each():
     sched.add(c)
     batch = sched.schedule()  # a: 1 + 3 drafts; b: 1; c: its 9-token prompt
     runner = object.__new__(ModelRunner)
-    runner.block_size, runner.lora, runner.last_rows = 4, None, {}
+    runner.block_size, runner.lora, runner.last_rows, runner.images = 4, None, {}, None
     arrays = runner.plan(batch)
     assert arrays.input_ids[:5].tolist() == [99, 1, 2, 3, 99]
     assert arrays.input_ids[5:].tolist() == list(range(60, 69))
