@@ -181,8 +181,9 @@ class LLMEngine:
         if self.workers is not None:
             raise ConfigError("tensor_parallel_size", "vision-language models run on one rank; set it to 1")
         config = self.config
-        return ImageInputs.load(self.model_path, checkpoint_tensors(self.model_path), self.device, self.dtype,
-                                config.max_images_per_prompt, config.max_image_pixels, config.encoder_cache_bytes)
+        return ImageInputs.load(self.model_path, model_config.vision_language, checkpoint_tensors(self.model_path),
+                                self.device, self.dtype, config.max_images_per_prompt, config.max_image_pixels,
+                                config.encoder_cache_bytes)
 
     @property
     def block_manager(self) -> BlockManager:

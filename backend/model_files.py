@@ -8,6 +8,7 @@ model directory; `is_gguf` is the one place that tells them apart.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from typing import Any
 
@@ -51,6 +52,15 @@ def is_default_model(path: str) -> bool:
         return os.path.samefile(path, default_model_path())
     except (ConfigError, OSError):
         return False
+
+
+def read_model_json(directory: str, name: str) -> dict[str, Any] | None:
+    """A model directory's JSON file `name` (config.json, generation_config.json, ...), None where it has none."""
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def is_gguf(path: str) -> bool:

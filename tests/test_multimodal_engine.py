@@ -13,14 +13,13 @@ from pagedserve.backend.errors import InvalidRequestError
 
 from benchmarks.fuzz import png_claiming
 
-from .vlm_checks import chat_text, pictures, png_bytes, transformers_greedy, write_tiny_llava
+from .vlm_checks import TOKENS, assert_same, chat_text, greedy, pictures, png_bytes, transformers_greedy, write_tiny_llava
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["Describe the picture: <image> What is in it?",
            "Compare <image> with <image> and tell the difference between them.",
            "The quick brown fox jumps over the lazy dog"]
-TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +39,6 @@ def requests(images: list) -> list:
     return [{"prompt": PROMPTS[0], "multi_modal_data": {"image": images[0]}},
             {"prompt": PROMPTS[1], "multi_modal_data": {"image": images[1:3]}},
             PROMPTS[2]]
-
-
-def greedy(engine: LLMEngine, prompts: list) -> list[list[int]]:
-    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
-    return [c.token_ids for c in engine.generate(prompts, params, use_tqdm=False)]
-
-
-def assert_same(ours: list[list[int]], theirs: list[list[int]]) -> None:
-    for mine, expected in zip(ours, theirs):
-        assert len(expected) >= 4 and mine[: len(expected)] == expected  # transformers stops at EOS
 
 
 @pytest.mark.parametrize("chunk", [None, 16], ids=["whole-prompts", "chunks-of-16"])

@@ -7,31 +7,20 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.backend import LLMEngine, SamplingParams
+from pagedserve.backend import LLMEngine
 
-from .vlm_checks import GEMMA_IMAGE, chat_text, pictures, transformers_greedy, write_tiny_gemma3
+from .vlm_checks import GEMMA_IMAGE, TOKENS, assert_same, chat_text, greedy, pictures, transformers_greedy, write_tiny_gemma3
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [f"Describe the picture: {GEMMA_IMAGE} What is in it?",
            f"Compare {GEMMA_IMAGE} with {GEMMA_IMAGE} and tell the difference.",
            "The quick brown fox jumps over the lazy dog"]
-TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory) -> str:
     return write_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
-
-
-def greedy(engine: LLMEngine, prompts: list) -> list[list[int]]:
-    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
-    return [c.token_ids for c in engine.generate(prompts, params, use_tqdm=False)]
-
-
-def assert_same(ours: list[list[int]], theirs: list[list[int]]) -> None:
-    for mine, expected in zip(ours, theirs):
-        assert len(expected) >= 4 and mine[: len(expected)] == expected
 
 
 @pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 16, "block_size": 8}], ids=["whole", "chunked"])

@@ -9,31 +9,21 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.backend import LLMEngine, SamplingParams
+from pagedserve.backend import LLMEngine
 
-from .vlm_checks import QWEN_IMAGE, chat_text, pictures, png_bytes, transformers_greedy, write_tiny_qwen25_vl
+from .vlm_checks import (QWEN_IMAGE, TOKENS, assert_same, chat_text, greedy, pictures, png_bytes, transformers_greedy,
+                          write_tiny_qwen25_vl)
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [f"Describe the picture: {QWEN_IMAGE} What is in it?",
            f"Compare {QWEN_IMAGE} with {QWEN_IMAGE} and tell the difference.",
            "The quick brown fox jumps over the lazy dog"]
-TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory) -> str:
     return write_tiny_qwen25_vl(tmp_path_factory.mktemp("qwen25vl"))
-
-
-def greedy(engine: LLMEngine, prompts: list, tokens: int = TOKENS) -> list[list[int]]:
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    return [c.token_ids for c in engine.generate(prompts, params, use_tqdm=False)]
-
-
-def assert_same(ours: list[list[int]], theirs: list[list[int]]) -> None:
-    for mine, expected in zip(ours, theirs):
-        assert len(expected) >= 4 and mine[: len(expected)] == expected
 
 
 @pytest.mark.parametrize("chunk", [None, 16], ids=["whole-prompts", "chunks-of-16"])

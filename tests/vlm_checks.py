@@ -158,6 +158,24 @@ def chat_text(model_dir: str, messages: list[dict]) -> str:
     return load_processor(model_dir).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+TOKENS = 12
+"""Tokens each comparison with transformers generates."""
+
+
+def greedy(engine, prompts: list, tokens: int = TOKENS) -> list[list[int]]:
+    """The engine's greedy tokens for `prompts` (text, or prompt dicts with images), EOS ignored."""
+    from pagedserve.backend import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    return [c.token_ids for c in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_same(ours: list[list[int]], theirs: list[list[int]]) -> None:
+    """Each of ours starts with transformers' tokens (transformers stops at EOS; ours ignores it)."""
+    for mine, expected in zip(ours, theirs):
+        assert len(expected) >= 4 and mine[: len(expected)] == expected
+
+
 def transformers_greedy(model_dir: str, prompt: str, images: list, max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation of `prompt` with `images`, through the checkpoint's processor."""
     import torch

@@ -4,9 +4,9 @@ recommend (what requests that set none get: ModelConfig.generation_defaults)."""
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
+
+from ..model_files import read_model_json
 
 GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
 """The sampling fields a generation_config.json may set, with transformers' GenerationConfig defaults."""
@@ -14,11 +14,7 @@ GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": N
 
 def read_generation_config(path: str) -> dict[str, Any] | None:
     """A model directory's generation_config.json, None where it has none."""
-    generation_path = os.path.join(path, "generation_config.json")
-    if not os.path.exists(generation_path):
-        return None
-    with open(generation_path) as f:
-        return json.load(f)
+    return read_model_json(path, "generation_config.json")
 
 
 def eos_token_ids(config: dict[str, Any], generation: dict[str, Any] | None) -> list[int]:

@@ -7,14 +7,13 @@ ModelOpt's `hf_quant_config.json` beside it.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from typing import Any
 
 from pagedserve.kernels.fp8 import GROUP_MULTIPLE
 
 from ..errors import ConfigError
+from ..model_files import read_model_json
 
 MODELOPT_FILE = "hf_quant_config.json"
 SERVED = ("AWQ and GPTQ 4-bit, compressed-tensors FP8 (float-quantized, per tensor, channel or block), W4A16 and "
@@ -26,11 +25,9 @@ def checkpoint_quantization(path: str, config: dict[str, Any]) -> dict[str, Any]
     """config.json's quantization_config, else ModelOpt's hf_quant_config.json as one (None: neither)."""
     if config.get("quantization_config"):
         return config["quantization_config"]
-    modelopt = os.path.join(path, MODELOPT_FILE)
-    if not os.path.exists(modelopt):
+    spec = read_model_json(path, MODELOPT_FILE)
+    if spec is None:
         return None
-    with open(modelopt) as f:
-        spec = json.load(f)
     return {"quant_method": "modelopt", **spec.get("quantization", spec)}
 
 

@@ -72,7 +72,6 @@ class VisionEncoder:
             features = torch.cat(list(features), dim=0)
         return features.reshape(-1, features.shape[-1])
 
-
     def rope_index(self, processed: dict[str, Any]) -> tuple[Any, int] | None:
         """A prompt's multimodal rotary positions, [3, tokens] numpy, and the shift of the tokens after
         it, by the model's own get_rope_index; None for a model without them."""

@@ -10,11 +10,8 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 
-DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
-"""Largest width x height accepted (the engine's `max_image_pixels`): about 16.8 megapixels."""
 
-
-def load_image(data: Any, field: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Any:
+def load_image(data: Any, field: str, max_pixels: int) -> Any:
     """An RGB PIL image from file bytes (PNG, JPEG, WebP, ... what Pillow reads) or a PIL image;
     InvalidRequestError naming `field` for anything else, a truncated file, or a picture over
     `max_pixels`."""

@@ -30,8 +30,6 @@ class MultiModalPrompt:
     """The images of one prompt, in prompt order."""
 
     images: list[ImageItem]
-    processed: dict[str, Any] = field(repr=False, default_factory=dict)
-    """The processor's whole-prompt outputs that rotary positions are computed from (then dropped)."""
     rope_positions: Any = None
     """Multimodal rotary positions (Qwen2.5-VL): [3, prompt tokens] int64 numpy (time, height, width),
     equal in all three for text tokens; None: a token's position is its index."""

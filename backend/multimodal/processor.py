@@ -4,16 +4,12 @@ pixels the vision tower reads, exactly as the model was trained on them."""
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Sequence
 
 from ..errors import ConfigError, InvalidRequestError
-from .images import DEFAULT_MAX_IMAGE_PIXELS, image_hash, load_image
+from ..model_files import read_model_json
+from .images import image_hash, load_image
 from .inputs import ImageItem, MultiModalPrompt
-
-DEFAULT_MAX_IMAGES = 8
-"""Images one request may carry (`max_images_per_prompt`)."""
 
 _PER_IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw")
 """The processor's outputs with one row per image (pixel_values: one row per patch, with a grid)."""
@@ -31,8 +27,8 @@ def load_processor(model_dir: str) -> Any:
     try:
         return AutoProcessor.from_pretrained(model_dir)
     except (OSError, ImportError, ValueError) as error:
-        config = _read_json(os.path.join(model_dir, "processor_config.json")) or \
-            _read_json(os.path.join(model_dir, "preprocessor_config.json")) or {}
+        config = (read_model_json(model_dir, "processor_config.json")
+                  or read_model_json(model_dir, "preprocessor_config.json") or {})
         name = config.get("processor_class", "")
         base = getattr(transformers, name, None) if name.startswith(("Qwen2VL", "Qwen2_5_VL")) else None
         if base is None:
@@ -51,13 +47,6 @@ def load_processor(model_dir: str) -> Any:
                      chat_template=getattr(tokenizer, "chat_template", None))
 
 
-def _read_json(path: str) -> dict[str, Any] | None:
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
 def _per_image(out: Any, count: int) -> list[dict[str, Any]]:
     """Each image's share of the processor's outputs: its row of each, or with a patch grid
     (image_grid_thw: Qwen2.5-VL) its rows of pixel_values, one per patch."""
@@ -73,8 +62,9 @@ def _per_image(out: Any, count: int) -> list[dict[str, Any]]:
 class ImagePromptProcessor:
     """Prompts with images for one vision-language checkpoint."""
 
-    def __init__(self, model_dir: str, image_token_id: int, max_images: int = DEFAULT_MAX_IMAGES,
-                 max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+    def __init__(self, model_dir: str, image_token_id: int, max_images: int, max_pixels: int):
+        """max_images: a prompt's images at most (EngineConfig's limit_mm_per_prompt); max_pixels: an
+        image's (max_image_pixels)."""
         self.processor = load_processor(model_dir)
         self.image_token_id = image_token_id
         self.placeholder: str = (getattr(self.processor, "boi_token", None) or getattr(self.processor, "image_token", None)
@@ -83,9 +73,11 @@ class ImagePromptProcessor:
         Gemma 3's `<start_of_image>`)."""
         self.max_images, self.max_pixels = max_images, max_pixels
 
-    def process(self, prompt: str, images: Sequence[Any], field: str = "image") -> tuple[list[int], MultiModalPrompt]:
-        """Token ids of `prompt` (one placeholder per image, in order) and its images; InvalidRequestError
-        naming the field for too many images, an unreadable one, or placeholders that do not match."""
+    def process(self, prompt: str, images: Sequence[Any],
+                field: str = "image") -> tuple[list[int], MultiModalPrompt, dict[str, Any]]:
+        """Token ids of `prompt` (one placeholder per image, in order), its images, and the processor's
+        whole-prompt outputs multimodal rotary positions are computed from; InvalidRequestError naming
+        the field for too many images, an unreadable one, or placeholders that do not match."""
         if len(images) > self.max_images:
             raise InvalidRequestError(field, f"{len(images)} images; the limit is {self.max_images} (the engine's "
                                              "limit_mm_per_prompt)")
@@ -103,7 +95,7 @@ class ImagePromptProcessor:
         ranges = self._placeholder_ranges(ids, len(decoded))
         items = [ImageItem(image_hash(image), offset, length, pixels)
                  for image, (offset, length), pixels in zip(decoded, ranges, _per_image(out, len(decoded)))]
-        return ids, MultiModalPrompt(items, processed={key: out[key] for key in _PROMPT_KEYS if key in out})
+        return ids, MultiModalPrompt(items), {key: out[key] for key in _PROMPT_KEYS if key in out}
 
     def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> str:
         """Chat messages as prompt text through the checkpoint's chat template (the processor's), an

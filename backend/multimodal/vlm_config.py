@@ -4,9 +4,10 @@ LoRA) loads it unchanged; the vision part is the encoder's (encoder.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING, Any, Iterator
+
+from ..model_files import read_model_json
 
 if TYPE_CHECKING:
     import torch
@@ -52,11 +53,8 @@ def is_vision_language(config: dict[str, Any]) -> bool:
 
 def takes_images(model_path: str) -> bool:
     """Whether the model at `model_path` (a Hugging Face directory) is a vision-language model."""
-    config_path = os.path.join(model_path, "config.json")
-    if not os.path.isfile(config_path):
-        return False
-    with open(config_path) as f:
-        return is_vision_language(json.load(f))
+    config = read_model_json(model_path, "config.json") if os.path.isdir(model_path) else None
+    return config is not None and is_vision_language(config)
 
 
 def language_model_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -68,10 +68,9 @@ async def resolve(images: list[Image], allowed_domains: list[str], max_bytes: in
     remote = [image for image in images if isinstance(image, RemoteImage)]
     if not remote:
         return [image for image in images if isinstance(image, str)]
-    fetched = await asyncio.gather(*(asyncio.to_thread(_fetch, image, allowed_domains, max_bytes, timeout_s)
-                                     for image in remote))
-    found = dict(zip((id(image) for image in remote), fetched))
-    return [found[id(image)] if isinstance(image, RemoteImage) else image for image in images]
+    fetched = iter(await asyncio.gather(*(asyncio.to_thread(_fetch, image, allowed_domains, max_bytes, timeout_s)
+                                          for image in remote)))
+    return [next(fetched) if isinstance(image, RemoteImage) else image for image in images]
 
 
 def _fetch(image: RemoteImage, allowed_domains: list[str], max_bytes: int, timeout_s: float) -> str:
