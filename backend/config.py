@@ -140,14 +140,16 @@ class EngineConfig:
     gloo."""
     speculative_config: str | dict = ""
     """Speculative decoding (vLLM's --speculative-config): a dict (Python API), a JSON object or
-    `key=value,key=value` (config.pbtxt, `pagedserve serve --set`) of vLLM's keys `method` (only "ngram",
-    prompt lookup, for now), `num_speculative_tokens` (required, >= 1), `prompt_lookup_min` and
-    `prompt_lookup_max` (both unset: 5 and 5; one unset: the other's value), `disable_by_batch_size` (no
-    drafting while more than that many requests run), and pagedserve's `draft_length` (adaptive: only the
-    drafts expected to pay for their rows; fixed). Greedy and sampled requests without logit processors
-    verify their drafts in the step's flat batch and give exactly the tokens they give without it (docs/
-    engine-settings.md); other requests decode as before. Empty: off. Refused with async_scheduling=on and
-    several ranks; async_scheduling=auto is off while speculating."""
+    `key=value,key=value` (config.pbtxt, `pagedserve serve --set`) of vLLM's keys `method` ("ngram",
+    prompt lookup, or "draft_model"), `num_speculative_tokens` (required, >= 1), `prompt_lookup_min` and
+    `prompt_lookup_max` (both unset: 5 and 5; one unset: the other's value), `model` (the draft's
+    checkpoint; given alone it means draft_model), `draft_tensor_parallel_size` (1), `disable_by_batch_size`
+    (no drafting while more than that many requests run), and pagedserve's `draft_length` (adaptive: only
+    the drafts expected to pay for their rows; fixed) and `dtype` (the draft's; auto: the target's).
+    Greedy and sampled requests without logit processors verify their drafts in the step's flat batch and
+    give exactly the tokens they give without it (docs/engine-settings.md); other requests decode as
+    before. Empty: off. Refused with async_scheduling=on and several ranks; async_scheduling=auto is off
+    while speculating."""
     kv_events_config: str | dict = ""
     """The prefix cache's events for LLM-aware routers (vLLM's --kv-events-config, backend/kv_events.py):
     a dict, a JSON object or `key=value,key=value` of vLLM's keys `enable_kv_cache_events` (default true

@@ -84,12 +84,14 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return 2 * config.num_layers * block_size * config.kv_size * element
 
 
-def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, device: torch.device, kv_dtype: torch.dtype) -> int:
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, device: torch.device, kv_dtype: torch.dtype,
+                  draft_block_bytes: int = 0) -> int:
     """KV blocks for this engine: the exact count asked for, else what the budget holds
-    (free GPU memory above the utilization cap, or kv_cache_bytes on CPU)."""
+    (free GPU memory above the utilization cap, or kv_cache_bytes on CPU); a draft model's
+    cache has a block for each of the target's, paid from the same budget."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    per_block = kv_block_bytes(model_config, config.block_size, kv_dtype)
+    per_block = kv_block_bytes(model_config, config.block_size, kv_dtype) + draft_block_bytes
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # What torch's allocator holds for this process but no tensor uses (a released

@@ -47,6 +47,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
 from .spec_decode import Speculator, Verification
+from .spec_decode.draft_model import load_draft
 from .structured_output import GrammarCompiler
 from .tokenizer import apply_chat_template, encode_prompt
 
@@ -129,9 +130,16 @@ class LLMEngine:
         """The adapters this model serves (enable_lora), else None."""
 
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
-        num_blocks = num_kv_blocks(config, loaded.model.local_config, self.device, self.kv_dtype)
+        spec = config.speculative
+        draft = (load_draft(spec, loaded.config, loaded.tokenizer, self.model_path, self.dtype, self.device,
+                            config.attention_backend, cpu) if spec is not None and spec.method == "draft_model" else None)
+        num_blocks = num_kv_blocks(config, loaded.model.local_config, self.device, self.kv_dtype,
+                                   draft.block_bytes(config.block_size) if draft is not None else 0)
         self.max_model_len = max_model_len(config, self.model_config, num_blocks)
-        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
+        if draft is not None:
+            self.max_model_len = draft.fit_context(self.max_model_len, config.max_model_len)
+            draft.start(num_blocks, config.block_size)
+        self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
         """Speculative decoding's proposer and verifier (speculative_config), else None."""
         self.scheduler = Scheduler(
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
@@ -389,8 +397,10 @@ class LLMEngine:
         if self._in_flight is not None and self._in_flight.needs_host:
             outputs += self._finish(self._in_flight)
             self._in_flight = None
-        batch = self.scheduler.schedule()
         started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.complete(batch)  # a draft model's drafts (its time counts in the step's)
         launched = self._launch(batch) if batch.seqs else None
         if self._in_flight is not None:
             outputs += self._finish(self._in_flight)

@@ -1,5 +1,5 @@
-"""What n-gram speculative decoding (`speculative_config`, backend/spec_decode/) buys, side by side in
-one run: the bundled model with its real weights, greedy, speculation off and on, over three
+"""What speculative decoding (`speculative_config`, backend/spec_decode/) buys, n-gram or a draft
+model, side by side in one run: the bundled model with its real weights, greedy, speculation off and on, over three
 workloads with fixed texts (nothing is downloaded):
 
   edit   the model is asked to rewrite a given paragraph with its spelling corrected: the answer
@@ -16,7 +16,13 @@ the request-steps the adaptive engine held back from drafting (acceptance and he
 of the row's runs; tok/s: the median of --repeats runs, interleaved). float32, where speculation's output
 equals the plain run's token for token (checked every row).
 
-    python benchmarks/speculative.py [--k 4] [--lookup-min 1] [--lookup-max 3] [--max-tokens 128]
+With `--method draft_model` the drafts come from a draft model instead: by default the bundled
+model's own Q4_1 GGUF run in bfloat16 (its quantized blocks kept: a quarter of bf16's bytes, an
+eighth of the float32 target's) drafting for the float32 model dequantized from it; `--draft` and
+`--draft-dtype` name another.
+
+    python benchmarks/speculative.py [--method ngram|draft_model] [--k 4] [--lookup-min 1] [--lookup-max 3]
+                                     [--draft PATH] [--draft-dtype bfloat16] [--max-tokens 128]
                                      [--disable-by-batch-size N]
 """
 
@@ -32,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import machine  # noqa: E402
 
 from pagedserve.backend import LLMEngine, SamplingParams  # noqa: E402
+from pagedserve.backend.model_files import default_model_path  # noqa: E402
 
 PARAGRAPHS = [
     "The comittee met on tuesday to discus the new budjet. Every departmant presented its plan, and the "
@@ -92,6 +99,9 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, streams: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    parser.add_argument("--draft", default="", help="draft_model: the draft's checkpoint (default: the bundled GGUF)")
+    parser.add_argument("--draft-dtype", default="bfloat16", help="draft_model: the draft's dtype")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=1)
     parser.add_argument("--lookup-max", type=int, default=3)
@@ -101,6 +111,9 @@ def main() -> None:
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
             "prompt_lookup_max": args.lookup_max, "disable_by_batch_size": args.disable_by_batch_size}
+    if args.method == "draft_model":
+        spec = {"method": "draft_model", "model": args.draft or default_model_path(), "dtype": args.draft_dtype,
+                "num_speculative_tokens": args.k, "disable_by_batch_size": args.disable_by_batch_size}
     engines = {"off": LLMEngine(dtype="float32"),
                "fixed": LLMEngine(dtype="float32", speculative_config={**spec, "draft_length": "fixed"}),
                "adaptive": LLMEngine(dtype="float32", speculative_config={**spec, "draft_length": "adaptive"})}

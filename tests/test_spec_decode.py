@@ -80,12 +80,18 @@ def test_dict_json_and_key_value_forms_agree_with_vllm_defaults():
     assert parse("num_speculative_tokens=2,disable_by_batch_size=4").disable_by_batch_size == 4
     assert expected.draft_length == "adaptive"
     assert parse("num_speculative_tokens=2,draft_length=FIXED").draft_length == "fixed"
+    draft = parse("model=/models/draft,num_speculative_tokens=3,draft_tensor_parallel_size=1,dtype=bfloat16")
+    assert (draft.method, draft.model, draft.dtype) == ("draft_model", "/models/draft", "bfloat16")  # vLLM: a model means a draft
 
 
 @pytest.mark.parametrize("value, match", [
-    ("method=draft_model,num_speculative_tokens=3", "not implemented yet"),
+    ("method=draft_model,num_speculative_tokens=3", "needs `model`"),
+    ("method=ngram,model=/some/draft,num_speculative_tokens=3", "is for method 'draft_model'"),
+    ("model=/some/draft,num_speculative_tokens=3,draft_tensor_parallel_size=2", "draft_tensor_parallel_size must be 1"),
+    ("model=/some/draft,num_speculative_tokens=3,dtype=int8", "dtype must be one of"),
+    ("num_speculative_tokens=3,dtype=bfloat16", "dtype is the draft model's"),
     ({"method": "eagle3", "num_speculative_tokens": 3}, "not implemented yet"),
-    ("method=magic,num_speculative_tokens=3", "method must be 'ngram'"),
+    ("method=magic,num_speculative_tokens=3", "method must be 'ngram' or 'draft_model'"),
     ("method=ngram", "num_speculative_tokens is required"),
     ("num_speculative_tokens=0", "num_speculative_tokens must be >= 1"),
     ("num_speculative_tokens=two", "must be an integer"),

@@ -10,11 +10,12 @@ from ..errors import ConfigError
 from ..values import setting_items, to_int
 
 FIELD = "speculative_config"
-METHODS = ("ngram",)
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")
+METHODS = ("ngram", "draft_model")
+NOT_YET = ("eagle", "eagle3", "medusa", "mtp", "suffix")
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
-        "draft_length")
+        "draft_length", "model", "draft_tensor_parallel_size", "dtype")
 DRAFT_LENGTHS = ("adaptive", "fixed")
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_LOOKUP = 5
 """vLLM's SpeculativeConfig: both prompt_lookup bounds unset -> 5 and 5; one unset -> the other's value."""
 
@@ -31,6 +32,12 @@ class SpeculativeConfig:
     draft_length: str = "adaptive"
     """pagedserve's key: `adaptive` drafts, per request and step, only as many tokens as are expected
     to pay for their rows (draft_length.py); `fixed` always up to num_speculative_tokens (vLLM's way)."""
+    model: str = ""
+    """draft_model: the draft's checkpoint (a Hugging Face directory or a .gguf file), sharing the
+    target's tokenizer."""
+    dtype: str = "auto"
+    """pagedserve's key, draft_model: the draft's dtype; auto: the target's. A GGUF draft in bfloat16
+    or float16 on CPU keeps its quantized blocks (a Q4 draft reads a quarter of bf16's bytes)."""
 
 
 def parse(value: Any) -> SpeculativeConfig | None:
@@ -43,13 +50,27 @@ def parse(value: Any) -> SpeculativeConfig | None:
     unknown = sorted(set(items) - set(KEYS))
     if unknown:
         raise ConfigError(FIELD, f"unknown key(s) {unknown}; known keys: {list(KEYS)}")
-    method = str(items.get("method", "ngram")).strip().lower()
+    model = str(items.get("model") or "").strip()
+    method = str(items.get("method") or ("draft_model" if model else "ngram")).strip().lower()
     if method == "[ngram]":
         method = "ngram"
     if method not in METHODS:
         if method in NOT_YET:
-            raise ConfigError(FIELD, f"method {method!r} is not implemented yet; only 'ngram' (prompt lookup) is")
-        raise ConfigError(FIELD, f"method must be 'ngram', got {method!r}")
+            raise ConfigError(FIELD, f"method {method!r} is not implemented yet; 'ngram' (prompt lookup) and "
+                                     "'draft_model' are")
+        raise ConfigError(FIELD, f"method must be 'ngram' or 'draft_model', got {method!r}")
+    if method == "draft_model" and not model:
+        raise ConfigError(FIELD, "method 'draft_model' needs `model`: the draft's checkpoint directory or .gguf file")
+    if method == "ngram" and model:
+        raise ConfigError(FIELD, f"`model` ({model!r}) is for method 'draft_model'; n-gram drafting needs no weights")
+    if items.get("draft_tensor_parallel_size") not in (None, "") and _int(items, "draft_tensor_parallel_size") != 1:
+        raise ConfigError(FIELD, "draft_tensor_parallel_size must be 1: the draft runs on one rank, as the target "
+                                 f"does while speculating (got {items['draft_tensor_parallel_size']!r})")
+    dtype = str(items.get("dtype") or "auto").strip().lower()
+    if dtype not in DRAFT_DTYPES:
+        raise ConfigError(FIELD, f"dtype must be one of {list(DRAFT_DTYPES)}, got {dtype!r}")
+    if dtype != "auto" and method != "draft_model":
+        raise ConfigError(FIELD, "dtype is the draft model's; method 'ngram' has none")
     if items.get("num_speculative_tokens") in (None, ""):
         raise ConfigError(FIELD, "num_speculative_tokens is required (the draft tokens proposed per step, >= 1)")
     k = _int(items, "num_speculative_tokens")
@@ -73,7 +94,7 @@ def parse(value: Any) -> SpeculativeConfig | None:
     draft_length = str(items.get("draft_length") or "adaptive").strip().lower()
     if draft_length not in DRAFT_LENGTHS:
         raise ConfigError(FIELD, f"draft_length must be one of {list(DRAFT_LENGTHS)}, got {draft_length!r}")
-    return SpeculativeConfig(method, k, low, high, limit, draft_length)
+    return SpeculativeConfig(method, k, low, high, limit, draft_length, model, dtype)
 
 
 def _int(items: dict[str, Any], name: str) -> int:

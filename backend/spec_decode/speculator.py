@@ -13,6 +13,11 @@ is what rejection sampling (Leviathan et al.; Chen et al.) does with a one-point
 
 Requests whose logit processors (penalties, bad words, structured output, pending min_tokens)
 would need per-row histories holding the drafts do not draft.
+
+The drafts come from the n-gram lookup while the step is scheduled, or from a draft model
+(draft_model.py) in one batched pass after it (`complete`): the scheduler then reserves the
+rows and blocks for each request's drafts (placeholders), which the draft fills before the
+target runs.
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ from .ngram import propose_ngram
 
 if TYPE_CHECKING:
     from ..sampler import Sampler
+    from ..scheduler import ScheduledBatch
     from ..sequence import Sequence
+    from .draft_model import DraftModel
+
+PENDING = -1
+"""A draft token the draft model has not proposed yet (between scheduling and `complete`)."""
 
 
 @dataclass
@@ -58,17 +68,26 @@ class Verification:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int | None = None):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int | None = None, draft: DraftModel | None = None):
         self.config = config
         self.max_model_len = max_model_len
+        self.draft = draft
+        """The draft model (method draft_model), else None (n-gram)."""
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.lengths = DraftLengths(config.num_speculative_tokens, config.draft_length == "adaptive")
+        self._drafting = False
+        self._shadowing: set[Sequence] = set()
+        """Held-back requests whose shadow draft the draft model proposes in `complete`."""
 
     @staticmethod
-    def eligible(seq: Sequence) -> bool:
+    def may_ever_draft(seq: Sequence) -> bool:
+        """No logit processor that would need the drafts in per-row histories (min_tokens passes)."""
         p = seq.params
-        return (not p.needs_penalties and not p.bad_words_ids and p.structured_outputs is None
-                and seq.grammar is None and seq.num_output_tokens >= p.min_tokens)
+        return not p.needs_penalties and not p.bad_words_ids and p.structured_outputs is None and seq.grammar is None
+
+    @classmethod
+    def eligible(cls, seq: Sequence) -> bool:
+        return cls.may_ever_draft(seq) and seq.num_output_tokens >= seq.params.min_tokens
 
     def may_draft(self, seq: Sequence) -> bool:
         """Whether seq drafts this step if its length allows: it decodes (its one new token known)
@@ -86,15 +105,38 @@ class Speculator:
 
     def begin_step(self, running: list[Sequence]) -> None:
         """Before a step's drafts are proposed: each decoding request's draft length for it."""
+        self._drafting = True
         self.lengths.begin_step(running, [seq for seq in running if self.may_draft(seq)])
 
     def propose(self, seq: Sequence, cap: int) -> list[int]:
-        """Up to min(cap, the request's draft length) draft tokens after seq's known tokens."""
+        """Up to min(cap, the request's draft length) draft tokens after seq's known tokens (with a
+        draft model: that many PENDING, which `complete` replaces)."""
         length = self.lengths.length(seq)
         if length == 0 and self.lengths.wants_shadow(seq):  # held back: what it would have drafted, scored later
-            self.lengths.shadow(seq, self._ngram(seq, self.config.num_speculative_tokens))
+            if self.draft is None:
+                self.lengths.shadow(seq, self._ngram(seq, self.config.num_speculative_tokens))
+            else:
+                self._shadowing.add(seq)
         k = min(cap, length)
-        return self._ngram(seq, k) if k > 0 else []
+        if k <= 0:
+            return []
+        return self._ngram(seq, k) if self.draft is None else [PENDING] * k
+
+    def complete(self, batch: ScheduledBatch) -> None:
+        """After scheduling, before the target runs: the draft model's pass over the step (its
+        cache kept up with every request that may draft), its drafts in place of the PENDING ones,
+        and a one-token shadow draft for each held-back request. Nothing for n-gram."""
+        drafting, self._drafting = self._drafting, False
+        shadowing, self._shadowing = self._shadowing, set()
+        if self.draft is None or not drafting:
+            return
+        counts = {index: len(drafts) for index, drafts in enumerate(batch.drafts) if drafts}
+        counts.update({index: 1 for index, seq in enumerate(batch.seqs) if seq in shadowing and index not in counts})
+        for index, tokens in self.draft.propose(batch, counts, self.may_ever_draft).items():
+            if batch.drafts[index]:
+                batch.drafts[index][:] = tokens
+            else:
+                self.lengths.shadow(batch.seqs[index], tokens)
 
     def _ngram(self, seq: Sequence, k: int) -> list[int]:
         c = self.config

@@ -1,0 +1,191 @@
+"""The draft-model proposer: a smaller model of the target's tokenizer drafts greedily.
+
+Its K/V live in a paged cache of its own indexed by the target's block ids: a block the scheduler
+gives a request holds the target's K/V in the target's cache and the draft's in this one, so the
+one block manager allocates, rolls back, frees and preempts for both, and the one KV budget pays
+for both (each block costs the two models' bytes: `block_bytes`).
+
+The draft keeps up with the target: each step, before the target runs, it runs once over the
+tokens every request that may draft computes (prompt chunks too, so its cache is current when
+the request first decodes; a request's first catch-up also covers what the prefix cache gave it,
+whose blocks may hold another request's target K/V without its draft's), then once per further
+draft position for the requests that draft. A request's draft K/V count as valid only up to the
+tokens the target has kept: a slot written from a rejected draft lies past them and is written
+again, and a preempted request starts over.
+
+Greedy drafting proposes one token per position (a point proposal), which the speculator's
+verification keeps with the target's probability of it, so sampled requests keep the target's
+distribution exactly (speculator.py). A draft sampled from its own distribution would be
+accepted more often under sampling, at the price of a rejection sampler that reads both
+models' probabilities; not built.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+
+from ..device import DTYPES, kv_block_bytes
+from ..errors import ConfigError
+from ..model_config import ModelConfig
+from ..model_loader import load_model
+from ..model_runner import ModelRunner
+from ..models.parallel import SINGLE_RANK
+from ..sampling_params import SamplingParams
+from ..sequence import Sequence
+from .config import FIELD, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from ..cpu.backend import CpuBackend
+    from ..scheduler import ScheduledBatch
+
+
+@dataclass
+class _Kept:
+    """How many leading tokens of a request have their draft K/V in the cache, as of which preemption."""
+
+    valid: int
+    preemptions: int
+
+
+class DraftModel:
+    def __init__(self, model: Any, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 attention_backend: str, target_vocab_size: int, path: str):
+        self.model = model
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.attention_backend = attention_backend
+        self.path = path
+        self.vocab_size = min(config.vocab_size, target_vocab_size)
+        """Drafts come from the ids both models have (embeddings are often padded differently)."""
+        self.runner: ModelRunner | None = None
+        self._kept: dict[Sequence, _Kept] = {}
+
+    def block_bytes(self, block_size: int) -> int:
+        """What one KV block costs in the draft's cache."""
+        return kv_block_bytes(self.config, block_size, self.dtype)
+
+    def fit_context(self, max_model_len: int, asked: int) -> int:
+        """The engine's max_model_len within the draft's context too: the automatic one shrinks to
+        it, an asked-for one beyond it is refused."""
+        context = self.config.max_position_embeddings
+        if max_model_len <= context:
+            return max_model_len
+        if asked:
+            raise ConfigError("max_model_len", f"{asked} is beyond the draft model's context ({context} tokens, "
+                                               f"{self.path}); lower it to {context} or less")
+        return context
+
+    def start(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the draft's cache: the target's block count, the target's block size."""
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.attention_backend)
+
+    @torch.inference_mode()
+    def propose(self, batch: ScheduledBatch, counts: dict[int, int],
+                keeps_up: Callable[[Sequence], bool]) -> dict[int, list[int]]:
+        """Drafts for the batch's sequences at the indices `counts` names (that many each), after
+        one pass over the tokens each sequence that `keeps_up` computes this step."""
+        runner = self.runner
+        assert runner is not None, "start() allocates the draft's cache first"
+        if len(self._kept) > 4 * max(len(batch.seqs), 16):
+            self._kept = {seq: kept for seq, kept in self._kept.items() if not seq.is_finished}
+        views, indices, ends = [], [], []
+        for index, seq in enumerate(batch.seqs):
+            if index not in counts and not keeps_up(seq):
+                continue
+            start = batch.starts[index]
+            end = start + batch.num_new_tokens[index] - len(batch.drafts[index])  # its real tokens this step
+            views.append(_view(seq, seq.token_ids[:end], self._valid(seq, start)))
+            indices.append(index)
+            ends.append(end)
+            self._kept[seq] = _Kept(end, seq.num_preemptions)
+        if not views:
+            return {}
+        wanted = [index in counts for index in indices]
+        firsts = iter(self._forward(views, wanted))
+        drafts = {index: [next(firsts)] for index, w in zip(indices, wanted) if w}
+        last = {index: end for index, end, w in zip(indices, ends, wanted) if w}
+        for position in range(1, max(counts.values(), default=0)):
+            going = [index for index in drafts if counts[index] > position]
+            if not going:
+                break
+            seqs = [batch.seqs[index] for index in going]
+            views = [_view(seq, seq.token_ids[: last[index]] + drafts[index], last[index] - 1 + position)
+                     for seq, index in zip(seqs, going)]
+            for token, index, seq in zip(self._forward(views, [True] * len(views)), going, seqs):
+                drafts[index].append(token)
+                self._kept[seq].valid = last[index] + position
+        return drafts
+
+    def _valid(self, seq: Sequence, start: int) -> int:
+        """Leading tokens of seq whose draft K/V stand: at most what the target has kept (`start`)."""
+        kept = self._kept.get(seq)
+        if kept is None or kept.preemptions != seq.num_preemptions:
+            return 0
+        return min(kept.valid, start)
+
+    def _forward(self, views: list[Sequence], wanted: list[bool]) -> list[int]:
+        """One draft forward over the views' uncomputed tokens; the greedy next token of each wanted one."""
+        from ..scheduler import ScheduledBatch
+
+        runner = self.runner
+        assert runner is not None
+        step = ScheduledBatch()
+        for view in views:
+            step.add(view, view.num_tokens - view.num_computed_tokens)
+        arrays = runner.plan(step)
+        keep = np.asarray(wanted, dtype=bool)
+        arrays.logits_indices = arrays.query_start[1:][keep] - 1
+        arrays.sampling_seqs = [view for view, w in zip(views, wanted) if w]
+        logits = runner.run(runner.to_inputs(arrays))
+        if not len(logits):
+            return []
+        return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+
+
+def _view(seq: Sequence, token_ids: list[int], computed: int) -> Sequence:
+    """A stand-in for seq in a draft forward: these tokens, the first `computed` of them in the
+    draft's cache, seq's block table."""
+    view = Sequence(seq.request_id, token_ids, _PLAIN)
+    view.block_table = seq.block_table
+    view.num_computed_tokens = computed
+    return view
+
+
+_PLAIN = SamplingParams()
+
+
+def load_draft(spec: SpeculativeConfig, target: ModelConfig, target_tokenizer: Any, target_path: str,
+               target_dtype: torch.dtype, device: torch.device, attention_backend: str,
+               cpu: CpuBackend | None) -> DraftModel:
+    """The draft model of `speculative_config`, checked against the target: a checkpoint that
+    exists, a text model, the target's tokenizer (token ids mean the same words in both)."""
+    from ..model_loader import read_checkpoint
+    from ..tokenizer import load_tokenizer
+
+    path = spec.model
+    if not os.path.exists(path):
+        raise ConfigError(FIELD, f"model {path!r}: no such file or directory (the draft's Hugging Face directory or "
+                                 ".gguf file)")
+    if target.vision_language:
+        raise ConfigError(FIELD, "method 'draft_model' is for text models; a draft cannot see the target's images "
+                                 "(use method 'ngram')")
+    config = read_checkpoint(path).config
+    if config.vision_language:
+        raise ConfigError(FIELD, f"model {path!r} is a vision-language model; a draft must be a text model")
+    tokenizer = load_tokenizer(path)
+    if tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ConfigError(FIELD, f"the draft {path} has another tokenizer ({len(tokenizer)} tokens) than the target "
+                                 f"{target_path} ({len(target_tokenizer)} tokens); a draft must share the target's "
+                                 "vocabulary")
+    dtype = target_dtype if spec.dtype == "auto" else DTYPES[spec.dtype]
+    keep = cpu.checkpoint_hook(dtype, False, False) if cpu is not None else None
+    loaded = load_model(path, dtype, device, SINGLE_RANK, "auto", keep)
+    if cpu is not None:
+        cpu.prepare(loaded.model, loaded.config, dtype, False)
+    return DraftModel(loaded.model, loaded.config, dtype, device, attention_backend, target.vocab_size, path)

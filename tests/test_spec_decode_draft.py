@@ -1,0 +1,139 @@
+"""Speculative decoding with a draft model (spec_decode/draft_model.py): the bundled model in float32
+drafted by its own Q4 GGUF in bfloat16 (drafts mostly accepted), and a random Llama drafted by its
+first layer alone (drafts partly accepted): greedy tokens, text, stops and logprobs equal to
+speculation off, beside prompt chunks, under preemption, with n = 2 and seeded sampling; the
+draft's cache paid from the KV budget; no block held after a cancelled request; and a draft of
+another tokenizer refused at load."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.backend import LLMEngine, SamplingParams
+from pagedserve.backend.device import kv_block_bytes
+from pagedserve.backend.errors import ConfigError
+from pagedserve.backend.model_files import default_model_path
+
+from .conftest import GPU_SHARE, MAX_TOKENS, assert_engine_idle
+
+pytestmark = pytest.mark.slow
+
+REPEAT = ("apple banana cherry date elderberry fig grape\n" * 3) + "apple banana"
+
+
+def spec(model: str, k: int = 4, **keys) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k, "draft_length": "fixed", **keys}
+
+
+@pytest.fixture(scope="module")
+def draft_engine() -> LLMEngine:
+    """The bundled model in float32, drafted by its GGUF in bfloat16; a small token budget, so
+    prompts are chunked beside the verifies."""
+    return LLMEngine(dtype="float32", speculative_config=spec(default_model_path(), dtype="bfloat16"),
+                     max_num_batched_tokens=32, **GPU_SHARE)
+
+
+def greedy(n, **params):
+    return SamplingParams(max_tokens=n, temperature=0.0, **params)
+
+
+def accepted(engine: LLMEngine) -> tuple[int, int]:
+    stats = engine.stats()
+    return stats.spec_num_accepted_tokens, stats.spec_num_draft_tokens
+
+
+def test_greedy_batch_with_chunks_logprobs_and_stops_equals_speculation_off(engine, draft_engine, prompts):
+    repeat = engine.encode(REPEAT)
+    batch = [repeat] + prompts
+    params = [greedy(40, ignore_eos=True, logprobs=2)] + [greedy(n) for n in MAX_TOKENS]
+    before = accepted(draft_engine)
+    off = engine.generate(batch, params, use_tqdm=False)
+    on = draft_engine.generate(batch, params, use_tqdm=False)
+    for a, b in zip(off, on):
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    assert [x.logprob for x in on[0].logprobs] == pytest.approx([x.logprob for x in off[0].logprobs], abs=1e-4)
+    after = accepted(draft_engine)
+    gained, drafted = after[0] - before[0], after[1] - before[1]
+    assert gained > 0.7 * drafted > 0, (gained, drafted)  # the Q4 draft of the same weights mostly agrees
+    # a stop string inside an accepted run: the text ends where it does without speculation
+    text = off[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 6]
+    cut = [engine.generate([repeat], greedy(40, stop=[stop]), use_tqdm=False)[0],
+           draft_engine.generate([repeat], greedy(40, stop=[stop]), use_tqdm=False)[0]]
+    assert cut[1].text == cut[0].text and cut[1].token_ids == cut[0].token_ids and cut[1].finish_reason == "stop"
+    assert_engine_idle(draft_engine)
+
+
+def test_n_samples_and_seeded_sampling_equal_speculation_off(engine, draft_engine, prompts):
+    repeat = engine.encode(REPEAT)
+    two = SamplingParams(max_tokens=24, temperature=0.0, n=2, ignore_eos=True)
+    assert ([s.token_ids for s in draft_engine.generate([repeat], two, use_tqdm=False)[0].samples]
+            == [s.token_ids for s in engine.generate([repeat], two, use_tqdm=False)[0].samples])
+    batch = [repeat, prompts[1]]
+    params = [SamplingParams(max_tokens=32, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=8)]
+    off = engine.generate(batch, params, use_tqdm=False)
+    on = draft_engine.generate(batch, params, use_tqdm=False)
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    assert_engine_idle(draft_engine)
+
+
+def test_a_cancelled_request_holds_no_block_in_either_cache(engine, draft_engine):
+    repeat = engine.encode(REPEAT)
+    request_id = draft_engine.add_request(repeat, greedy(200, ignore_eos=True))
+    before = accepted(draft_engine)[1]
+    while accepted(draft_engine)[1] == before:
+        draft_engine.step()
+    draft_engine.abort(request_id)
+    assert_engine_idle(draft_engine)
+    assert not draft_engine.has_unfinished_requests()
+
+
+def test_the_drafts_cache_is_paid_from_the_kv_budget(engine):
+    budget = 64 * 2**20
+    path = default_model_path()
+    with_draft = LLMEngine(dtype="float32", kv_cache_bytes=budget, speculative_config=spec(path, dtype="bfloat16"))
+    config = engine.model_config
+    size = with_draft.config.block_size
+    target = kv_block_bytes(config, size, engine.kv_dtype)
+    draft = kv_block_bytes(config, size, with_draft.speculator.draft.dtype)
+    assert with_draft.block_manager.num_blocks == budget // (target + draft)
+    assert with_draft.speculator.draft.runner.kv_caches[0].key.shape[0] == with_draft.block_manager.num_blocks
+
+
+@pytest.fixture(scope="module")
+def first_layer_draft(small_llama, tmp_path_factory) -> str:
+    """small_llama's first layer alone, with its embeddings, norm and head: a draft that agrees
+    with its target on some tokens."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(small_llama)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    directory = tmp_path_factory.mktemp("first-layer-draft")
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(small_llama).save_pretrained(directory)
+    return str(directory)
+
+
+def test_a_partly_agreeing_draft_under_preemption_equals_speculation_off(small_llama, small_prompts, first_layer_draft):
+    params = [greedy(n, ignore_eos=True) for n in (30, 12, 40, 25, 18)]
+    plain = LLMEngine(model=small_llama, dtype="float32", **GPU_SHARE)
+    off = plain.generate(small_prompts, params, use_tqdm=False)
+    tight = LLMEngine(model=small_llama, dtype="float32", num_kv_blocks=14, max_num_batched_tokens=48,
+                      speculative_config=spec(first_layer_draft, k=3))
+    on = tight.generate(small_prompts, params, use_tqdm=False)
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    stats = tight.stats()
+    assert stats.num_preemptions > 0
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens, accepted(tight)
+    assert_engine_idle(tight)
+
+
+def test_a_draft_of_another_tokenizer_is_refused_naming_both(small_llama):
+    with pytest.raises(ConfigError, match="another tokenizer") as error:
+        LLMEngine(dtype="float32", speculative_config=spec(small_llama), **GPU_SHARE)
+    assert error.value.field == "speculative_config"
+    assert small_llama in str(error.value) and default_model_path() in str(error.value)
+    with pytest.raises(ConfigError, match="no such file") as error:
+        LLMEngine(dtype="float32", speculative_config=spec("/nonexistent/draft"), **GPU_SHARE)
