@@ -198,6 +198,25 @@ def test_cheap_rows_draft_everything_and_dear_rows_only_what_is_nearly_always_ac
     assert fixed.length(chatting) == 4
 
 
+def test_a_draft_models_forwards_count_in_what_its_rows_cost():
+    """The target's rows cost as on a GPU (64 rows 10% more than one); the draft's forward costs
+    a tenth of a target step, then twice one: drafting pays, then nothing does, even a draft
+    that is always accepted (so no shadow draft is worth its forward)."""
+    lengths = DraftLengths(4, draft_model=True)
+    for tokens, seconds in {1: 0.010, 64: 0.011}.items():
+        lengths.cost.observe(tokens, seconds)
+    (seq,) = decoding("a")
+    verify_n(lengths, seq, 8, 4, 3)
+    for tokens in (1, 8):
+        lengths.observe_draft(tokens, 0.001)
+    lengths.begin_step([seq], [seq])
+    assert lengths.length(seq) == 4 and lengths.drafts_could_pay()
+    for tokens in (1, 8) * 3:  # each size's recent mean
+        lengths.observe_draft(tokens, 0.020)
+    lengths.begin_step([seq], [seq])
+    assert lengths.length(seq) == 0 and not lengths.drafts_could_pay()
+
+
 def test_before_two_sizes_are_measured_every_request_drafts_all_it_may():
     lengths = lengths_at({8: 0.020})
     batch = decoding(*"abcdefgh")

@@ -92,14 +92,21 @@ class Acceptance:
 class DraftLengths:
     """Per step: each request's draft length; learns from step times and verifies."""
 
-    def __init__(self, num_speculative_tokens: int, adaptive: bool = True):
+    def __init__(self, num_speculative_tokens: int, adaptive: bool = True, draft_model: bool = False):
         self.k = num_speculative_tokens
         self.adaptive = adaptive
         self.cost = StepCost()
+        """The target's step (the draft model's time taken out)."""
+        self.draft_cost = StepCost() if draft_model else None
+        """A draft model's forward by its tokens: drafting D rows costs a forward per draft position,
+        each over the requests drafting that far."""
         self.num_backed_off = 0
         """Request-steps where a decoding request that could draft was given no drafts."""
         self.row_cost = 0.0
         """What one more row adds to a plain step's time at the last step's batch size, relative to it."""
+        self._could_pay: bool | None = None
+        self._step = (0, 0.0, 0)
+        """This step's running requests, plain seconds, decoding requests."""
         self._acceptance: dict[Sequence, Acceptance] = {}
         self._shadows: dict[Sequence, tuple[int, list[int]]] = {}
         """Per held-back request: where its shadow draft starts in its tokens, and the draft."""
@@ -120,6 +127,7 @@ class DraftLengths:
         plain, more = self.cost.at(n), self.cost.at(n + 1)
         self.row_cost = (more - plain) / plain if plain and more is not None else 0.0
         lengths = dict.fromkeys(decoding, self.k)  # two sizes not measured yet: measure them
+        self._could_pay, self._step = None, (n, plain or 0.0, len(decoding))
         if plain and more is not None:
             lengths = self._best(decoding, n, plain)
         self.num_backed_off += sum(1 for length in lengths.values() if length == 0)
@@ -129,16 +137,41 @@ class DraftLengths:
         """The lengths of the D most likely rows, for the D with the most tokens a second."""
         rows = sorted(((self._rate(seq) ** j, index) for index, seq in enumerate(decoding) for j in range(1, self.k + 1)),
                       reverse=True)
-        best_d, best_rate, expected = 0, n / plain, float(n)
-        for d, (value, _) in enumerate(rows, start=1):
-            expected += value
-            seconds = self.cost.at(n + d)
-            if seconds and expected / seconds > best_rate:
-                best_d, best_rate = d, expected / seconds
+        best_d = self._scan(rows, len(decoding), n, plain)[0]
         lengths = dict.fromkeys(decoding, 0)
         for _, index in rows[:best_d]:
             lengths[decoding[index]] += 1
         return lengths
+
+    def _scan(self, rows: list[tuple[float, int]], num_decoding: int, n: int, plain: float) -> tuple[int, float]:
+        """(D, tokens a second) of the best first D of `rows` ((chance kept, request), in the
+        order taken), D = 0 for the plain step."""
+        best_d, best_rate, expected = 0, n / plain, float(n)
+        counts, rounds, drafting = [0] * num_decoding, [0] * self.k, 0.0
+        for d, (value, index) in enumerate(rows, start=1):
+            expected += value
+            if self.draft_cost is not None:  # the request's next position: one more in that position's forward
+                position = counts[index]
+                drafting += self._draft_at(rounds[position] + 1) - self._draft_at(rounds[position])
+                rounds[position] += 1
+            counts[index] += 1
+            seconds = self.cost.at(n + d)
+            if seconds and expected / (seconds + drafting) > best_rate:
+                best_d, best_rate = d, expected / (seconds + drafting)
+        return best_d, best_rate
+
+    def _draft_at(self, tokens: int) -> float:
+        assert self.draft_cost is not None
+        return (self.draft_cost.at(tokens) or 0.0) if tokens else 0.0
+
+    def drafts_could_pay(self) -> bool:
+        """Whether, at this step's batch size, drafts that are always accepted would beat the plain
+        step (when not, no acceptance makes them pay, and a costly shadow draft tells nothing)."""
+        if self._could_pay is None:
+            n, plain, decoding = self._step
+            always = [(1.0, index) for _ in range(self.k) for index in range(decoding)]
+            self._could_pay = not plain or self._scan(always, decoding, n, plain)[0] > 0
+        return self._could_pay
 
     def length(self, seq: Sequence) -> int:
         """How many drafts `seq` should verify this step (before the budget's and limits' caps)."""
@@ -171,8 +204,14 @@ class DraftLengths:
         self._entry(seq).update(drafted, accepted)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
-        """A decode-only step's query tokens and its seconds (launch to tokens on the host)."""
+        """A decode-only step's query tokens and its seconds (launch to tokens on the host, a draft
+        model's time taken out)."""
         self.cost.observe(tokens, seconds)
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        """A draft model's forward over this many tokens and its seconds."""
+        assert self.draft_cost is not None
+        self.draft_cost.observe(tokens, seconds)
 
     def _rate(self, seq: Sequence) -> float:
         return (self._acceptance.get(seq) or Acceptance()).rate

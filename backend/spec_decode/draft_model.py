@@ -5,13 +5,14 @@ gives a request holds the target's K/V in the target's cache and the draft's in 
 one block manager allocates, rolls back, frees and preempts for both, and the one KV budget pays
 for both (each block costs the two models' bytes: `block_bytes`).
 
-The draft keeps up with the target: each step, before the target runs, it runs once over the
-tokens every request that may draft computes (prompt chunks too, so its cache is current when
-the request first decodes; a request's first catch-up also covers what the prefix cache gave it,
-whose blocks may hold another request's target K/V without its draft's), then once per further
-draft position for the requests that draft. A request's draft K/V count as valid only up to the
-tokens the target has kept: a slot written from a rejected draft lies past them and is written
-again, and a preempted request starts over.
+The draft catches up when a request drafts: before the target runs, one draft forward takes
+each drafting request's tokens not yet in the draft's cache (its whole prompt the first time,
+what the prefix cache gave it included: those blocks may hold another request's target K/V
+without its draft's; afterwards the one or two tokens since its last drafts), then one forward
+per further draft position. A request that never drafts (held back, or with a logit processor)
+costs the draft nothing. A request's draft K/V count as valid only up to the tokens the target
+has kept: a slot written from a rejected draft lies past them and is written again, and a
+preempted request starts over.
 
 Greedy drafting proposes one token per position (a point proposal), which the speculator's
 verification keeps with the target's probability of it, so sampled requests keep the target's
@@ -23,10 +24,10 @@ models' probabilities; not built.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from ..device import DTYPES, kv_block_bytes
@@ -64,6 +65,8 @@ class DraftModel:
         self.vocab_size = min(config.vocab_size, target_vocab_size)
         """Drafts come from the ids both models have (embeddings are often padded differently)."""
         self.runner: ModelRunner | None = None
+        self.forwards: list[tuple[int, float]] = []
+        """The last `propose`'s forwards: (tokens, seconds) each, for the draft lengths' cost."""
         self._kept: dict[Sequence, _Kept] = {}
 
     def block_bytes(self, block_size: int) -> int:
@@ -86,17 +89,17 @@ class DraftModel:
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.attention_backend)
 
     @torch.inference_mode()
-    def propose(self, batch: ScheduledBatch, counts: dict[int, int],
-                keeps_up: Callable[[Sequence], bool]) -> dict[int, list[int]]:
-        """Drafts for the batch's sequences at the indices `counts` names (that many each), after
-        one pass over the tokens each sequence that `keeps_up` computes this step."""
+    def propose(self, batch: ScheduledBatch, counts: dict[int, int]) -> dict[int, list[int]]:
+        """Drafts for the batch's sequences at the indices `counts` names (that many each): one pass
+        over each one's tokens not yet in the draft's cache, then one per further position."""
         runner = self.runner
         assert runner is not None, "start() allocates the draft's cache first"
+        self.forwards = []
         if len(self._kept) > 4 * max(len(batch.seqs), 16):
             self._kept = {seq: kept for seq, kept in self._kept.items() if not seq.is_finished}
         views, indices, ends = [], [], []
         for index, seq in enumerate(batch.seqs):
-            if index not in counts and not keeps_up(seq):
+            if index not in counts:
                 continue
             start = batch.starts[index]
             end = start + batch.num_new_tokens[index] - len(batch.drafts[index])  # its real tokens this step
@@ -106,10 +109,8 @@ class DraftModel:
             self._kept[seq] = _Kept(end, seq.num_preemptions)
         if not views:
             return {}
-        wanted = [index in counts for index in indices]
-        firsts = iter(self._forward(views, wanted))
-        drafts = {index: [next(firsts)] for index, w in zip(indices, wanted) if w}
-        last = {index: end for index, end, w in zip(indices, ends, wanted) if w}
+        drafts = {index: [token] for index, token in zip(indices, self._forward(views))}
+        last = dict(zip(indices, ends))
         for position in range(1, max(counts.values(), default=0)):
             going = [index for index in drafts if counts[index] > position]
             if not going:
@@ -117,10 +118,16 @@ class DraftModel:
             seqs = [batch.seqs[index] for index in going]
             views = [_view(seq, seq.token_ids[: last[index]] + drafts[index], last[index] - 1 + position)
                      for seq, index in zip(seqs, going)]
-            for token, index, seq in zip(self._forward(views, [True] * len(views)), going, seqs):
+            for token, index, seq in zip(self._forward(views), going, seqs):
                 drafts[index].append(token)
                 self._kept[seq].valid = last[index] + position
         return drafts
+
+    def has_drafted(self, seq: Sequence) -> bool:
+        """Whether seq's draft K/V are in the cache (it drafted since it last started): catching it
+        up costs the tokens since, not its prompt."""
+        kept = self._kept.get(seq)
+        return kept is not None and kept.preemptions == seq.num_preemptions
 
     def _valid(self, seq: Sequence, start: int) -> int:
         """Leading tokens of seq whose draft K/V stand: at most what the target has kept (`start`)."""
@@ -129,23 +136,20 @@ class DraftModel:
             return 0
         return min(kept.valid, start)
 
-    def _forward(self, views: list[Sequence], wanted: list[bool]) -> list[int]:
-        """One draft forward over the views' uncomputed tokens; the greedy next token of each wanted one."""
+    def _forward(self, views: list[Sequence]) -> list[int]:
+        """One draft forward over the views' uncomputed tokens; the greedy next token of each."""
         from ..scheduler import ScheduledBatch
 
         runner = self.runner
         assert runner is not None
+        started = time.perf_counter()
         step = ScheduledBatch()
         for view in views:
             step.add(view, view.num_tokens - view.num_computed_tokens)
-        arrays = runner.plan(step)
-        keep = np.asarray(wanted, dtype=bool)
-        arrays.logits_indices = arrays.query_start[1:][keep] - 1
-        arrays.sampling_seqs = [view for view, w in zip(views, wanted) if w]
-        logits = runner.run(runner.to_inputs(arrays))
-        if not len(logits):
-            return []
-        return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+        logits = runner.execute(step)[0]
+        tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+        self.forwards.append((step.num_tokens, time.perf_counter() - started))
+        return tokens
 
 
 def _view(seq: Sequence, token_ids: list[int], computed: int) -> Sequence:

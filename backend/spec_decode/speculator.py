@@ -74,20 +74,20 @@ class Speculator:
         self.draft = draft
         """The draft model (method draft_model), else None (n-gram)."""
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
-        self.lengths = DraftLengths(config.num_speculative_tokens, config.draft_length == "adaptive")
+        self.lengths = DraftLengths(config.num_speculative_tokens, config.draft_length == "adaptive", draft is not None)
         self._drafting = False
         self._shadowing: set[Sequence] = set()
         """Held-back requests whose shadow draft the draft model proposes in `complete`."""
+        self._draft_seconds = 0.0
+        """The draft model's seconds in the last step."""
+        self._held: dict[Sequence, int] = {}
+        """Draft model: each held-back request's steps since its last shadow draft."""
 
     @staticmethod
-    def may_ever_draft(seq: Sequence) -> bool:
-        """No logit processor that would need the drafts in per-row histories (min_tokens passes)."""
+    def eligible(seq: Sequence) -> bool:
         p = seq.params
-        return not p.needs_penalties and not p.bad_words_ids and p.structured_outputs is None and seq.grammar is None
-
-    @classmethod
-    def eligible(cls, seq: Sequence) -> bool:
-        return cls.may_ever_draft(seq) and seq.num_output_tokens >= seq.params.min_tokens
+        return (not p.needs_penalties and not p.bad_words_ids and p.structured_outputs is None
+                and seq.grammar is None and seq.num_output_tokens >= p.min_tokens)
 
     def may_draft(self, seq: Sequence) -> bool:
         """Whether seq drafts this step if its length allows: it decodes (its one new token known)
@@ -95,8 +95,9 @@ class Speculator:
         return seq.num_uncomputed_tokens == 1 and not seq.num_pending_tokens and self.eligible(seq)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
-        """A decode-only step's query tokens and seconds, for the draft lengths' step cost."""
-        self.lengths.observe_step(tokens, seconds)
+        """A decode-only step's query tokens and seconds, for the draft lengths' step cost (the
+        target's: the draft model's forwards are timed apart)."""
+        self.lengths.observe_step(tokens, seconds - self._draft_seconds)
 
     def drafts_allowed(self, num_running: int) -> bool:
         """Whether a step with `num_running` requests running drafts at all (`disable_by_batch_size`)."""
@@ -115,24 +116,44 @@ class Speculator:
         if length == 0 and self.lengths.wants_shadow(seq):  # held back: what it would have drafted, scored later
             if self.draft is None:
                 self.lengths.shadow(seq, self._ngram(seq, self.config.num_speculative_tokens))
-            else:
+            elif self.lengths.drafts_could_pay() and self.draft.has_drafted(seq) and self._shadow_due(seq):
                 self._shadowing.add(seq)
         k = min(cap, length)
         if k <= 0:
             return []
         return self._ngram(seq, k) if self.draft is None else [PENDING] * k
 
+    SHADOW_EVERY = 16
+    """Draft model: a held-back request's shadow draft costs a draft forward over its tokens since
+    it last drafted (n-gram's costs a lookup), so it gets one every this many steps held back, only
+    where drafts could pay at all, and only once it has drafted (its first would cost its prompt)."""
+
+    def _shadow_due(self, seq: Sequence) -> bool:
+        if len(self._held) > 1024:
+            self._held = {s: n for s, n in self._held.items() if not s.is_finished}
+        steps = self._held.get(seq, 0) + 1
+        self._held[seq] = steps % self.SHADOW_EVERY
+        return steps == self.SHADOW_EVERY
+
     def complete(self, batch: ScheduledBatch) -> None:
-        """After scheduling, before the target runs: the draft model's pass over the step (its
-        cache kept up with every request that may draft), its drafts in place of the PENDING ones,
-        and a one-token shadow draft for each held-back request. Nothing for n-gram."""
+        """After scheduling, before the target runs: the draft model's drafts in place of the PENDING ones,
+        and a one-token shadow draft for each held-back request due one. Nothing for n-gram, and
+        nothing in a step where no request drafts or shadows (a held-back step costs what a plain
+        one does; the draft catches up when it next drafts)."""
         drafting, self._drafting = self._drafting, False
         shadowing, self._shadowing = self._shadowing, set()
+        self._draft_seconds = 0.0
         if self.draft is None or not drafting:
             return
         counts = {index: len(drafts) for index, drafts in enumerate(batch.drafts) if drafts}
         counts.update({index: 1 for index, seq in enumerate(batch.seqs) if seq in shadowing and index not in counts})
-        for index, tokens in self.draft.propose(batch, counts, self.may_ever_draft).items():
+        if not counts:
+            return
+        proposals = self.draft.propose(batch, counts)
+        for tokens, seconds in self.draft.forwards:
+            self.lengths.observe_draft(tokens, seconds)
+            self._draft_seconds += seconds
+        for index, tokens in proposals.items():
             if batch.drafts[index]:
                 batch.drafts[index][:] = tokens
             else:

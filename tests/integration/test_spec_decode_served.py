@@ -1,5 +1,5 @@
-"""Speculative decoding set in a model repository (`speculative_config` in llm/config.pbtxt) through a
-real tritonserver: the vLLM backend's `llm` (gRPC streamed, HTTP generate), the TensorRT-LLM ensemble
+"""Speculative decoding set in a model repository (`speculative_config` in llm/config.pbtxt), n-gram
+and a draft model, through a real tritonserver: the vLLM backend's `llm` (gRPC streamed, HTTP generate), the TensorRT-LLM ensemble
 and the OpenAI gateway (the openai SDK, streamed and not) each give the offline engine's text
 without speculation, greedy and seeded sampled; the spec_decode counters show drafts were accepted,
 and the server ends idle (no KV block held after a cancelled speculative stream)."""
@@ -11,6 +11,7 @@ import sys
 import urllib.request
 
 import openai
+import pytest
 
 from pagedserve.backend import LLMEngine, SamplingParams
 from pagedserve.client.repository import write_repository
@@ -30,7 +31,8 @@ def streamed_text(engine: LLMEngine, prompt: str, params: SamplingParams) -> str
     return "".join(o.text for o in outputs)
 
 
-def test_every_entry_point_gives_the_text_of_speculation_off(tmp_path, small_llama):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_every_entry_point_gives_the_text_of_speculation_off(tmp_path, small_llama, method):
     offline = LLMEngine(model=small_llama, dtype="float32")
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
@@ -40,7 +42,9 @@ def test_every_entry_point_gives_the_text_of_speculation_off(tmp_path, small_lla
     expected_seeded = streamed_text(offline, PROMPTS[0], seeded)
     expected_ensemble = streamed_text(offline, PROMPTS[0], SamplingParams(max_tokens=24, temperature=0))
 
-    engine = {"dtype": "float32", "speculative_config": SPEC, "REPORT_CUSTOM_METRICS": "true"}
+    # the draft model: the target itself (every draft accepted), its own cache beside the target's
+    spec = SPEC if method == "ngram" else f"model={small_llama},num_speculative_tokens=3,draft_length=fixed"
+    engine = {"dtype": "float32", "speculative_config": spec, "REPORT_CUSTOM_METRICS": "true"}
     repository = write_repository(tmp_path / "repo", model=small_llama, engine=engine)
     models = ["llm", "preprocessing", "tensorrt_llm", "postprocessing", "ensemble"]
     with TritonServer(repository, log_file=tmp_path / "server.log", models=models).start(timeout=300) as server:
