@@ -150,14 +150,14 @@ class Speculator:
         if not counts:
             return
         proposals = self.draft.propose(batch, counts)
-        for tokens, seconds in self.draft.forwards:
-            self.lengths.observe_draft(tokens, seconds)
+        for num_tokens, seconds in self.draft.forwards:
+            self.lengths.observe_draft(num_tokens, seconds)
             self._draft_seconds += seconds
-        for index, tokens in proposals.items():
+        for index, proposal in proposals.items():
             if batch.drafts[index]:
-                batch.drafts[index][:] = tokens
+                batch.drafts[index][:] = proposal
             else:
-                self.lengths.shadow(batch.seqs[index], tokens)
+                self.lengths.shadow(batch.seqs[index], proposal)
 
     def _ngram(self, seq: Sequence, k: int) -> list[int]:
         c = self.config
