@@ -217,13 +217,20 @@ def test_a_draft_models_forwards_count_in_what_its_rows_cost():
     assert lengths.length(seq) == 0 and not lengths.drafts_could_pay()
 
 
-def test_before_two_sizes_are_measured_every_request_drafts_all_it_may():
+def test_before_two_sizes_are_measured_every_request_drafts_all_it_may_then_a_new_plain_size_is_measured():
     lengths = lengths_at({8: 0.020})
     batch = decoding(*"abcdefgh")
     for seq in batch:
         verify_n(lengths, seq, 8, 4, 0)
     lengths.begin_step(batch, batch)
     assert [lengths.length(s) for s in batch] == [4] * 8
+    lengths.cost.observe(12, 0.030)  # two sizes now, neither of them a plain step of one
+    alone = decoding("alone")  # the prior acceptance, one in two
+    lengths.begin_step(alone, alone)
+    assert lengths.length(alone[0]) == 0  # that plain step is measured first, not read off the line
+    lengths.cost.observe(1, 0.015)
+    lengths.begin_step(alone, alone)
+    assert lengths.length(alone[0]) > 0
 
 
 def test_a_held_back_request_drafts_again_once_its_shadow_drafts_would_have_been_accepted():

@@ -56,6 +56,10 @@ class StepCost:
         else:
             self.seconds[tokens] = (1 - self.RECENT) * known + self.RECENT * seconds
 
+    def covers(self, tokens: int) -> bool:
+        """Whether this size is measured or lies between measured ones."""
+        return bool(self._sizes) and self._sizes[0] <= tokens <= self._sizes[-1]
+
     def at(self, tokens: int) -> float | None:
         """The step's seconds at this size, measured or read along the line through the nearest
         measured sizes (None before two sizes are measured)."""
@@ -129,7 +133,10 @@ class DraftLengths:
         lengths = dict.fromkeys(decoding, self.k)  # two sizes not measured yet: measure them
         self._could_pay, self._step = None, (n, plain or 0.0, len(decoding))
         if plain and more is not None:
-            lengths = self._best(decoding, n, plain)
+            # a plain step at a size beyond those measured is measured before drafts are judged against
+            # it (read off a line through larger sizes it can be far off, and a drafting step never
+            # measures it)
+            lengths = self._best(decoding, n, plain) if self.cost.covers(n) else dict.fromkeys(decoding, 0)
         self.num_backed_off += sum(1 for length in lengths.values() if length == 0)
         self._lengths = lengths
 
