@@ -80,8 +80,10 @@ class ScheduledBatch:
 
     @property
     def decode_only(self) -> bool:
-        """Every sequence decodes or verifies (no prompt chunk): the steps a speculator times."""
-        return all(self.samples) and all(n == 1 + len(d) for n, d in zip(self.num_new_tokens, self.drafts))
+        """Every sequence decodes or verifies (no prompt chunk, not even a one-token rest of a
+        prompt the prefix cache held: a request's first step costs more): the steps a speculator times."""
+        return (all(self.samples) and all(n == 1 + len(d) for n, d in zip(self.num_new_tokens, self.drafts))
+                and all(start >= seq.num_prompt_tokens for seq, start in zip(self.seqs, self.starts)))
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -137,7 +137,7 @@ def test_only_requests_without_logit_processors_are_eligible():
 
 
 # -- draft lengths: per request and by the measured cost of a row --------------------------------
-def test_step_cost_is_each_sizes_recent_mean_read_along_lines_between_sizes():
+def test_step_cost_is_each_sizes_recent_mean_stalls_damped_read_along_lines_between_sizes():
     cost = StepCost()
     cost.observe(8, 0.020)
     assert cost.at(8) == 0.020 and cost.at(9) is None  # one size: nothing between
@@ -148,6 +148,8 @@ def test_step_cost_is_each_sizes_recent_mean_read_along_lines_between_sizes():
     assert cost.at(7) == pytest.approx(0.010) and cost.at(2) == 0.0  # before the first: the first line back
     cost.observe(8, 0.010)
     assert cost.at(8) == pytest.approx(0.3 * 0.020 + 0.7 * 0.010)
+    cost.observe(9, 0.070)  # a stall (a collection pause) more than doubles one step: a tenth of it counts
+    assert cost.at(9) == pytest.approx(0.9 * 0.030 + 0.1 * 0.070)
 
 
 def lengths_at(costs, k=4, adaptive=True):
@@ -199,22 +201,19 @@ def test_cheap_rows_draft_everything_and_dear_rows_only_what_is_nearly_always_ac
 
 
 def test_a_draft_models_forwards_count_in_what_its_rows_cost():
-    """The target's rows cost as on a GPU (64 rows 10% more than one); the draft's forward costs
-    a tenth of a target step, then twice one: drafting pays, then nothing does, even a draft
-    that is always accepted (so no shadow draft is worth its forward)."""
-    lengths = DraftLengths(4, draft_model=True)
-    for tokens, seconds in {1: 0.010, 64: 0.011}.items():
-        lengths.cost.observe(tokens, seconds)
+    """The target's rows cost as on a GPU (64 rows 10% more than one). A draft whose forward costs
+    a tenth of a target step drafts; one whose forward costs twice a target step does not, nor
+    would a draft that is always accepted (so no shadow draft is worth its forward)."""
     (seq,) = decoding("a")
-    verify_n(lengths, seq, 8, 4, 3)
-    for tokens in (1, 8):
-        lengths.observe_draft(tokens, 0.001)
-    lengths.begin_step([seq], [seq])
-    assert lengths.length(seq) == 4 and lengths.drafts_could_pay()
-    for tokens in (1, 8) * 3:  # each size's recent mean
-        lengths.observe_draft(tokens, 0.020)
-    lengths.begin_step([seq], [seq])
-    assert lengths.length(seq) == 0 and not lengths.drafts_could_pay()
+    for draft_seconds, drafts in ((0.001, True), (0.020, False)):
+        lengths = DraftLengths(4, draft_model=True)
+        for tokens, seconds in {1: 0.010, 64: 0.011}.items():
+            lengths.cost.observe(tokens, seconds)
+        verify_n(lengths, seq, 8, 4, 3)
+        for tokens in (1, 8):
+            lengths.observe_draft(tokens, draft_seconds)
+        lengths.begin_step([seq], [seq])
+        assert (lengths.length(seq), lengths.drafts_could_pay()) == ((4, True) if drafts else (0, False))
 
 
 def test_before_two_sizes_are_measured_every_request_drafts_all_it_may_then_a_new_plain_size_is_measured():

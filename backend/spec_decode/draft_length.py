@@ -12,7 +12,10 @@ rows are dear at this batch size), from measurements of this engine alone:
   their query tokens, each size's recent mean, read between measured sizes along straight lines.
   Measured, not modelled: a CPU's step jumps where the row count leaves a kernel's few-row path,
   a GPU's hardly moves until the tensor cores fill. Until two sizes are measured every request
-  drafts all it may, which measures them;
+  drafts all it may, which measures them; a plain step at a size outside the measured ones is
+  measured before drafts are judged against it, and again every REMEASURE drafting steps;
+- a draft model's forwards are timed apart from the target's step, by their tokens, and a
+  choice's seconds add one forward per draft position over the requests drafting that far;
 - alpha is a request's accepted drafts over the drafts it reached (a verify stops at its first
   rejection), from a prior of one in two, weighted to its recent verifies;
 - a request held back still proposes (a shadow draft, never verified: the proposer's lookup is
@@ -45,6 +48,9 @@ class StepCost:
 
     RECENT = 0.7
     """An observation's weight against the size's earlier mean."""
+    OUTLIER = 0.1
+    """The weight of one over twice the mean: a collection pause or another process's burst moves
+    it a little, where at RECENT a single stall could make drafting look free until measured again."""
     seconds: dict[int, float] = field(default_factory=dict)
     _sizes: list[int] = field(default_factory=list)
 
@@ -54,7 +60,8 @@ class StepCost:
             bisect.insort(self._sizes, tokens)
             self.seconds[tokens] = seconds
         else:
-            self.seconds[tokens] = (1 - self.RECENT) * known + self.RECENT * seconds
+            weight = self.OUTLIER if seconds > 2 * known else self.RECENT
+            self.seconds[tokens] = (1 - weight) * known + weight * seconds
 
     def covers(self, tokens: int) -> bool:
         """Whether this size is measured or lies between measured ones."""
@@ -115,6 +122,11 @@ class DraftLengths:
         self._shadows: dict[Sequence, tuple[int, list[int]]] = {}
         """Per held-back request: where its shadow draft starts in its tokens, and the draft."""
         self._lengths: dict[Sequence, int] = {}
+        self._drafting_steps: dict[int, int] = {}
+        """Steps that drafted, by the number of running requests."""
+
+    REMEASURE = 32
+    """Every this many drafting steps at a batch size, a plain step measures it again."""
 
     def begin_step(self, running: list[Sequence], decoding: list[Sequence]) -> None:
         """Choose this step's lengths for the running requests that may draft (`decoding`), and
@@ -137,6 +149,10 @@ class DraftLengths:
             # it (read off a line through larger sizes it can be far off, and a drafting step never
             # measures it)
             lengths = self._best(decoding, n, plain) if self.cost.covers(n) else dict.fromkeys(decoding, 0)
+            if any(lengths.values()):  # and measured again now and then while drafting: one slow step stays otherwise
+                drafting = self._drafting_steps[n] = self._drafting_steps.get(n, 0) + 1
+                if drafting % self.REMEASURE == 0:
+                    lengths = dict.fromkeys(decoding, 0)
         self.num_backed_off += sum(1 for length in lengths.values() if length == 0)
         self._lengths = lengths
 
