@@ -450,11 +450,15 @@ class LLMEngine:
             entries, logprobs = self._accepted(step, tokens)
         elif step.logits is not None:
             logprobs = self.sampler.logprobs(step.logits, seqs, tokens)
-        # a grammar's request never drafts: its entry is its one token (the first of a list)
-        constrained = [(seq, entry if isinstance(entry, int) else entry[0])
+        # a grammar's request advances by every token it keeps (accepted drafts too), none past its end
+        constrained = [(seq, [entry] if isinstance(entry, int) else entry)
                        for seq, entry in zip(seqs, cast("list[int | list[int]]", entries)) if seq.grammar is not None]
-        for seq, token in constrained:
-            seq.grammar.accept_token(token)
+        for seq, kept in constrained:
+            for index, token in enumerate(kept):
+                if seq.grammar.is_terminated():
+                    del kept[index:]  # an entry's list: the drafts after the grammar's end are dropped
+                    break
+                seq.grammar.accept_token(token)
         advanced = self.scheduler.update_from_output(step.batch, entries, logprobs, self._on_token)
         for seq, _ in constrained:
             if seq.grammar.is_terminated() and not seq.is_finished:  # complete (ignore_eos, or EOS not the stop)

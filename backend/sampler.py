@@ -24,7 +24,7 @@ from pagedserve.kernels import dispatch
 
 from .sampling_params import SamplingParams
 from .sequence import Sequence, TokenLogprob
-from .structured_output import allows, mask_logits
+from .structured_output import allows, apply_bitmask, bitmask_allows, mask_logits
 
 
 @dataclass
@@ -49,22 +49,25 @@ class Sampler:
         return SamplerOutput(token_ids=token_list, logprobs=self.logprobs(logits, seqs, token_list))
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], grammar_masks: torch.Tensor | None = None) -> torch.Tensor:
         """The next token of each row, left on the logits' device: nothing here waits for
         the device, so the engine can schedule the next step while this one runs (a
-        structured output's row waits: its grammar checks the token on the host)."""
-        logits = self.apply_processors(logits, seqs)
+        structured output's row waits: its grammar checks the token on the host).
+        grammar_masks: the constrained rows' token bitmasks, row for row (a verify's rows of one
+        request each need the grammar's state after their own drafts); None: from the matchers."""
+        logits = self.apply_processors(logits, seqs, grammar_masks)
         if all(seq.params.greedy for seq in seqs):
             tokens, race = first_max_index(logits), None
         else:
             tokens, race = self._sample(logits, seqs)
         late = [i for i, seq in enumerate(seqs) if seq.grammar is not None and masks_late(seq.params)]
         if late:
-            self._follow_grammars(logits, race, tokens, seqs, late)
+            self._follow_grammars(logits, race, tokens, seqs, late, grammar_masks)
         return tokens
 
     # -- logit processors ------------------------------------------------------
-    def apply_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def apply_processors(self, logits: torch.Tensor, seqs: list[Sequence],
+                         grammar_masks: torch.Tensor | None = None) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if _has_processors(s)]
         if not rows:
             return logits
@@ -86,7 +89,7 @@ class Sampler:
             if banned:
                 row[torch.tensor(banned, device=row.device)] = float("-inf")
         if constrained:  # last: what the grammar allows, of what the other processors left
-            mask_logits(logits, constrained, [seqs[i].grammar for i in constrained])
+            _mask(logits, constrained, seqs, grammar_masks)
         return logits
 
     def _banned_tokens(self, seq: Sequence) -> list[int]:
@@ -102,19 +105,21 @@ class Sampler:
         return banned
 
     def _follow_grammars(self, logits: torch.Tensor, race: Race | None, tokens: torch.Tensor,
-                         seqs: list[Sequence], rows: list[int]) -> None:
+                         seqs: list[Sequence], rows: list[int], grammar_masks: torch.Tensor | None) -> None:
         """Replace, in `tokens`, each of `rows`' token that its grammar does not allow by the
         winner among the allowed ones: the greedy row's largest logit, the sampled row's race
         run again in log space (log p - log E orders as p / E, and no allowed token's
         probability underflows to zero beside a disallowed favourite)."""
         chosen = tokens[_to(rows, tokens.device, torch.int64)].tolist()
-        broken = [i for i, token in zip(rows, chosen) if not allows(seqs[i].grammar, token)]
+        broken = [i for i, token in zip(rows, chosen)
+                  if not (allows(seqs[i].grammar, token) if grammar_masks is None else bitmask_allows(grammar_masks, i, token))]
         if not broken:
             return
         noise = {} if race is None else {i: race.noise[j] for j, i in enumerate(race.rows)}
         scores = torch.stack([logits[i] / seqs[i].params.temperature - noise[i].log() if i in noise else logits[i]
                               for i in broken])
-        mask_logits(scores, list(range(len(broken))), [seqs[i].grammar for i in broken])
+        _mask(scores, list(range(len(broken))), [seqs[i] for i in broken],
+              None if grammar_masks is None else grammar_masks[broken])
         tokens[_to(broken, tokens.device, torch.int64)] = first_max_index(scores)
 
     # -- sampling --------------------------------------------------------------
@@ -176,6 +181,15 @@ class Race:
 
     rows: list[int]
     noise: torch.Tensor
+
+
+def _mask(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], grammar_masks: torch.Tensor | None) -> None:
+    """Mask logits' rows by their grammars: the given bitmask's same rows, else each row's matcher
+    (`seqs` row for row with logits)."""
+    if grammar_masks is not None:
+        apply_bitmask(logits, grammar_masks, rows)
+    else:
+        mask_logits(logits, rows, [seqs[i].grammar for i in rows])
 
 
 def masks_late(params: SamplingParams) -> bool:

@@ -179,6 +179,58 @@ def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> N
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
 
 
+def draft_masks(matcher: Any, drafts: list[int], bitmask: torch.Tensor, first: int) -> int:
+    """A verifying request's rows' masks (speculative decoding), written into bitmask rows first
+    .. first + len(drafts): row j allows what the grammar allows after the request's tokens and
+    drafts 1..j. From the first draft the grammar refuses (or the first after it is complete)
+    on, rows repeat the last mask: a verify stops at that draft, so those rows' tokens are never
+    kept, and they must still allow something. The matcher is left as it was. Returns the
+    number of drafts the grammar accepts."""
+    matcher.fill_next_token_bitmask(bitmask, first)
+    accepted = 0
+    for j, token in enumerate(drafts, start=1):
+        if accepted == j - 1 and not matcher.is_terminated() and matcher.accept_token(token):
+            accepted = j
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, first + j)
+                continue
+        bitmask[first + j] = bitmask[first + j - 1]
+    if accepted:
+        matcher.rollback(accepted)
+    return accepted
+
+
+def accepted_prefix(matcher: Any, drafts: list[int]) -> int:
+    """How many leading drafts the grammar accepts; the matcher is left as it was."""
+    accepted = 0
+    for token in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
+    return accepted
+
+
+def allocate_bitmask(rows: int, vocab: int) -> torch.Tensor:
+    import xgrammar as xgr
+
+    return xgr.allocate_token_bitmask(rows, vocab)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Mask, in place, logits' `rows` by the same rows of a filled bitmask."""
+    import xgrammar as xgr
+
+    if logits.device.type != "cpu":
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+def bitmask_allows(bitmask: torch.Tensor, row: int, token: int) -> bool:
+    return bool((int(bitmask[row, token >> 5]) >> (token & 31)) & 1)
+
+
 def allows(matcher: Any, token: int) -> bool:
     """Whether the matcher's grammar allows `token` next; the matcher is left as it was (the
     engine advances it when the step's tokens are applied)."""

@@ -124,7 +124,7 @@ def test_async_scheduling_on_and_several_ranks_are_refused_and_auto_async_is_off
 
 
 # -- which requests draft -----------------------------------------------------------
-def test_only_requests_without_logit_processors_are_eligible():
+def test_only_requests_without_history_processors_are_eligible_structured_outputs_too():
     def eligible(**params):
         return Speculator.eligible(Sequence("r", [1, 2], SamplingParams(**params)))
 
@@ -134,6 +134,8 @@ def test_only_requests_without_logit_processors_are_eligible():
     assert not eligible(temperature=0.0, presence_penalty=0.5)
     assert not eligible(temperature=0.0, bad_words_ids=[[5]])
     assert not eligible(temperature=0.0, min_tokens=1)  # pending min_tokens: EOS is banned row by row
+    constrained = SamplingParams.from_dict({"temperature": 0.0, "structured_outputs": {"regex": "a+"}})
+    assert Speculator.eligible(Sequence("r", [1, 2], constrained))  # each row masked by the grammar after its drafts
 
 
 # -- draft lengths: per request and by the measured cost of a row --------------------------------

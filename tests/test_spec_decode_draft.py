@@ -137,3 +137,25 @@ def test_a_draft_of_another_tokenizer_is_refused_naming_both(small_llama):
     assert small_llama in str(error.value) and default_model_path() in str(error.value)
     with pytest.raises(ConfigError, match="no such file") as error:
         LLMEngine(dtype="float32", speculative_config=spec("/nonexistent/draft"), **GPU_SHARE)
+
+
+def test_structured_outputs_draft_and_equal_speculation_off(engine, draft_engine):
+    """The draft model drafts without the grammar; each verify row is masked by the grammar after
+    the drafts before it, so drafts it refuses are rejected there, and a choice that ends inside
+    an accepted run (ignore_eos) stops where it is complete."""
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+              "required": ["colour", "ok"], "additionalProperties": False}
+    prompt = engine.encode("Answer in JSON. Describe something you like:")
+    params = [SamplingParams.from_dict(p) for p in (
+        {"max_tokens": 60, "temperature": 0, "structured_outputs": {"json": schema}},
+        {"max_tokens": 60, "temperature": 0.9, "seed": 5, "structured_outputs": {"json": schema}},
+        {"max_tokens": 20, "temperature": 0, "ignore_eos": True, "guided_choice": ["a cat", "a dog sleeping"]},
+    )]
+    before = accepted(draft_engine)[0]
+    off = engine.generate([prompt] * len(params), params, use_tqdm=False)
+    on = draft_engine.generate([prompt] * len(params), params, use_tqdm=False)
+    for a, b in zip(off, on):
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    assert on[2].text in ("a cat", "a dog sleeping")
+    assert accepted(draft_engine)[0] > before
+    assert_engine_idle(draft_engine)

@@ -6,6 +6,7 @@ speculation is not vacuous (drafts are accepted)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -337,3 +338,32 @@ def test_lora_requests_verify_their_drafts_through_their_adapters(small_llama, t
     stats = spec.stats()
     assert stats.spec_num_accepted_tokens >= 20 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     assert_engine_idle(spec)
+
+
+def test_structured_outputs_draft_and_equal_speculation_off(engine, spec_engine):
+    """Constrained requests draft too: each verify row masked by the grammar after the drafts
+    before it, n-gram drafts cut where the grammar refuses one. Greedy and seeded sampled JSON
+    schemas, a regex, and a choice whose grammar ends inside an accepted run (ignore_eos: it ends
+    where it is complete) give speculation off's tokens, and drafts are accepted."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                               "items": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                         "maxItems": 6}},
+              "required": ["name", "items"], "additionalProperties": False}
+    prompt = engine.encode('Copy this JSON exactly: {"name": "shopping list", "items": ["apples", "pears", '
+                           '"plums", "apples", "pears", "plums"]}\nJSON:')
+    params = [SamplingParams.from_dict(p) for p in (
+        {"max_tokens": 80, "temperature": 0, "structured_outputs": {"json": schema}},
+        {"max_tokens": 80, "temperature": 0.8, "seed": 3, "structured_outputs": {"json": schema}},
+        {"max_tokens": 80, "temperature": 1.0, "top_p": 0.9, "seed": 4, "logprobs": 1, "structured_outputs": {"json": schema}},
+        {"max_tokens": 40, "temperature": 0, "structured_outputs": {"regex": "(apples, pears, plums, ){2,4}done"}},
+        {"max_tokens": 20, "temperature": 0, "ignore_eos": True, "guided_choice": ["apples, pears, plums"]},
+    )]
+    before = spec_engine.stats().spec_num_accepted_tokens
+    off = engine.generate([prompt] * len(params), params, use_tqdm=False)
+    on = spec_engine.generate([prompt] * len(params), params, use_tqdm=False)
+    for a, b in zip(off, on):
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    assert [x.logprob for x in on[2].logprobs] == pytest.approx([x.logprob for x in off[2].logprobs], abs=1e-4)
+    assert json.loads(on[0].text)["items"] and on[4].text == "apples, pears, plums"
+    assert spec_engine.stats().spec_num_accepted_tokens - before >= 10
+    assert_engine_idle(spec_engine)

@@ -11,7 +11,9 @@ for the tokens that follow). For a draft that is a single proposed token (n-gram
 draft with the target's probability of it and otherwise draws from the target without it, which
 is what rejection sampling (Leviathan et al.; Chen et al.) does with a one-point proposal.
 
-Requests whose logit processors (penalties, bad words, structured output, pending min_tokens)
+A structured output's request drafts too: each of its rows is masked by the grammar's state
+after the drafts before it (structured_output.draft_masks), and n-gram drafts are cut where the
+grammar refuses one. Requests whose logit processors (penalties, bad words, pending min_tokens)
 would need per-row histories holding the drafts do not draft.
 
 The drafts come from the n-gram lookup while the step is scheduled, or from a draft model
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..structured_output import accepted_prefix, allocate_bitmask, draft_masks
 from .config import SpeculativeConfig
 from .draft_length import DraftLengths, num_kept
 from .ngram import propose_ngram
@@ -86,8 +89,7 @@ class Speculator:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         p = seq.params
-        return (not p.needs_penalties and not p.bad_words_ids and p.structured_outputs is None
-                and seq.grammar is None and seq.num_output_tokens >= p.min_tokens)
+        return not p.needs_penalties and not p.bad_words_ids and seq.num_output_tokens >= p.min_tokens
 
     def may_draft(self, seq: Sequence) -> bool:
         """Whether seq drafts this step if its length allows: it decodes (its one new token known)
@@ -160,8 +162,12 @@ class Speculator:
                 self.lengths.shadow(batch.seqs[index], proposal)
 
     def _ngram(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k n-gram drafts, cut before the first one a structured output's grammar refuses."""
         c = self.config
-        return propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k, self.max_model_len)
+        drafts = propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k, self.max_model_len)
+        if drafts and seq.grammar is not None:
+            drafts = drafts[: accepted_prefix(seq.grammar, drafts)]
+        return drafts
 
     @staticmethod
     def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], sampler: Sampler) -> Verification:
@@ -171,7 +177,7 @@ class Speculator:
         rows = [seq for seq, draft in zip(seqs, drafts) for _ in range(1 + len(draft))]
         states = [seq.generator.get_state() if draft and seq.generator is not None and not seq.params.greedy else None
                   for seq, draft in zip(seqs, drafts)]
-        tokens = sampler.sample(logits, rows)
+        tokens = sampler.sample(logits, rows, _grammar_masks(seqs, drafts, len(rows), logits.shape[-1]))
         offsets, first = 0, []
         for draft in drafts:
             first.append(offsets)
@@ -196,3 +202,16 @@ class Speculator:
                 for position in range(m):
                     stats.accepted_per_pos[position] += 1
         return emitted
+
+
+def _grammar_masks(seqs: list[Sequence], drafts: list[list[int]], num_rows: int, vocab: int) -> torch.Tensor | None:
+    """The structured outputs' row masks of a verify (each row the grammar's state after its
+    request's drafts before it), None when no request of the step has a grammar."""
+    if all(seq.grammar is None for seq in seqs):
+        return None
+    bitmask, row = allocate_bitmask(num_rows, vocab), 0
+    for seq, draft in zip(seqs, drafts):
+        if seq.grammar is not None:
+            draft_masks(seq.grammar, draft, bitmask, row)
+        row += 1 + len(draft)
+    return bitmask
