@@ -146,10 +146,10 @@ class EngineConfig:
     checkpoint; given alone it means draft_model), `draft_tensor_parallel_size` (1), `disable_by_batch_size`
     (no drafting while more than that many requests run), and pagedserve's `draft_length` (adaptive: only
     the drafts expected to pay for their rows; fixed) and `dtype` (the draft's; auto: the target's).
-    Greedy and sampled requests without logit processors verify their drafts in the step's flat batch and
-    give exactly the tokens they give without it (docs/engine-settings.md); other requests decode as
-    before. Empty: off. Refused with async_scheduling=on and several ranks; async_scheduling=auto is off
-    while speculating."""
+    Greedy and sampled requests (logit processors and structured outputs included) verify their drafts in
+    the step's flat batch and give exactly the tokens they give without it (docs/engine-settings.md).
+    Empty: off. Refused with async_scheduling=on and several ranks; async_scheduling=auto is off while
+    speculating."""
     kv_events_config: str | dict = ""
     """The prefix cache's events for LLM-aware routers (vLLM's --kv-events-config, backend/kv_events.py):
     a dict, a JSON object or `key=value,key=value` of vLLM's keys `enable_kv_cache_events` (default true

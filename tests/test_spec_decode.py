@@ -21,6 +21,7 @@ from pagedserve.backend.scheduler import Scheduler
 from pagedserve.backend.sequence import FinishReason, Sequence
 from pagedserve.backend.spec_decode import SpeculativeConfig, Speculator, parse, propose_ngram
 from pagedserve.backend.spec_decode.draft_length import DraftLengths, StepCost
+from pagedserve.backend.spec_decode.speculator import DraftRow
 
 
 # -- n-gram proposer ------------------------------------------------------------
@@ -124,18 +125,20 @@ def test_async_scheduling_on_and_several_ranks_are_refused_and_auto_async_is_off
 
 
 # -- which requests draft -----------------------------------------------------------
-def test_only_requests_without_history_processors_are_eligible_structured_outputs_too():
-    def eligible(**params):
-        return Speculator.eligible(Sequence("r", [1, 2], SamplingParams(**params)))
-
-    assert eligible(temperature=0.0) and eligible(temperature=0.0, logprobs=2, stop=["x"])
-    assert eligible(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=3)
-    assert not eligible(temperature=0.0, repetition_penalty=1.1)
-    assert not eligible(temperature=0.0, presence_penalty=0.5)
-    assert not eligible(temperature=0.0, bad_words_ids=[[5]])
-    assert not eligible(temperature=0.0, min_tokens=1)  # pending min_tokens: EOS is banned row by row
-    constrained = SamplingParams.from_dict({"temperature": 0.0, "structured_outputs": {"regex": "a+"}})
-    assert Speculator.eligible(Sequence("r", [1, 2], constrained))  # each row masked by the grammar after its drafts
+def test_a_verify_row_shows_the_processors_its_request_after_the_drafts_before_it():
+    plain = Sequence("r", [1, 2], SamplingParams(temperature=0.0))
+    assert DraftRow.of(plain, [7, 8]) is plain  # nothing reads its tokens: the request itself
+    for params in (SamplingParams(temperature=0.0, repetition_penalty=1.1), SamplingParams(temperature=0.7, seed=3,
+                   bad_words_ids=[[5]]), SamplingParams(temperature=0.0, min_tokens=4)):
+        seq = Sequence("r", [1, 2], params)
+        seq.append_token(3)
+        assert DraftRow.of(seq, []) is seq  # its first row
+        row = DraftRow.of(seq, [7, 8])
+        assert (row.token_ids, row.output_token_ids, row.num_output_tokens) == ([1, 2, 3, 7, 8], [3, 7, 8], 3)
+        assert row.params is params and row.generator is seq.generator and seq.token_ids == [1, 2, 3]
+    seq = Sequence("r", [1, 2], SamplingParams(temperature=0.0, min_tokens=1))
+    seq.append_token(3)
+    assert DraftRow.of(seq, [7]) is seq  # min_tokens met: no processor reads its tokens
 
 
 # -- draft lengths: per request and by the measured cost of a row --------------------------------
@@ -293,7 +296,7 @@ def prefill(sched, *seqs, token=99):
 
 def test_a_decode_schedules_its_drafts_and_they_count_in_the_budget():
     kv, sched = make([1, 2, 3])
-    a, b = greedy("a", 6), greedy("b", 5, start=40, temperature=0.8, repetition_penalty=1.2)
+    a, b = greedy("a", 6), greedy("b", 5, start=40, temperature=0.8, max_tokens=2)  # b: no room left for drafts
     prefill(sched, a, b)
     batch = sched.schedule()
     assert batch.num_new_tokens == [4, 1] and batch.drafts == [[1, 2, 3], []]
@@ -412,7 +415,7 @@ def test_a_seq_at_its_limit_or_not_decoding_gets_no_drafts():
 # -- the runner's inputs and the verifier ---------------------------------------------------
 def test_plan_feeds_the_last_token_then_the_drafts_and_asks_logits_at_each():
     kv, sched = make([1, 2, 3])
-    a, b = greedy("a", 6), greedy("b", 5, start=40, temperature=0.8, bad_words_ids=[[7]])
+    a, b = greedy("a", 6), greedy("b", 5, start=40, temperature=0.8, max_tokens=2)  # b: no room left for drafts
     c = greedy("c", 9, start=60)
     prefill(sched, a, b)
     sched.add(c)

@@ -367,3 +367,25 @@ def test_structured_outputs_draft_and_equal_speculation_off(engine, spec_engine)
     assert json.loads(on[0].text)["items"] and on[4].text == "apples, pears, plums"
     assert spec_engine.stats().spec_num_accepted_tokens - before >= 10
     assert_engine_idle(spec_engine)
+
+
+def test_penalties_bad_words_and_min_tokens_draft_and_equal_speculation_off(engine, spec_engine, repeat, prompts):
+    """Each verify row's processors read the request's tokens with the drafts before the row, so
+    repetition / presence / frequency penalties, bad words and a pending min_tokens give
+    speculation off's tokens, greedy and seeded sampled, and their drafts are accepted."""
+    params = [greedy(40, repetition_penalty=1.05, ignore_eos=True),
+              greedy(40, presence_penalty=0.4, frequency_penalty=0.2, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=9, frequency_penalty=0.5, ignore_eos=True, logprobs=1),
+              greedy(40, bad_words=["cherry", "fig"], ignore_eos=True),
+              greedy(30, min_tokens=30),
+              SamplingParams(max_tokens=24, temperature=0.9, seed=2, presence_penalty=0.3, min_tokens=10)]
+    batch = [repeat] * 5 + [prompts[1]]
+    before = spec_engine.stats().spec_num_accepted_tokens
+    off = engine.generate(batch, params, use_tqdm=False)
+    on = spec_engine.generate(batch, params, use_tqdm=False)
+    for a, b in zip(off, on):
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    assert [x.logprob for x in on[2].logprobs] == pytest.approx([x.logprob for x in off[2].logprobs], abs=1e-4)
+    assert "cherry" not in on[3].text and len(on[4].token_ids) == 30
+    assert spec_engine.stats().spec_num_accepted_tokens - before >= 20
+    assert_engine_idle(spec_engine)

@@ -11,10 +11,10 @@ for the tokens that follow). For a draft that is a single proposed token (n-gram
 draft with the target's probability of it and otherwise draws from the target without it, which
 is what rejection sampling (Leviathan et al.; Chen et al.) does with a one-point proposal.
 
-A structured output's request drafts too: each of its rows is masked by the grammar's state
-after the drafts before it (structured_output.draft_masks), and n-gram drafts are cut where the
-grammar refuses one. Requests whose logit processors (penalties, bad words, pending min_tokens)
-would need per-row histories holding the drafts do not draft.
+Every request may draft. A row's logit processors see the request as it would be at that row:
+penalties, bad words and min_tokens read its tokens with the drafts before the row (DraftRow),
+and a structured output's grammar masks the row in its state after them
+(structured_output.draft_masks; n-gram drafts are cut where the grammar refuses one).
 
 The drafts come from the n-gram lookup while the step is scheduled, or from a draft model
 (draft_model.py) in one batched pass after it (`complete`): the scheduler then reserves the
@@ -25,7 +25,7 @@ target runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -87,14 +87,9 @@ class Speculator:
         """Draft model: each held-back request's steps since its last shadow draft."""
 
     @staticmethod
-    def eligible(seq: Sequence) -> bool:
-        p = seq.params
-        return not p.needs_penalties and not p.bad_words_ids and seq.num_output_tokens >= p.min_tokens
-
-    def may_draft(self, seq: Sequence) -> bool:
-        """Whether seq drafts this step if its length allows: it decodes (its one new token known)
-        and is eligible."""
-        return seq.num_uncomputed_tokens == 1 and not seq.num_pending_tokens and self.eligible(seq)
+    def may_draft(seq: Sequence) -> bool:
+        """Whether seq drafts this step if its length allows: it decodes (its one new token known)."""
+        return seq.num_uncomputed_tokens == 1 and not seq.num_pending_tokens
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A decode-only step's query tokens and seconds, for the draft lengths' step cost (the
@@ -174,7 +169,7 @@ class Speculator:
         """logits: 1 + len(drafts[i]) rows per sequence, in order. Every row's token through the
         sampler (a sequence's rows share its parameters), noting each seeded sampled request's
         generator before its rows draw."""
-        rows = [seq for seq, draft in zip(seqs, drafts) for _ in range(1 + len(draft))]
+        rows = [DraftRow.of(seq, draft[:j]) for seq, draft in zip(seqs, drafts) for j in range(1 + len(draft))]
         states = [seq.generator.get_state() if draft and seq.generator is not None and not seq.params.greedy else None
                   for seq, draft in zip(seqs, drafts)]
         tokens = sampler.sample(logits, rows, _grammar_masks(seqs, drafts, len(rows), logits.shape[-1]))
@@ -202,6 +197,34 @@ class Speculator:
                 for position in range(m):
                     stats.accepted_per_pos[position] += 1
         return emitted
+
+
+class DraftRow:
+    """A verify row as the sampler's processors see its request: its tokens followed by the
+    drafts before the row (its parameters, generator and grammar are the request's own)."""
+
+    def __init__(self, seq: Sequence, drafted: list[int]):
+        self.seq = seq
+        self.params = seq.params
+        self.generator = seq.generator
+        self.grammar = seq.grammar
+        self.token_ids = seq.token_ids + drafted
+
+    @staticmethod
+    def of(seq: Sequence, drafted: list[int]) -> Sequence:
+        """seq itself for its first row or where no processor reads its tokens, else a DraftRow."""
+        p = seq.params
+        if not drafted or not (p.needs_penalties or p.bad_words_ids or p.min_tokens > seq.num_output_tokens):
+            return seq
+        return cast("Sequence", DraftRow(seq, drafted))
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.seq.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.seq.num_prompt_tokens :]
 
 
 def _grammar_masks(seqs: list[Sequence], drafts: list[list[int]], num_rows: int, vocab: int) -> torch.Tensor | None:
