@@ -20,7 +20,8 @@ on Llama-3-8B's linears and what mixing 4 adapters costs the bundled model's sha
 (benchmarks/lora.py). After the models, a torch.profiler view of the 8B bf16 engine's steps
 (decode at batch 1, 64 and 256, and 8 decodes beside a 2,048-token prefill): device time by
 kernel family and the device's idle time between kernels, the host's share
-(benchmarks/step_profile.py); last, what `deterministic` costs the bundled model's shape and
+(benchmarks/step_profile.py); what a speculative verify step costs beside a decode step at batch 1
+and n-gram drafting on a repeated text (benchmarks/spec_step.py); last, what `deterministic` costs the bundled model's shape and
 whether a request's tokens stay the same beside others, with it and without
 (benchmarks/deterministic.py). The peer is
 transformers on the same shape and requests: continuous batching (`generate_batch`'s
@@ -63,6 +64,7 @@ from moe_kernel import markdown as moe_markdown, moe_rows  # noqa: E402
 from deterministic import markdown as deterministic_markdown, rows as deterministic_rows  # noqa: E402
 from kernel_table import kernel_rows, markdown as kernel_markdown, slowest_vs_vendor  # noqa: E402
 from step_profile import markdown as step_profile_markdown, rows as step_profile_rows  # noqa: E402
+from spec_step import CEILING as SPEC_CEILING, markdown as spec_markdown, rows as spec_rows  # noqa: E402
 
 
 def importable_checkout() -> None:
@@ -479,7 +481,8 @@ def find(rows: list[dict], system: str, model: str, key: str) -> float | None:
     return None
 
 
-def targets(rows: list[dict], device: dict, kernels: list[dict] | None = None) -> list[tuple[str, str]]:
+def targets(rows: list[dict], device: dict, kernels: list[dict] | None = None,
+            spec: dict | None = None) -> list[tuple[str, str]]:
     """(verdict, text) per target of the GPU issue; ones not measured say so."""
     bf16, fp8, int4, small = "Llama-3-8B bf16", "Llama-3-8B fp8", "Llama-3-8B int4", "SmolLM2-135M bf16"
     ours = lambda model, key: find(rows, "pagedserve", model, key)  # noqa: E731
@@ -504,6 +507,9 @@ def targets(rows: list[dict], device: dict, kernels: list[dict] | None = None) -
         ("our fp8 and int4 GEMMs at M = 1-16 at least as fast as the vendor kernel beside them in the same run, "
          "on every 8B shape", slowest_vs_vendor(kernels), lambda v: v >= 1,
          lambda v: f"the slowest at {v:.2f}x the vendor's speed"),
+        (f"8B bf16 verify of 4 drafts <= {SPEC_CEILING}x a one-token decode step at batch 1",
+         spec.get("verify_over_plain") if spec and spec.get("shape") == "llama-3-8b" else None,
+         lambda v: v <= SPEC_CEILING, lambda v: f"{v:.2f}x"),
     ]
     return [("NOT MEASURED", name) if value is None else
             ("PASS" if ok(value) else "FALLS SHORT", f"{name}: {show(value)}") for name, value, ok, show in checks]
@@ -541,6 +547,8 @@ def markdown(result: dict) -> str:
         lines += ["", kernel_markdown(result["kernels"])]
     if result.get("step_profile"):
         lines += ["", step_profile_markdown(result["step_profile"])]
+    if result.get("spec"):
+        lines += ["", spec_markdown(result["spec"])]
     if result.get("moe"):
         lines += ["", moe_markdown(result["moe"])]
     if result.get("lora_mix") or result.get("lora_kernel"):
@@ -601,7 +609,7 @@ def main(argv: list[str] | None = None) -> dict:
     def save() -> str:
         """The files as they stand (after every section: a run cut off still leaves its numbers)."""
         result["seconds"] = time.perf_counter() - started
-        result["targets"] = targets(result["rows"], result["device"], result.get("kernels"))
+        result["targets"] = targets(result["rows"], result["device"], result.get("kernels"), result.get("spec"))
         table = markdown(result)
         with open(os.path.join(args.out, "gpu.json"), "w") as f:
             json.dump(result, f, indent=1)
@@ -642,6 +650,11 @@ def main(argv: list[str] | None = None) -> dict:
         attempt(result, "step profile", left, 60, lambda: result.__setitem__("step_profile", step_profile_rows(
             profiled if os.path.exists(profiled) else write_model_dir(os.path.basename(profiled), profiled),
             args.device, progress=progress)))
+        release(args.device)
+        save()
+        attempt(result, "speculative steps", left, 60, lambda: result.__setitem__("spec", spec_rows(
+            profiled if os.path.exists(profiled) else write_model_dir(os.path.basename(profiled), profiled), args.device, steps=32 if args.device == "cuda" else 8, tokens=128 if args.device == "cuda" else 32,
+            progress=progress)))
         release(args.device)
         save()
         for run in plan.runs:

@@ -1,6 +1,6 @@
 """benchmarks/gpu.py, the one command a lent GPU runs, dry-run on CPU (`--device cpu --quick`,
 a tiny random model): every section of it runs here (the kernel table, pagedserve in bf16, fp8 and
-int4, the step profile, the transformers peer, the served model under tritonserver), so it cannot
+int4, the step profile, the speculative steps, the transformers peer, the served model under tritonserver), so it cannot
 rot between GPU runs."""
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ def test_the_gpu_check_runs_every_section_on_cpu(tmp_path):
     for row in profiled.values():
         assert row["steps"] > 0 and row["wall_us"] > 0 and row["kernels"] > 0 and row["note"] is None, row
         assert abs(sum(part["share"] for part in row["families"].values()) - 1) < 1e-3, row
-    assert len(result["targets"]) == 10  # every target has its line (NOT MEASURED on a tiny model)
-    assert result["targets"][-1][0] == "NOT MEASURED"  # the kernel target wants the 8B shapes
+    spec = result["spec"]  # a verify step and a plain one at batch 1, n-gram on a repeated text
+    assert spec["plain_step_ms"] > 0 and spec["verify_step_ms"] > 0 and spec["ngram_tok_s"] > 0 and spec["drafted"] > 0
+    assert len(result["targets"]) == 11  # every target has its line (NOT MEASURED on a tiny model)
+    assert [verdict for verdict, _ in result["targets"][-2:]] == ["NOT MEASURED"] * 2  # these want the 8B shapes
     table = (tmp_path / "gpu.md").read_text()
     assert table.count("| pagedserve |") == 3
     assert "| tiny (256 x 256) | 16 |" in table and "| decode, batch 256 |" in table
