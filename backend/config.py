@@ -141,9 +141,9 @@ class EngineConfig:
     speculative_config: str | dict = ""
     """Speculative decoding (vLLM's --speculative-config): a dict (Python API), a JSON object or
     `key=value,key=value` (config.pbtxt, `pagedserve serve --set`) of vLLM's keys `method` ("ngram",
-    prompt lookup, or "draft_model"), `num_speculative_tokens` (required, >= 1), `prompt_lookup_min` and
+    prompt lookup, "draft_model" or "eagle3"), `num_speculative_tokens` (required, >= 1), `prompt_lookup_min` and
     `prompt_lookup_max` (both unset: 5 and 5; one unset: the other's value), `model` (the draft's
-    checkpoint; given alone it means draft_model), `draft_tensor_parallel_size` (1), `disable_by_batch_size`
+    checkpoint or the EAGLE-3 head's; given alone it means draft_model), `draft_tensor_parallel_size` (1), `disable_by_batch_size`
     (no drafting while more than that many requests run), and pagedserve's `draft_length` (adaptive: only
     the drafts expected to pay for their rows; fixed) and `dtype` (the draft's; auto: the target's).
     Greedy and sampled requests (logit processors and structured outputs included) verify their drafts in

@@ -47,7 +47,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
 from .spec_decode import Speculator, Verification
-from .spec_decode.draft_model import load_draft
+from .spec_decode.proposers import load_model_proposer
 from .structured_output import GrammarCompiler
 from .tokenizer import apply_chat_template, encode_prompt
 
@@ -131,8 +131,7 @@ class LLMEngine:
 
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         spec = config.speculative
-        draft = (load_draft(spec, loaded.config, loaded.tokenizer, self.model_path, self.dtype, self.device,
-                            config.attention_backend, cpu) if spec is not None and spec.method == "draft_model" else None)
+        draft = load_model_proposer(spec, loaded, self.model_path, self.dtype, self.device, config.attention_backend, cpu)
         num_blocks = num_kv_blocks(config, loaded.model.local_config, self.device, self.kv_dtype,
                                    draft.block_bytes(config.block_size) if draft is not None else 0)
         self.max_model_len = max_model_len(config, self.model_config, num_blocks)
@@ -160,7 +159,8 @@ class LLMEngine:
         if self.workers:
             self.runner: ModelRunner = TensorParallelRunner(self.workers, *runner_args)
         else:
-            graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) else 0
+            eagle = spec is not None and spec.method == "eagle3"  # its head reads every step's hidden states
+            graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) and not eagle else 0
             self.runner = ModelRunner(*runner_args, graphs, self.max_model_len, self.lora, batch_invariant=config.deterministic,
                                       images=self.images.embedder if self.images is not None else None)
         if config.kv_cache_dtype == "fp8":
@@ -418,6 +418,8 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch) -> InFlightStep:
         """Run the step's forward and sampling on the device; nothing waits for them."""
         logits, sampling_seqs = self.runner.execute(batch)
+        if self.speculator is not None:  # an EAGLE-3 head's input: the target's hidden states of the step
+            self.speculator.observe_target(batch, getattr(self.runner.model, "aux_hidden", None))
         assert len(sampling_seqs) == len(batch.sampling_seqs), "the runner and the scheduler disagree on who samples"
         batch.sampling_seqs = sampling_seqs  # in the order of the logits' rows, which the tokens follow
         if not sampling_seqs:

@@ -87,12 +87,13 @@ def test_dict_json_and_key_value_forms_agree_with_vllm_defaults():
 
 @pytest.mark.parametrize("value, match", [
     ("method=draft_model,num_speculative_tokens=3", "needs `model`"),
-    ("method=ngram,model=/some/draft,num_speculative_tokens=3", "is for method 'draft_model'"),
+    ("method=ngram,model=/some/draft,num_speculative_tokens=3", "is for methods 'draft_model' and 'eagle3'"),
     ("model=/some/draft,num_speculative_tokens=3,draft_tensor_parallel_size=2", "draft_tensor_parallel_size must be 1"),
     ("model=/some/draft,num_speculative_tokens=3,dtype=int8", "dtype must be one of"),
     ("num_speculative_tokens=3,dtype=bfloat16", "dtype is the draft model's"),
-    ({"method": "eagle3", "num_speculative_tokens": 3}, "not implemented yet"),
-    ("method=magic,num_speculative_tokens=3", "method must be 'ngram' or 'draft_model'"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, "needs `model`: the EAGLE-3 head"),
+    ({"method": "mtp", "num_speculative_tokens": 3}, "not implemented yet"),
+    ("method=magic,num_speculative_tokens=3", "method must be 'ngram', 'draft_model' or 'eagle3'"),
     ("method=ngram", "num_speculative_tokens is required"),
     ("num_speculative_tokens=0", "num_speculative_tokens must be >= 1"),
     ("num_speculative_tokens=two", "must be an integer"),

@@ -325,6 +325,11 @@ class LlamaForCausalLM(nn.Module):
         self.fused_layers: FusedLayers | None = None
         """Runs every layer of an eager step at once where it applies (the CPU backend's C loop,
         backend/cpu/decoder_stack.py, attached at load); None: the layers below, one by one."""
+        self.aux_layers: tuple[int, ...] = ()
+        """Layers whose input residual stream a step keeps, in `aux_hidden` (an EAGLE-3 head reads
+        them: backend/spec_decode/eagle3.py); the layers then run one by one."""
+        self.aux_hidden: torch.Tensor | None = None
+        """The last forward's states of `aux_layers`, side by side: [rows, len(aux_layers) x hidden]."""
 
     def forward(
         self,
@@ -345,7 +350,7 @@ class LlamaForCausalLM(nn.Module):
         paged attention, whose layout changes every step, stays eager. Eagerly, the last
         layer's work past its attention runs for `output_rows` alone: a prompt chunk's other
         rows feed no later layer (~3% of a 30-layer prefill's arithmetic)."""
-        if pieces is None and self.fused_layers is not None:
+        if pieces is None and self.fused_layers is not None and not self.aux_layers:
             hidden = self.fused_layers.forward(input_ids, positions, kv_caches, meta, kernels, output_rows)
             if hidden is not None:
                 return hidden
@@ -355,7 +360,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             h, q, k, v = first_piece(self, input_ids, positions, patch)
         last = len(self.layers) - 1
+        kept: list[torch.Tensor] = []
         for i, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches)):
+            if i in self.aux_layers:
+                kept += [h] * self.aux_layers.count(i)
+                if len(kept) == len(self.aux_layers):
+                    self.aux_hidden = torch.cat(kept, dim=-1)
             attn = attention(kernels, q, k, v, kv_cache, meta, layer.self_attn.scale, layer.self_attn.window,
                              layer.self_attn.softcap, layer.self_attn.sinks)
             if i == last:

@@ -10,8 +10,8 @@ from ..errors import ConfigError
 from ..values import setting_items, to_int
 
 FIELD = "speculative_config"
-METHODS = ("ngram", "draft_model")
-NOT_YET = ("eagle", "eagle3", "medusa", "mtp", "suffix")
+METHODS = ("ngram", "draft_model", "eagle3")
+NOT_YET = ("eagle", "medusa", "mtp", "suffix")
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
         "draft_length", "model", "draft_tensor_parallel_size", "dtype")
 DRAFT_LENGTHS = ("adaptive", "fixed")
@@ -34,7 +34,7 @@ class SpeculativeConfig:
     to pay for their rows (draft_length.py); `fixed` always up to num_speculative_tokens (vLLM's way)."""
     model: str = ""
     """draft_model: the draft's checkpoint (a Hugging Face directory or a .gguf file), sharing the
-    target's tokenizer."""
+    target's tokenizer; eagle3: the EAGLE-3 head's directory."""
     dtype: str = "auto"
     """pagedserve's key, draft_model: the draft's dtype; auto: the target's. A GGUF draft in bfloat16
     or float16 on CPU keeps its quantized blocks (a Q4 draft reads a quarter of bf16's bytes)."""
@@ -56,13 +56,16 @@ def parse(value: Any) -> SpeculativeConfig | None:
         method = "ngram"
     if method not in METHODS:
         if method in NOT_YET:
-            raise ConfigError(FIELD, f"method {method!r} is not implemented yet; 'ngram' (prompt lookup) and "
-                                     "'draft_model' are")
-        raise ConfigError(FIELD, f"method must be 'ngram' or 'draft_model', got {method!r}")
+            raise ConfigError(FIELD, f"method {method!r} is not implemented yet; 'ngram' (prompt lookup), "
+                                     "'draft_model' and 'eagle3' are")
+        raise ConfigError(FIELD, f"method must be 'ngram', 'draft_model' or 'eagle3', got {method!r}")
     if method == "draft_model" and not model:
         raise ConfigError(FIELD, "method 'draft_model' needs `model`: the draft's checkpoint directory or .gguf file")
+    if method == "eagle3" and not model:
+        raise ConfigError(FIELD, "method 'eagle3' needs `model`: the EAGLE-3 head's checkpoint directory")
     if method == "ngram" and model:
-        raise ConfigError(FIELD, f"`model` ({model!r}) is for method 'draft_model'; n-gram drafting needs no weights")
+        raise ConfigError(FIELD, f"`model` ({model!r}) is for methods 'draft_model' and 'eagle3'; n-gram drafting "
+                                 "needs no weights")
     if items.get("draft_tensor_parallel_size") not in (None, "") and _int(items, "draft_tensor_parallel_size") != 1:
         raise ConfigError(FIELD, "draft_tensor_parallel_size must be 1: the draft runs on one rank, as the target "
                                  f"does while speculating (got {items['draft_tensor_parallel_size']!r})")

@@ -54,6 +54,9 @@ class _Kept:
 
 
 class DraftModel:
+    keeps_up = False
+    """It catches up when a request drafts (its cache can be recomputed from the tokens)."""
+
     def __init__(self, model: Any, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  attention_backend: str, target_vocab_size: int, path: str):
         self.model = model
@@ -122,6 +125,9 @@ class DraftModel:
                 drafts[index].append(token)
                 self._kept[seq].valid = last[index] + position
         return drafts
+
+    def observe(self, batch: ScheduledBatch, aux: torch.Tensor | None) -> None:
+        """The target's step: nothing a draft model needs."""
 
     def has_drafted(self, seq: Sequence) -> bool:
         """Whether seq's draft K/V are in the cache (it drafted since it last started): catching it

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ..sampler import Sampler
     from ..scheduler import ScheduledBatch
     from ..sequence import Sequence
-    from .draft_model import DraftModel
+    from .proposers import ModelProposer
 
 PENDING = -1
 """A draft token the draft model has not proposed yet (between scheduling and `complete`)."""
@@ -71,11 +71,11 @@ class Verification:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int | None = None, draft: DraftModel | None = None):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int | None = None, draft: ModelProposer | None = None):
         self.config = config
         self.max_model_len = max_model_len
         self.draft = draft
-        """The draft model (method draft_model), else None (n-gram)."""
+        """The draft model or EAGLE-3 head (methods draft_model, eagle3), else None (n-gram)."""
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.lengths = DraftLengths(config.num_speculative_tokens, config.draft_length == "adaptive", draft is not None)
         self._drafting = False
@@ -140,11 +140,11 @@ class Speculator:
         drafting, self._drafting = self._drafting, False
         shadowing, self._shadowing = self._shadowing, set()
         self._draft_seconds = 0.0
-        if self.draft is None or not drafting:
+        if self.draft is None or not (drafting or self.draft.keeps_up):
             return
         counts = {index: len(drafts) for index, drafts in enumerate(batch.drafts) if drafts}
         counts.update({index: 1 for index, seq in enumerate(batch.seqs) if seq in shadowing and index not in counts})
-        if not counts:
+        if not counts and not self.draft.keeps_up:
             return
         proposals = self.draft.propose(batch, counts)
         for num_tokens, seconds in self.draft.forwards:
@@ -155,6 +155,11 @@ class Speculator:
                 batch.drafts[index][:] = proposal
             else:
                 self.lengths.shadow(batch.seqs[index], proposal)
+
+    def observe_target(self, batch: ScheduledBatch, aux_hidden: torch.Tensor | None) -> None:
+        """The target's step ran: an EAGLE-3 head takes its hidden states (nothing for the others)."""
+        if self.draft is not None and self.draft.keeps_up:
+            self.draft.observe(batch, aux_hidden)
 
     def _ngram(self, seq: Sequence, k: int) -> list[int]:
         """Up to k n-gram drafts, cut before the first one a structured output's grammar refuses."""

@@ -1,8 +1,9 @@
-"""Speculative decoding set in a model repository (`speculative_config` in llm/config.pbtxt), n-gram
-and a draft model, through a real tritonserver: the vLLM backend's `llm` (gRPC streamed, HTTP generate), the TensorRT-LLM ensemble
-and the OpenAI gateway (the openai SDK, streamed and not) each give the offline engine's text
-without speculation, greedy and seeded sampled; the spec_decode counters show drafts were accepted,
-and the server ends idle (no KV block held after a cancelled speculative stream)."""
+"""Speculative decoding set in a model repository (`speculative_config` in llm/config.pbtxt), n-gram,
+a draft model and an EAGLE-3 head, through a real tritonserver: the vLLM backend's `llm` (gRPC
+streamed, HTTP generate), the TensorRT-LLM ensemble and the OpenAI gateway (the openai SDK, streamed
+and not) each give the offline engine's text without speculation, greedy and seeded sampled; the
+spec_decode counters show drafts were verified (and accepted, but for the random head's), and the
+server ends idle (no KV block held after a cancelled speculative stream)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pagedserve.backend import LLMEngine, SamplingParams
 from pagedserve.client.repository import write_repository
 from pagedserve.client.triton_server import TritonServer
 
+from ..eagle3_checks import write_eagle3_head
 from .conftest import gateway_process, llm_inputs, metric, stream_request, tensor, texts, wait_idle
 
 SPEC = "method=ngram,num_speculative_tokens=4,prompt_lookup_min=1,prompt_lookup_max=3,draft_length=fixed"
@@ -31,7 +33,7 @@ def streamed_text(engine: LLMEngine, prompt: str, params: SamplingParams) -> str
     return "".join(o.text for o in outputs)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_every_entry_point_gives_the_text_of_speculation_off(tmp_path, small_llama, method):
     offline = LLMEngine(model=small_llama, dtype="float32")
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -42,8 +44,10 @@ def test_every_entry_point_gives_the_text_of_speculation_off(tmp_path, small_lla
     expected_seeded = streamed_text(offline, PROMPTS[0], seeded)
     expected_ensemble = streamed_text(offline, PROMPTS[0], SamplingParams(max_tokens=24, temperature=0))
 
-    # the draft model: the target itself (every draft accepted), its own cache beside the target's
-    spec = SPEC if method == "ngram" else f"model={small_llama},num_speculative_tokens=3,draft_length=fixed"
+    # the draft model: the target itself (every draft accepted), its own cache beside the target's; a random EAGLE-3 head
+    spec = {"ngram": SPEC, "draft_model": f"model={small_llama},num_speculative_tokens=3,draft_length=fixed",
+            "eagle3": f"method=eagle3,model={write_eagle3_head(str(tmp_path / 'head'), small_llama)},"
+                      "num_speculative_tokens=3,draft_length=fixed"}[method]
     engine = {"dtype": "float32", "speculative_config": spec, "REPORT_CUSTOM_METRICS": "true"}
     repository = write_repository(tmp_path / "repo", model=small_llama, engine=engine)
     models = ["llm", "preprocessing", "tensorrt_llm", "postprocessing", "ensemble"]
@@ -77,6 +81,8 @@ def test_every_entry_point_gives_the_text_of_speculation_off(tmp_path, small_lla
         _, error = stream_request(server, llm_inputs(PROMPTS[0], max_tokens=200, temperature=0, ignore_eos=True),
                                   cancel_after=3)  # cancelled mid-stream, drafting
         wait_idle(server)
-        assert metric(server, "vllm:spec_decode_num_accepted_tokens_total") > 0
+        assert metric(server, "vllm:spec_decode_num_draft_tokens_total") > 0
+        if method != "eagle3":  # a random head's drafts are rarely the target's tokens
+            assert metric(server, "vllm:spec_decode_num_accepted_tokens_total") > 0
         assert metric(server, "vllm:spec_decode_num_draft_tokens_total") >= metric(
             server, "vllm:spec_decode_num_accepted_tokens_total")
