@@ -193,8 +193,8 @@ class Eagle3Proposer:
                 drafts[index].append(token)
                 hidden[index] = prenorm[j]
             self.forwards.append((len(going), time.perf_counter() - started))
-        for index in list(drafts):  # a request the head has no output for yet drafts nothing (never here)
-            drafts[index] = drafts[index][: counts[index]]
+        for index in counts:  # no output of the head for it (not met: every step leaves its states): its last token
+            drafts.setdefault(index, [batch.seqs[index].token_ids[-1]] * counts[index])
         return drafts
 
     def _catch_up(self, computed_before: dict[Sequence, int]) -> None:
