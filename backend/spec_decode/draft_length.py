@@ -11,9 +11,9 @@ rows are dear at this batch size), from measurements of this engine alone:
 - cost is the measured seconds of decode-only steps (decodes and verifies, no prompt chunk) by
   their query tokens, each size's recent mean, read between measured sizes along straight lines.
   Measured, not modelled: a CPU's step jumps where the row count leaves a kernel's few-row path,
-  a GPU's hardly moves until the tensor cores fill. Until two sizes are measured every request
-  drafts all it may, which measures them; a plain step at a size outside the measured ones is
-  measured before drafts are judged against it, and again every REMEASURE drafting steps;
+  a GPU's hardly moves until the tensor cores fill. A plain step at a size outside the measured
+  ones is measured first, and while it is the only size measured every request drafts all it may,
+  which measures a larger one; a plain size is measured again every REMEASURE drafting steps;
 - a draft model's forwards are timed apart from the target's step, by their tokens, and a
   choice's seconds add one forward per draft position over the requests drafting that far;
 - alpha is a request's accepted drafts over the drafts it reached (a verify stops at its first
@@ -142,17 +142,19 @@ class DraftLengths:
         n = len(running)
         plain, more = self.cost.at(n), self.cost.at(n + 1)
         self.row_cost = (more - plain) / plain if plain and more is not None else 0.0
-        lengths = dict.fromkeys(decoding, self.k)  # two sizes not measured yet: measure them
         self._could_pay, self._step = None, (n, plain or 0.0, len(decoding))
-        if plain and more is not None:
-            # a plain step at a size beyond those measured is measured before drafts are judged against
-            # it (read off a line through larger sizes it can be far off, and a drafting step never
-            # measures it)
-            lengths = self._best(decoding, n, plain) if self.cost.covers(n) else dict.fromkeys(decoding, 0)
+        if not self.cost.covers(n):
+            # the plain step at this size is measured first (read off a line through other sizes it
+            # can be far off, and a drafting step never measures it)
+            lengths = dict.fromkeys(decoding, 0)
+        elif plain and more is not None:
+            lengths = self._best(decoding, n, plain)
             if any(lengths.values()):  # and measured again now and then while drafting: one slow step stays otherwise
                 drafting = self._drafting_steps[n] = self._drafting_steps.get(n, 0) + 1
                 if drafting % self.REMEASURE == 0:
                     lengths = dict.fromkeys(decoding, 0)
+        else:  # the plain step is the one size measured: every request drafts all it may, measuring a larger one
+            lengths = dict.fromkeys(decoding, self.k)
         self.num_backed_off += sum(1 for length in lengths.values() if length == 0)
         self._lengths = lengths
 
@@ -166,10 +168,14 @@ class DraftLengths:
             lengths[decoding[index]] += 1
         return lengths
 
+    MARGIN = 0.02
+    """Drafts must beat the plain step's tokens a second by this much: where rows cost nothing
+    measurable and drafts are never kept, the step times' noise would decide otherwise."""
+
     def _scan(self, rows: list[tuple[float, int]], num_decoding: int, n: int, plain: float) -> tuple[int, float]:
         """(D, tokens a second) of the best first D of `rows` ((chance kept, request), in the
         order taken), D = 0 for the plain step."""
-        best_d, best_rate, expected = 0, n / plain, float(n)
+        best_d, best_rate, expected = 0, (1 + self.MARGIN) * n / plain, float(n)
         counts, rounds, drafting = [0] * num_decoding, [0] * self.k, 0.0
         for d, (value, index) in enumerate(rows, start=1):
             expected += value
