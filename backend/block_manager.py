@@ -193,7 +193,8 @@ class BlockManager:
                 if self.events is not None:
                     size = self.block_size
                     self.events.stored(block_hash, seq.block_hashes[index - 1] if index else None,
-                                       seq.token_ids[index * size : (index + 1) * size], seq.params.lora_name)
+                                       seq.token_ids[index * size : (index + 1) * size], seq.params.lora_name,
+                                       _extra_keys(seq, index * size, (index + 1) * size))
         seq.num_named_blocks = num_full
 
     def _extend_hashes(self, seq: Sequence, num_full: int) -> None:
@@ -278,3 +279,11 @@ class BlockManager:
         for block in self.blocks:
             if block.ref_count == 0:
                 self._evict(block)
+
+
+def _extra_keys(seq: Sequence, start: int, end: int) -> tuple | None:
+    """A block's keys besides its tokens, as vLLM's KV events name them: the content hashes (hex) of
+    the images with a token among positions [start, end), then the LoRA adapter's name; None: none."""
+    images = [image.content_hash.hex() for image in seq.mm.overlapping(start, end)] if seq.mm is not None else []
+    keys = tuple(images) + ((seq.params.lora_name,) if seq.params.lora_name is not None else ())
+    return keys or None

@@ -71,14 +71,23 @@ class KVEventRecorder:
     block_size: int
     events: list[dict[str, Any]] = field(default_factory=list)
 
-    def stored(self, block_hash: bytes, parent: bytes | None, token_ids: list[int], lora_name: str | None) -> None:
-        event = {"type": "BlockStored", "block_hashes": [external_hash(block_hash)],
-                 "parent_block_hash": external_hash(parent) if parent is not None else None,
-                 "token_ids": list(token_ids), "block_size": self.block_size, "lora_id": None, "medium": "GPU",
-                 "lora_name": lora_name}
+    def stored(self, block_hash: bytes, parent: bytes | None, token_ids: list[int], lora_name: str | None,
+               extra_keys: tuple | None = None) -> None:
+        """extra_keys: what else the block's hash covers, as vLLM names it per block (the content
+        hashes of the images whose tokens it holds, then the LoRA adapter's name); vLLM leaves the
+        field out of an event none of whose blocks has any."""
+        event: dict[str, Any] = {"type": "BlockStored", "block_hashes": [external_hash(block_hash)],
+                                 "parent_block_hash": external_hash(parent) if parent is not None else None,
+                                 "token_ids": list(token_ids), "block_size": self.block_size, "lora_id": None,
+                                 "medium": "GPU", "lora_name": lora_name}
+        if extra_keys:
+            event["extra_keys"] = [list(extra_keys)]
         last = self.events[-1] if self.events else None
         if (last is not None and last["type"] == "BlockStored" and last["lora_name"] == lora_name
                 and last["block_hashes"][-1] == event["parent_block_hash"]):  # the chain goes on: one event, as vLLM
+            if "extra_keys" in last or "extra_keys" in event:
+                last["extra_keys"] = (last.get("extra_keys") or [None] * len(last["block_hashes"])) + \
+                    event.get("extra_keys", [None])
             last["block_hashes"] += event["block_hashes"]
             last["token_ids"] += event["token_ids"]
         else:

@@ -53,6 +53,27 @@ def test_named_blocks_are_stored_in_chains_and_evicted_ones_removed():
     kv.cache_full_blocks(other)
     (stored,) = recorder.take()
     assert stored["lora_name"] == "sql" and len(stored["block_hashes"]) == 4 and stored["parent_block_hash"] is None
+    assert stored["extra_keys"] == [["sql"]] * 4  # vLLM's per-block keys: the adapter's name
+
+
+def test_a_blocks_images_are_its_extra_keys_and_text_blocks_have_none():
+    from pagedserve.backend.multimodal.inputs import ImageItem, MultiModalPrompt
+
+    kv = BlockManager(4, 4)
+    kv.events = recorder = KVEventRecorder(4)
+    seq = Sequence("a", list(range(10, 22)), SamplingParams(max_tokens=4))
+    seq.mm = MultiModalPrompt([ImageItem(b"\x01" * 16, offset=5, length=2), ImageItem(b"\x02" * 16, offset=7, length=2)])
+    assert kv.allocate(seq, 12)
+    seq.num_computed_tokens = 12
+    kv.cache_full_blocks(seq)  # blocks [0, 4) text, [4, 8) both images, [8, 12) the second's last token
+    (stored,) = recorder.take()
+    assert stored["extra_keys"] == [None, ["01" * 16, "02" * 16], ["02" * 16]]
+    kv.free(seq)
+    text = Sequence("b", list(range(40, 48)), SamplingParams(max_tokens=4))
+    assert kv.allocate(text, 8)
+    text.num_computed_tokens = 8
+    kv.cache_full_blocks(text)
+    assert all("extra_keys" not in event for event in recorder.take() if event["type"] == "BlockStored")  # as vLLM: left out
 
 
 def test_batches_go_out_as_vllm_sends_them():
