@@ -159,8 +159,8 @@ class LLMEngine:
         if self.workers:
             self.runner: ModelRunner = TensorParallelRunner(self.workers, *runner_args)
         else:
-            eagle = spec is not None and spec.method == "eagle3"  # its head reads every step's hidden states
-            graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) and not eagle else 0
+            reads_states = draft is not None and draft.keeps_up  # an EAGLE-3 head: a decode graph keeps no hidden states
+            graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) and not reads_states else 0
             self.runner = ModelRunner(*runner_args, graphs, self.max_model_len, self.lora, batch_invariant=config.deterministic,
                                       images=self.images.embedder if self.images is not None else None)
         if config.kv_cache_dtype == "fp8":

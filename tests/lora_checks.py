@@ -1,5 +1,6 @@
-"""Shared by the LoRA tests (tests/test_lora.py, tests/integration/test_lora_served.py): PEFT adapters
-made on a small random Llama, and the greedy tokens transformers + peft give with them."""
+"""Shared by the LoRA tests (tests/test_lora.py, tests/integration/test_lora_served.py, the speculative
+decoding tests): PEFT adapters made on a small random Llama, the greedy tokens transformers + peft give
+with them, and a batch of two adapters' requests beside a base one."""
 
 from __future__ import annotations
 
@@ -41,3 +42,17 @@ def greedy(reference, prompt: list[int], max_tokens: int) -> list[int]:
         out = reference.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_tokens,
                                  min_new_tokens=max_tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def mixed_adapter_batch(model_dir: str, folder: str | os.PathLike) -> tuple[dict, list[list[int]], list]:
+    """Engine settings serving two of ADAPTERS made on `model_dir` (under `folder`), and three greedy
+    20-token requests: one of each adapter and a base one (its prompt the first's)."""
+    from pagedserve.backend import SamplingParams
+
+    write_adapters(model_dir, folder)
+    modules = ",".join(f"{name}={os.path.join(folder, name)}" for name in ("q-and-v", "every-projection"))
+    settings = dict(model=model_dir, dtype="float32", enable_lora=True, lora_modules=modules)
+    prompts = [list(range(40, 52)), list(range(60, 75)), list(range(40, 52))]
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, lora_name=name)
+              for name in ("q-and-v", "every-projection", None)]
+    return settings, prompts, params

@@ -164,14 +164,10 @@ def test_structured_outputs_draft_and_equal_speculation_off(engine, draft_engine
 def test_lora_requests_draft_from_the_base_draft_and_equal_speculation_off(small_llama, tmp_path):
     """The draft has no adapters (it drafts the base model's continuation); each adapter's request
     verifies through its adapter and gets speculation off's tokens, beside a base request."""
-    from .lora_checks import write_adapters
+    from .lora_checks import mixed_adapter_batch
 
-    write_adapters(small_llama, tmp_path / "adapters")
-    modules = ",".join(f"{name}={tmp_path / 'adapters' / name}" for name in ("q-and-v", "every-projection"))
-    settings = dict(model=small_llama, dtype="float32", enable_lora=True, lora_modules=modules, **GPU_SHARE)
-    prompts = [list(range(40, 52)), list(range(60, 75)), list(range(40, 52))]
-    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, lora_name=name)
-              for name in ("q-and-v", "every-projection", None)]
+    settings, prompts, params = mixed_adapter_batch(small_llama, tmp_path / "adapters")
+    settings.update(GPU_SHARE)
     off = LLMEngine(**settings).generate(prompts, params, use_tqdm=False)
     drafted = LLMEngine(**settings, speculative_config=spec(small_llama, k=3))
     assert [r.token_ids for r in drafted.generate(prompts, params, use_tqdm=False)] == [r.token_ids for r in off]

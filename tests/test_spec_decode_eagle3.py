@@ -134,14 +134,10 @@ def test_heads_that_do_not_fit_their_target_are_refused(small_llama, tmp_path):
 def test_lora_requests_draft_with_the_head_and_equal_speculation_off(small_llama, head, tmp_path):
     """The head reads the target's states as each request's adapter leaves them; the tokens of two
     adapters' requests and a base one equal speculation off's."""
-    from .lora_checks import write_adapters
+    from .lora_checks import mixed_adapter_batch
 
-    write_adapters(small_llama, tmp_path / "adapters")
-    modules = ",".join(f"{name}={tmp_path / 'adapters' / name}" for name in ("q-and-v", "every-projection"))
-    settings = dict(model=small_llama, dtype="float32", enable_lora=True, lora_modules=modules, **GPU_SHARE)
-    prompts = [list(range(40, 52)), list(range(60, 75)), list(range(40, 52))]
-    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, lora_name=name)
-              for name in ("q-and-v", "every-projection", None)]
+    settings, prompts, params = mixed_adapter_batch(small_llama, tmp_path / "adapters")
+    settings.update(GPU_SHARE)
     off = LLMEngine(**settings).generate(prompts, params, use_tqdm=False)
     drafted = LLMEngine(**settings, speculative_config=spec(head))
     assert [r.token_ids for r in drafted.generate(prompts, params, use_tqdm=False)] == [r.token_ids for r in off]

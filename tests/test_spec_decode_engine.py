@@ -312,14 +312,10 @@ def test_lora_requests_verify_their_drafts_through_their_adapters(small_llama, t
     """Requests of two adapters and of the base model in one batch, drafting (a proposer that drafts
     each request's own continuation without speculation, its last draft made wrong every third
     step, so runs are accepted whole, in part and not at all): the tokens equal speculation off."""
-    from .lora_checks import write_adapters
+    from .lora_checks import mixed_adapter_batch
 
-    write_adapters(small_llama, tmp_path / "adapters")
-    modules = ",".join(f"{name}={tmp_path / 'adapters' / name}" for name in ("q-and-v", "every-projection"))
-    settings = dict(model=small_llama, dtype="float32", enable_lora=True, lora_modules=modules, **GPU_SHARE)
-    prompts = [list(range(40, 52)), list(range(60, 75)), list(range(40, 52))]
-    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, lora_name=name)
-              for name in ("q-and-v", "every-projection", None)]
+    settings, prompts, params = mixed_adapter_batch(small_llama, tmp_path / "adapters")
+    settings.update(GPU_SHARE)
     off = LLMEngine(**settings).generate(prompts, params, use_tqdm=False)
     assert off[0].token_ids != off[2].token_ids  # the adapter changes the answer
     spec = LLMEngine(**settings, speculative_config="num_speculative_tokens=3,draft_length=fixed")

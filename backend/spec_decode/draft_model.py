@@ -30,15 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..device import DTYPES, kv_block_bytes
+from ..device import DTYPES
 from ..errors import ConfigError
 from ..model_config import ModelConfig
 from ..model_loader import load_model
-from ..model_runner import ModelRunner
 from ..models.parallel import SINGLE_RANK
-from ..sampling_params import SamplingParams
 from ..sequence import Sequence
 from .config import FIELD, SpeculativeConfig
+from .own_cache import OwnCacheProposer, view
 
 if TYPE_CHECKING:
     from ..cpu.backend import CpuBackend
@@ -53,28 +52,16 @@ class _Kept:
     preemptions: int
 
 
-class DraftModel:
-    keeps_up = False
-    """It catches up when a request drafts (its cache can be recomputed from the tokens)."""
+class DraftModel(OwnCacheProposer):
+    """A smaller model of the target's tokenizer; it catches up when a request drafts (its cache
+    can be recomputed from the tokens)."""
 
     def __init__(self, model: Any, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  attention_backend: str, target_vocab_size: int, path: str):
-        self.model = model
-        self.config = config
-        self.dtype = dtype
-        self.device = device
-        self.attention_backend = attention_backend
-        self.path = path
+        super().__init__(model, config, dtype, device, attention_backend, path)
         self.vocab_size = min(config.vocab_size, target_vocab_size)
         """Drafts come from the ids both models have (embeddings are often padded differently)."""
-        self.runner: ModelRunner | None = None
-        self.forwards: list[tuple[int, float]] = []
-        """The last `propose`'s forwards: (tokens, seconds) each, for the draft lengths' cost."""
         self._kept: dict[Sequence, _Kept] = {}
-
-    def block_bytes(self, block_size: int) -> int:
-        """What one KV block costs in the draft's cache."""
-        return kv_block_bytes(self.config, block_size, self.dtype)
 
     def fit_context(self, max_model_len: int, asked: int) -> int:
         """The engine's max_model_len within the draft's context too: the automatic one shrinks to
@@ -86,10 +73,6 @@ class DraftModel:
             raise ConfigError("max_model_len", f"{asked} is beyond the draft model's context ({context} tokens, "
                                                f"{self.path}); lower it to {context} or less")
         return context
-
-    def start(self, num_blocks: int, block_size: int) -> None:
-        """Allocate the draft's cache: the target's block count, the target's block size."""
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.attention_backend)
 
     @torch.inference_mode()
     def propose(self, batch: ScheduledBatch, counts: dict[int, int]) -> dict[int, list[int]]:
@@ -106,7 +89,7 @@ class DraftModel:
                 continue
             start = batch.starts[index]
             end = start + batch.num_new_tokens[index] - len(batch.drafts[index])  # its real tokens this step
-            views.append(_view(seq, seq.token_ids[:end], self._valid(seq, start)))
+            views.append(view(seq, seq.token_ids[:end], self._valid(seq, start)))
             indices.append(index)
             ends.append(end)
             self._kept[seq] = _Kept(end, seq.num_preemptions)
@@ -119,55 +102,32 @@ class DraftModel:
             if not going:
                 break
             seqs = [batch.seqs[index] for index in going]
-            views = [_view(seq, seq.token_ids[: last[index]] + drafts[index], last[index] - 1 + position)
+            views = [view(seq, seq.token_ids[: last[index]] + drafts[index], last[index] - 1 + position)
                      for seq, index in zip(seqs, going)]
             for token, index, seq in zip(self._forward(views), going, seqs):
                 drafts[index].append(token)
                 self._kept[seq].valid = last[index] + position
         return drafts
 
-    def observe(self, batch: ScheduledBatch, aux: torch.Tensor | None) -> None:
-        """The target's step: nothing a draft model needs."""
-
     def has_drafted(self, seq: Sequence) -> bool:
-        """Whether seq's draft K/V are in the cache (it drafted since it last started): catching it
-        up costs the tokens since, not its prompt."""
+        """Whether seq's draft K/V are in the cache (it drafted since it last started)."""
         kept = self._kept.get(seq)
         return kept is not None and kept.preemptions == seq.num_preemptions
 
     def _valid(self, seq: Sequence, start: int) -> int:
         """Leading tokens of seq whose draft K/V stand: at most what the target has kept (`start`)."""
-        kept = self._kept.get(seq)
-        if kept is None or kept.preemptions != seq.num_preemptions:
-            return 0
-        return min(kept.valid, start)
+        return min(self._kept[seq].valid, start) if self.has_drafted(seq) else 0
 
     def _forward(self, views: list[Sequence]) -> list[int]:
         """One draft forward over the views' uncomputed tokens; the greedy next token of each."""
-        from ..scheduler import ScheduledBatch
-
         runner = self.runner
         assert runner is not None
         started = time.perf_counter()
-        step = ScheduledBatch()
-        for view in views:
-            step.add(view, view.num_tokens - view.num_computed_tokens)
+        step = self._step(views)
         logits = runner.execute(step)[0]
         tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
         self.forwards.append((step.num_tokens, time.perf_counter() - started))
         return tokens
-
-
-def _view(seq: Sequence, token_ids: list[int], computed: int) -> Sequence:
-    """A stand-in for seq in a draft forward: these tokens, the first `computed` of them in the
-    draft's cache, seq's block table."""
-    view = Sequence(seq.request_id, token_ids, _PLAIN)
-    view.block_table = seq.block_table
-    view.num_computed_tokens = computed
-    return view
-
-
-_PLAIN = SamplingParams()
 
 
 def load_draft(spec: SpeculativeConfig, target: ModelConfig, target_tokenizer: Any, target_path: str,

@@ -43,15 +43,13 @@ from torch import nn
 
 from ..attention import AttentionKernels, AttentionMetadata, LayerKVCache, attention
 from ..checkpoints.hf import checkpoint_tensors, hf_model_config
-from ..device import kv_block_bytes
 from ..errors import ConfigError
 from ..model_config import ModelConfig
-from ..model_runner import ModelRunner
 from ..models.linear import Linear
 from ..models.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding
-from ..sampling_params import SamplingParams
 from ..sequence import Sequence
 from .config import FIELD, SpeculativeConfig
+from .own_cache import OwnCacheProposer, view
 
 if TYPE_CHECKING:
     from ..scheduler import ScheduledBatch
@@ -115,7 +113,7 @@ class _HeadState:
     prenorm: torch.Tensor | None = None
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(OwnCacheProposer):
     """The head, its cache, and each running request's hidden states from the target's last step."""
 
     keeps_up = True
@@ -123,30 +121,17 @@ class Eagle3Proposer:
 
     def __init__(self, head: Eagle3Head, target: LlamaForCausalLM, aux_layers: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, attention_backend: str, path: str):
+        super().__init__(head, head.config, dtype, device, attention_backend, path)
         self.head = head
         self.target = target
         self.aux_layers = aux_layers
-        self.dtype = dtype
-        self.device = device
-        self.attention_backend = attention_backend
-        self.path = path
-        self.config = head.config
-        self.runner: ModelRunner | None = None
-        self.forwards: list[tuple[int, float]] = []
-        """The last `propose`'s forwards: (tokens, seconds) each, for the draft lengths' cost."""
         self._states: dict[Sequence, _HeadState] = {}
         self._pending: dict[Sequence, tuple[int, torch.Tensor]] = {}
         """Per request: the first position the target's last step computed, and their hidden states."""
 
-    def block_bytes(self, block_size: int) -> int:
-        return kv_block_bytes(self.config, block_size, self.dtype)
-
-    def fit_context(self, max_model_len: int, asked: int) -> int:
-        return max_model_len
-
     def start(self, num_blocks: int, block_size: int) -> None:
-        self.runner = ModelRunner(self.head, num_blocks, block_size, self.dtype, self.device,  # type: ignore[arg-type]
-                                  self.attention_backend)
+        """The head's cache, and the target told to keep the layers' states the head reads."""
+        super().start(num_blocks, block_size)
         self.target.aux_layers = self.aux_layers
 
     def observe(self, batch: ScheduledBatch, aux: torch.Tensor | None) -> None:
@@ -186,7 +171,7 @@ class Eagle3Proposer:
                 seq = batch.seqs[index]
                 state = self._states[seq]
                 tokens = seq.token_ids[1 : state.computed + 1] + drafts[index]
-                views.append(_view(seq, tokens, len(tokens) - 1))
+                views.append(view(seq, tokens, len(tokens) - 1))
                 rows.append(hidden[index])
             normed, prenorm = self._forward(views, torch.stack(rows))
             for j, (index, token) in enumerate(zip(going, self.head.draft_ids(normed))):
@@ -215,7 +200,7 @@ class Eagle3Proposer:
             end = min(computed_before.get(seq, seq.num_computed_tokens), start + len(aux))  # a verify's kept rows
             if end <= start:
                 continue
-            views.append(_view(seq, seq.token_ids[1 : end + 1], start))
+            views.append(view(seq, seq.token_ids[1 : end + 1], start))
             rows.append(aux[: end - start])
             seqs.append((seq, end))
         if not views:
@@ -224,8 +209,8 @@ class Eagle3Proposer:
         normed, prenorm = self._forward(views, combined)
         self.forwards.append((len(combined), time.perf_counter() - started))
         last = 0
-        for (seq, end), view in zip(seqs, views):
-            last += view.num_tokens - view.num_computed_tokens
+        for (seq, end), stand_in in zip(seqs, views):
+            last += stand_in.num_tokens - stand_in.num_computed_tokens
             state = self._states[seq]
             state.computed, state.normed, state.prenorm = end, normed[last - 1], prenorm[last - 1]
         if len(self._states) > 1024:
@@ -234,28 +219,13 @@ class Eagle3Proposer:
     def _forward(self, views: list[Sequence], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over the views' uncomputed positions (their token ids shifted: position p holds
         token p + 1), `hidden` row for row."""
-        from ..scheduler import ScheduledBatch
-
         runner = self.runner
         assert runner is not None
-        step = ScheduledBatch()
-        for view in views:
-            step.add(view, view.num_tokens - view.num_computed_tokens)
-        inputs = runner.to_inputs(runner.plan(step))
+        inputs = runner.to_inputs(runner.plan(self._step(views)))
         embedding = self.head.embed_tokens or self.target.embed
         embeds = embedding(inputs.input_ids)
         return self.head(embeds, hidden.to(embeds.dtype), inputs.positions, runner.kv_caches[0], inputs.meta,
                          runner.attention_kernels)
-
-
-def _view(seq: Sequence, token_ids: list[int], computed: int) -> Sequence:
-    view = Sequence(seq.request_id, token_ids, _PLAIN)
-    view.block_table = seq.block_table
-    view.num_computed_tokens = computed
-    return view
-
-
-_PLAIN = SamplingParams()
 
 
 def aux_layer_ids(config: dict[str, Any], num_layers: int) -> tuple[int, ...]:

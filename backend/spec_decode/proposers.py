@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .config import SpeculativeConfig
-from .draft_model import DraftModel, load_draft
-from .eagle3 import Eagle3Proposer, load_eagle3
+from .draft_model import load_draft
+from .eagle3 import load_eagle3
+from .own_cache import OwnCacheProposer
 
 if TYPE_CHECKING:
     from ..cpu.backend import CpuBackend
 
-ModelProposer = Union[DraftModel, Eagle3Proposer]
-
-
 def load_model_proposer(spec: SpeculativeConfig | None, loaded: Any, model_path: str, dtype: torch.dtype,
-                        device: torch.device, attention_backend: str, cpu: CpuBackend | None) -> ModelProposer | None:
+                        device: torch.device, attention_backend: str, cpu: CpuBackend | None) -> OwnCacheProposer | None:
     """The draft model or EAGLE-3 head `speculative_config` names (checked against the target), None
     for n-gram or no speculation."""
     if spec is None or spec.method == "ngram":

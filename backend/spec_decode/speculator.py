@@ -16,10 +16,10 @@ penalties, bad words and min_tokens read its tokens with the drafts before the r
 and a structured output's grammar masks the row in its state after them
 (structured_output.draft_masks; n-gram drafts are cut where the grammar refuses one).
 
-The drafts come from the n-gram lookup while the step is scheduled, or from a draft model
-(draft_model.py) in one batched pass after it (`complete`): the scheduler then reserves the
-rows and blocks for each request's drafts (placeholders), which the draft fills before the
-target runs.
+The drafts come from the n-gram lookup while the step is scheduled, or from a model of the
+proposer's own (a draft model or an EAGLE-3 head: own_cache.py) in one batched pass after it
+(`complete`): the scheduler then reserves the rows and blocks for each request's drafts
+(placeholders), which the proposer fills before the target runs.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ..sampler import Sampler
     from ..scheduler import ScheduledBatch
     from ..sequence import Sequence
-    from .proposers import ModelProposer
+    from .own_cache import OwnCacheProposer
 
 PENDING = -1
 """A draft token the draft model has not proposed yet (between scheduling and `complete`)."""
@@ -71,7 +71,7 @@ class Verification:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int | None = None, draft: ModelProposer | None = None):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int | None = None, draft: OwnCacheProposer | None = None):
         self.config = config
         self.max_model_len = max_model_len
         self.draft = draft
@@ -133,7 +133,7 @@ class Speculator:
         return steps == self.SHADOW_EVERY
 
     def complete(self, batch: ScheduledBatch) -> None:
-        """After scheduling, before the target runs: the draft model's drafts in place of the PENDING ones,
+        """After scheduling, before the target runs: a model proposer's drafts in place of the PENDING ones,
         and a one-token shadow draft for each held-back request due one. Nothing for n-gram, and
         nothing in a step where no request drafts or shadows (a held-back step costs what a plain
         one does; the draft catches up when it next drafts)."""
