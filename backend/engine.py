@@ -281,13 +281,7 @@ class LLMEngine:
         if self.images is None:
             raise InvalidRequestError("image", "this model takes no images; serve a vision-language model "
                                                f"({', '.join(sorted(VLM_ARCHITECTURES))})")
-        if messages is not None:  # image parts ({"type": "image"}) become the template's placeholders
-            text = self.images.processor.render_chat(messages, template_kwargs)
-        else:
-            text = prompt.get("prompt")
-            if not isinstance(text, str) or not text:
-                raise InvalidRequestError("prompt", "must be a non-empty string with a placeholder for each image")
-        return self.images.process(text, images if isinstance(images, (list, tuple)) else [images])
+        return self.images.process(prompt)
 
     def add_processed(self, ids: Seq[int], mm: MultiModalPrompt | None = None, params: SamplingParams | None = None,
                       request_id: str | None = None, arrival_time: float | None = None, final_only: bool = False) -> str:

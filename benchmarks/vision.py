@@ -140,7 +140,7 @@ def main() -> None:
     for run in range(args.repeats):
         fresh = picture(1000 + run)
         started = time.perf_counter()
-        ids, mm = images.process(question, [picture(2000 + run)])
+        ids, mm = images.process({"prompt": question, "multi_modal_data": {"image": picture(2000 + run)}})
         rows["processor alone (resize, placeholders)"].append((time.perf_counter() - started) * 1e3)
         tokens = len(ids)
         started = time.perf_counter()

@@ -5,6 +5,7 @@ through; served for real in front of a fake Triton (tests/test_openai_gateway_li
 
 from __future__ import annotations
 
+import base64
 import http.server
 import threading
 
@@ -13,6 +14,7 @@ import pytest
 from pagedserve.backend.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
 from .test_openai_gateway_limits import KEY, FakeTriton, first_then_hang, serving, wait_for
+from .vlm_checks import pictures, png_bytes, write_tiny_qwen25_vl
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a paged KV cache?"}]
 ROUTER_CHAT_FIELDS = {"stream": False, "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
@@ -24,14 +26,14 @@ ROUTER_CHAT_FIELDS = {"stream": False, "logprobs": False, "no_stop_trim": False,
 class ConfiguredTriton(FakeTriton):
     """A fake Triton whose `llm` configuration names the model (or cannot be read)."""
 
-    def __init__(self, model: str | None, **kwargs):
+    def __init__(self, model: str | None, parameters: dict[str, str] | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.model = model
+        self.model, self.parameters = model, parameters or {}
 
     async def model_parameters(self, name: str) -> dict[str, str]:
         if self.model is None:
             raise ConnectionError("failed to connect to all addresses")
-        return {"model": self.model, "dtype": "float32"}
+        return {"model": self.model, "dtype": "float32", **self.parameters}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,46 @@ def test_render_and_tokenize_give_the_engines_own_ids_from_the_served_models_tok
         status, body, _ = gateway.post("/v1/chat/completions/render", {"model": "nope", "messages": MESSAGES})
         assert status == 404 and body["error"]["param"] == "model"
         assert not gateway.triton.requests  # nothing was run
+
+
+def image_part(picture) -> dict:
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png_bytes(picture)).decode()}}
+
+
+def test_a_chat_with_images_renders_as_the_engine_expands_it_with_vllms_features(tmp_path, model_path):
+    """Each image's placeholder expanded to its tokens (Qwen2.5-VL: as many as its size makes), and
+    vLLM's `features`: where each image's tokens lie and its content hash, the hash the engine folds
+    into those blocks' hashes and publishes in their KV events (`extra_keys`)."""
+    from pagedserve.backend import LLMEngine
+
+    qwen = write_tiny_qwen25_vl(tmp_path / "qwen")
+    first, second = pictures(2)
+    messages = [{"role": "user", "content": [image_part(first), {"type": "text", "text": "and"}, image_part(second),
+                                             {"type": "text", "text": "differ how?"}]}]
+    engine = LLMEngine(model=qwen, dtype="float32")
+    ids, mm = engine.prompt_inputs({"messages": [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}, {"type": "text", "text": "differ how?"}]}],
+        "multi_modal_data": {"image": [png_bytes(first), png_bytes(second)]}})
+    lengths = [image.length for image in mm.images]
+    assert lengths[0] != lengths[1]  # the two sizes expand to different counts: the ids come from the processor
+    features = {"mm_hashes": {"image": [image.content_hash.hex() for image in mm.images]},
+                "mm_placeholders": {"image": [{"offset": image.offset, "length": image.length} for image in mm.images]}}
+    with serving(ConfiguredTriton(qwen)) as gateway:
+        status, body, _ = gateway.post("/v1/chat/completions/render", {"model": "llm", "messages": messages,
+                                                                      **ROUTER_CHAT_FIELDS})
+        assert status == 200 and body == {"model": "llm", "token_ids": ids, "features": features}
+        status, body, _ = gateway.post("/tokenize", {"messages": messages})
+        assert status == 200 and body["tokens"] == ids
+        status, body, _ = gateway.post("/v1/chat/completions/render", {"model": "llm", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://169.254.169.254/x.png"}}]}]})
+        assert status == 400 and body["error"]["param"] == "messages[0].content[0].image_url.url"  # never fetched
+        assert not gateway.triton.requests
+    with serving(ConfiguredTriton(qwen, {"limit_mm_per_prompt": "image=1"})) as gateway:  # the engine's own caps
+        status, body, _ = gateway.post("/v1/chat/completions/render", {"model": "llm", "messages": messages})
+        assert status == 400 and body["error"]["param"] == "image" and "limit_mm_per_prompt" in body["error"]["message"]
+    with serving(ConfiguredTriton(model_path)) as gateway:  # a text model
+        status, body, _ = gateway.post("/v1/chat/completions/render", {"model": "llm", "messages": messages})
+        assert status == 400 and body["error"]["param"] == "image"
 
 
 def test_the_tokenizer_flag_wins_and_an_unreadable_configuration_says_what_to_do(model_path, tokenizer):

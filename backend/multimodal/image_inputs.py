@@ -3,12 +3,10 @@ images into tokens and pixels, and the embedder a step asks for image rows (enco
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping
 
 import torch
 
-from ..errors import ConfigError
-from ..model_files import read_model_json
 from .encoder import VisionEncoder
 from .encoder_budget import EncoderBudget
 from .encoder_cache import EncoderCache
@@ -29,11 +27,7 @@ class ImageInputs:
         ModelConfig.vision_language), its weights from `tensors`; `max_images` a prompt's images,
         `max_pixels` an image's, `cache_bytes` the encoder cache's (EngineConfig's
         limit_mm_per_prompt, max_image_pixels, encoder_cache_bytes)."""
-        config = read_model_json(model_dir, "config.json") or {}
-        token_id = config.get("image_token_index", config.get("image_token_id"))
-        if token_id is None:
-            raise ConfigError("model", f"{model_dir}: config.json names no image token (image_token_index)")
-        processor = ImagePromptProcessor(model_dir, int(token_id), max_images, max_pixels)
+        processor = ImagePromptProcessor.for_model(model_dir, max_images, max_pixels)
         encoder = VisionEncoder.load(model_dir, tensors, device, dtype)
         return cls(processor, ImageEmbedder(encoder, EncoderCache(cache_bytes), bidirectional=family in BIDIRECTIONAL_IMAGES))
 
@@ -41,9 +35,10 @@ class ImageInputs:
         """The scheduler's encoder budget over this model's encoder cache."""
         return EncoderBudget(self.embedder.cache, tokens_per_step, whole_images=self.embedder.bidirectional)
 
-    def process(self, prompt: str, images: Sequence[Any]) -> tuple[list[int], MultiModalPrompt]:
-        """Token ids and images of a prompt, with multimodal rotary positions where the model has them."""
-        ids, mm, whole = self.processor.process(prompt, images)
+    def process(self, prompt: Mapping[str, Any]) -> tuple[list[int], MultiModalPrompt]:
+        """Token ids and images of vLLM's prompt dict with images (ImagePromptProcessor.expand), with
+        multimodal rotary positions where the model has them."""
+        ids, mm, whole = self.processor.expand(prompt)
         found = self.embedder.encoder.rope_index(whole)
         if found is not None:
             mm.rope_positions, mm.rope_delta = found

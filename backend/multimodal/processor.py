@@ -4,7 +4,7 @@ pixels the vision tower reads, exactly as the model was trained on them."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError, InvalidRequestError
 from ..model_files import read_model_json
@@ -72,6 +72,27 @@ class ImagePromptProcessor:
         """The text a prompt writes where an image goes (LLaVA's `<image>`, Qwen2.5-VL's `<|image_pad|>`,
         Gemma 3's `<start_of_image>`)."""
         self.max_images, self.max_pixels = max_images, max_pixels
+
+    @classmethod
+    def for_model(cls, model_dir: str, max_images: int, max_pixels: int) -> ImagePromptProcessor:
+        """The processor of the checkpoint at `model_dir`, its image token read from its config.json."""
+        config = read_model_json(model_dir, "config.json") or {}
+        token_id = config.get("image_token_index", config.get("image_token_id"))
+        if token_id is None:
+            raise ConfigError("model", f"{model_dir}: config.json names no image token (image_token_index)")
+        return cls(model_dir, int(token_id), max_images, max_pixels)
+
+    def expand(self, prompt: Mapping[str, Any]) -> tuple[list[int], MultiModalPrompt, dict[str, Any]]:
+        """`process` for vLLM's prompt dict with images: `messages` (image parts become the chat
+        template's placeholders; `chat_template_kwargs` beside them) or a `prompt` with a placeholder per
+        image, and `multi_modal_data`'s `image` (one, or a list)."""
+        images = (prompt.get("multi_modal_data") or {}).get("image")
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        messages = prompt.get("messages")
+        text = self.render_chat(messages, prompt.get("chat_template_kwargs")) if messages is not None else prompt.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError("prompt", "must be a non-empty string with a placeholder for each image")
+        return self.process(text, images)
 
     def process(self, prompt: str, images: Sequence[Any],
                 field: str = "image") -> tuple[list[int], MultiModalPrompt, dict[str, Any]]:

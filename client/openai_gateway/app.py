@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import images, responses, schemas, translate
+from . import responses, schemas, translate
 from .config import GatewayConfig, knob
 from .errors import OpenAIError
 from .tokenize import PromptTokenizers
@@ -131,9 +131,7 @@ def create_app(config: GatewayConfig, triton: TritonLLM | None = None) -> FastAP
                                              config.tool_call_parser, model_defaults=config.generation_config == "auto",
                                              reasoning_parser=config.reasoning_parser)
         with_adapter([llm_request], body.model)
-        if llm_request.images:
-            llm_request.images = list(await images.resolve(llm_request.images, config.allowed_media_domains,
-                                                            config.max_image_bytes, config.image_fetch_timeout_s))
+        await llm_request.fetch_images(config)
         header = responses.ResponseHeader.new("chatcmpl", body.model)
         result = responses.Accumulator(n=body.n)
         steps = bounded([app.state.triton.stream(model, llm_request)])

@@ -10,6 +10,14 @@ model's configuration, or `--tokenizer`): they are the ids whose KV blocks the e
 Each tokenizer loads off the event loop, from the gateway's start on (`preload`, retried while
 Triton is not up yet), so a router's first render does not wait for it (vLLM's router gives a
 render a few seconds, then places the request without one).
+
+A chat with images to a vision-language model renders as the engine makes it: the checkpoint's own
+processor expands each image's placeholder to its tokens (their count depends on the picture for
+Qwen2.5-VL), and vLLM's `features` say which tokens are which image (`mm_placeholders`) and what
+each image is (`mm_hashes`: the content hashes the engine folds into those blocks' hashes and
+publishes as their KV events' `extra_keys`), so a router hashes the same blocks the engine does.
+The images are decoded here under the engine's own caps (`limit_mm_per_prompt`, `max_image_pixels`
+from the model's configuration).
 """
 
 from __future__ import annotations
@@ -23,8 +31,10 @@ import numpy as np
 from .errors import OpenAIError
 from .translate import LLMRequest
 
-PROMPT_INPUTS = ("text_input", "messages", "tools", "chat_template_kwargs")
+PROMPT_INPUTS = ("text_input", "messages", "tools", "chat_template_kwargs", "image")
 """The `llm` inputs that make the prompt's ids."""
+IMAGE_LIMITS = ("limit_mm_per_prompt", "max_image_pixels")
+"""The engine settings an image prompt is checked against (from the model's configuration)."""
 PRELOAD_RETRY_S = 2.0
 
 log = logging.getLogger("pagedserve.openai")
@@ -63,6 +73,7 @@ class PromptTokenizer:
         """`triton`: the gateway's TritonLLM (for the model's `model` parameter when `path` is None)."""
         self.triton, self.model, self.path = triton, model, path
         self._tokenizer: Any = None
+        self._processor: Any = None
         self._takes_images: bool | None = None
         self._lock = asyncio.Lock()
 
@@ -84,26 +95,48 @@ class PromptTokenizer:
                 return None
         return self._takes_images
 
-    async def _served_model_path(self) -> str:
+    async def image_processor(self) -> Any:
+        """The served vision-language model's ImagePromptProcessor, under the engine's image caps; a 400
+        naming `image` for a text model."""
+        async with self._lock:
+            if self._processor is None:
+                parameters = await self._parameters() if self.path is None else {}
+                path = self.path if self.path is not None else parameters.get("model", "")
+                self._processor = await asyncio.to_thread(_load_processor, path, parameters)
+        if self._processor is False:
+            raise OpenAIError(400, "`image`: this model takes no images; serve a vision-language model", param="image")
+        return self._processor
+
+    async def _parameters(self) -> dict[str, str]:
         try:
-            parameters = await self.triton.model_parameters(self.model)
+            return await self.triton.model_parameters(self.model)
         except Exception as error:  # noqa: BLE001 - unreachable, not loaded: the route cannot answer yet
             raise OpenAIError(503, f"cannot read model `{self.model}`'s configuration from Triton to load its tokenizer "
                                    f"({error}); retry once the server is ready, or start the gateway with --tokenizer",
                               code="service_unavailable") from None
-        return parameters.get("model", "")
 
-    async def token_ids(self, request: LLMRequest) -> list[int]:
+    async def _served_model_path(self) -> str:
+        return (await self._parameters()).get("model", "")
+
+    async def render(self, request: LLMRequest) -> tuple[list[int], dict[str, Any] | None]:
+        """The prompt's token ids as the engine makes them and, with images, vLLM's render `features`
+        (None without); `request`'s images fetched already (LLMRequest.fetch_images)."""
         from pagedserve.backend.errors import InvalidRequestError
-        from pagedserve.backend.triton_adapter.requests import parse_prompt
+        from pagedserve.backend.triton_adapter.requests import image_input, image_prompt, parse_prompt
 
-        tokenizer = await self.tokenizer()
         inputs = request.inputs()
-        arrays = {name: np.array([inputs[name]], dtype=np.object_) for name in PROMPT_INPUTS if name in inputs}
+        arrays = {name: np.array(inputs[name] if name == "image" else [inputs[name]], dtype=np.object_)
+                  for name in PROMPT_INPUTS if name in inputs}
         try:
-            return await asyncio.to_thread(parse_prompt, arrays, tokenizer)
+            if "image" not in arrays:
+                return await asyncio.to_thread(parse_prompt, arrays, await self.tokenizer()), None
+            processor = await self.image_processor()
+            ids, mm, _ = await asyncio.to_thread(processor.expand, image_prompt(arrays, image_input(arrays) or []))
         except InvalidRequestError as error:
             raise OpenAIError(400, str(error), param=error.field) from None
+        return ids, {"mm_hashes": {"image": [image.content_hash.hex() for image in mm.images]},
+                     "mm_placeholders": {"image": [{"offset": image.offset, "length": image.length}
+                                                   for image in mm.images]}}
 
 
 def _takes_images(path: str) -> bool:
@@ -111,6 +144,21 @@ def _takes_images(path: str) -> bool:
     from pagedserve.backend.multimodal.vlm_config import takes_images
 
     return takes_images(resolve_model_path(path))
+
+
+def _load_processor(path: str, parameters: dict[str, str]) -> Any:
+    """The model's ImagePromptProcessor under the image caps its configuration sets (the engine's
+    defaults elsewhere); False for a text model."""
+    from pagedserve.backend.config import EngineConfig
+    from pagedserve.backend.model_files import resolve_model_path
+    from pagedserve.backend.multimodal.processor import ImagePromptProcessor
+    from pagedserve.backend.multimodal.vlm_config import takes_images
+
+    model_dir = resolve_model_path(path)
+    if not takes_images(model_dir):
+        return False
+    caps = EngineConfig.from_strings({key: parameters[key] for key in IMAGE_LIMITS if parameters.get(key)})
+    return ImagePromptProcessor.for_model(model_dir, caps.max_images_per_prompt, caps.max_image_pixels)
 
 
 def _load(path: str) -> Any:

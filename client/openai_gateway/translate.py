@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..client import USE_MODEL_DEFAULTS
-from .config import knob
+from .config import GatewayConfig, knob
 from .errors import OpenAIError, unsupported
-from .images import Image, image_of_part
+from .images import Image, image_of_part, resolve
 from .replies import ReplyPlan, reasoning_for
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from .tools import ToolPlan, tool_plan
@@ -70,6 +70,13 @@ class LLMRequest:
         """How each choice's text becomes a message (None: the text is the answer)."""
         plan = ReplyPlan(self.tools, self.reasoning, self.include_reasoning)
         return plan if plan.reads else None
+
+    async def fetch_images(self, config: GatewayConfig) -> None:
+        """Its images as base64 files, the http(s) ones fetched within the gateway's limits (before
+        `inputs`, which sends only those)."""
+        if self.images:
+            self.images = list(await resolve(self.images, config.allowed_media_domains, config.max_image_bytes,
+                                             config.image_fetch_timeout_s))
 
     def inputs(self) -> dict[str, Any]:
         """Input name -> value (str, bool), for the `llm` model."""

@@ -2,8 +2,10 @@
 Inference Extension's endpoint picker), so that a pagedserve replica is one of their workers:
 
 - `POST /v1/chat/completions/render`, `POST /v1/completions/render`: the request's prompt as
-  token ids (`{"token_ids": [...]}`), which vLLM's router asks every worker before it places a
-  request by prefix (cache_aware, kv_aware);
+  token ids (`{"token_ids": [...]}`; with images, each image's tokens expanded and vLLM's
+  `features`: their placeholder ranges and content hashes), which vLLM's router asks every worker
+  before it places a request by prefix (cache_aware, kv_aware), and llm-d's endpoint picker asks
+  for the blocks it matches against the workers' KV events;
 - `POST /tokenize`: vLLM's tokenize route (`prompt` or `messages`), the router's fallback;
 - `GET /get_load`: `{"load": N}`, the generation requests in flight here (power_of_two);
 - `GET /metrics`: the Triton server's metrics, passed through, so a picker that scrapes the
@@ -46,10 +48,11 @@ def add_worker_routes(app: FastAPI, config: GatewayConfig, load: Load, tokenizer
     def tokenizer(model: str) -> Any:
         return tokenizers.get(app.state.triton, triton_model(model))
 
-    def chat(body: schemas.ChatCompletionRequest) -> translate.LLMRequest:
+    async def chat(body: schemas.ChatCompletionRequest) -> translate.LLMRequest:
         llm_request = translate.chat_request(body, config.default_max_tokens, config.max_choices_per_request,
                                              config.tool_call_parser, reasoning_parser=config.reasoning_parser)
         with_adapter([llm_request], body.model)
+        await llm_request.fetch_images(config)
         return llm_request
 
     def completion(body: schemas.CompletionRequest) -> translate.LLMRequest:
@@ -59,15 +62,16 @@ def add_worker_routes(app: FastAPI, config: GatewayConfig, load: Load, tokenizer
         with_adapter(requests, body.model)
         return requests[0]
 
+    def rendered(model: str, ids: list[int], features: dict[str, Any] | None) -> JSONResponse:
+        return JSONResponse({"model": model, "token_ids": ids} | ({"features": features} if features else {}))
+
     @app.post("/v1/chat/completions/render")
     async def render_chat(body: schemas.ChatCompletionRequest) -> JSONResponse:
-        ids = await tokenizer(body.model).token_ids(chat(body))
-        return JSONResponse({"model": body.model, "token_ids": ids})
+        return rendered(body.model, *await tokenizer(body.model).render(await chat(body)))
 
     @app.post("/v1/completions/render")
     async def render_completion(body: schemas.CompletionRequest) -> JSONResponse:
-        ids = await tokenizer(body.model).token_ids(completion(body))
-        return JSONResponse({"model": body.model, "token_ids": ids})
+        return rendered(body.model, *await tokenizer(body.model).render(completion(body)))
 
     @app.post("/tokenize")
     async def tokenize(body: Annotated[dict[str, Any], Body()]) -> JSONResponse:
@@ -78,10 +82,10 @@ def add_worker_routes(app: FastAPI, config: GatewayConfig, load: Load, tokenizer
         fields.setdefault("model", next(iter(config.model_ids())))
         if "messages" in fields:
             chat_body = _validated(schemas.ChatCompletionRequest, fields)
-            ids = await tokenizer(chat_body.model).token_ids(chat(chat_body))
+            ids, _ = await tokenizer(chat_body.model).render(await chat(chat_body))
         else:
             completion_body = _validated(schemas.CompletionRequest, fields)
-            ids = await tokenizer(completion_body.model).token_ids(completion(completion_body))
+            ids, _ = await tokenizer(completion_body.model).render(completion(completion_body))
         return JSONResponse({"count": len(ids), "max_model_len": None, "tokens": ids, "token_strs": None})
 
     @app.get("/get_load")

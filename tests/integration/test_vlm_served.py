@@ -1,7 +1,8 @@
 """Images through a real tritonserver, as Triton's vLLM-backend users send them: `llm`'s `image`
 input (BYTES, one base64-encoded image file per element) beside `text_input` holding a placeholder
 per image, over gRPC streaming and HTTP's generate endpoint; and as OpenAI clients send them, an
-image_url part (a data: URL) through `pagedserve openai` with the openai SDK, streamed and not. Each
+image_url part (a data: URL) through `pagedserve openai` with the openai SDK, streamed and not (and
+its render route, as a router asks, gives the offline engine's prompt ids). Each
 gives the offline engine's greedy text for a tiny random LLaVA, with one image and with two. Bad
 images (not base64, not an image, truncated, over the pixel cap by its header, too many, too few
 placeholders) are refused by field while a bystander stream keeps its tokens, and the server serves
@@ -107,6 +108,12 @@ def check_openai_chat(server, offline: LLMEngine, picture: bytes, tmp_path) -> N
         streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(**ask, stream=True)
                            if chunk.choices)
         assert streamed == completion.text
+        ids, mm = offline.prompt_inputs({"messages": [{"role": "user", "content": offline_parts}],
+                                         "multi_modal_data": {"image": picture}})
+        render = urllib.request.Request(f"http://localhost:{port}/v1/chat/completions/render", headers={
+            "Content-Type": "application/json"}, data=json.dumps({"model": "llm", "messages": ask["messages"]}).encode())
+        rendered = json.load(urllib.request.urlopen(render, timeout=60))  # what a router asks: the engine's ids
+        assert rendered["token_ids"] == ids and rendered["features"]["mm_hashes"]["image"] == [mm.images[0].content_hash.hex()]
         refused = {**ask, "messages": [{"role": "user", "content": [{"type": "image_url",
                                                                        "image_url": {"url": "http://169.254.169.254/x"}}]}]}
         try:
