@@ -130,7 +130,10 @@ def write_tiny_gemma3(directory: str | os.PathLike) -> str:
         mm_tokens_per_image=4, boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
         image_token_index=tokenizer.image_token_id)
     torch.manual_seed(0)
-    Gemma3ForConditionalGeneration(config).eval().save_pretrained(directory)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers starts the projection at zero: every image token would be the same zero
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.3)  # row, which hides the mask
+    model.save_pretrained(directory)
     Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tokenizer=tokenizer,
                     image_seq_length=4, chat_template=CHAT_TEMPLATE.replace("<image>", GEMMA_IMAGE)).save_pretrained(directory)
     return str(directory)
