@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .attention import AttentionMetadata
+from .multimodal.inputs import rotary_positions
 
 logger = logging.getLogger("pagedserve")
 
@@ -71,6 +72,8 @@ class DecodeGraphs:
                        torch.zeros(n, dtype=torch.int64, pin_memory=pin))
                       for _ in range(2)]
         self.turn = 0
+        self.step_starts = np.arange(n + 1, dtype=np.int64)
+        """query_start of a decode step: one token a sequence."""
         self.dev64 = torch.zeros(3 * n, dtype=torch.int64, device=self.device)
         self.dev32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=self.device)
         self.dev_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=self.device)
@@ -222,7 +225,7 @@ class DecodeGraphs:
             else:  # sampled by the step before, still on the device
                 device_rows.append(row)
                 device_src.append(last_rows[id(seq)])
-        h64[n + rows] = starts
+        h64[n + rows] = rotary_positions(seqs, starts, self.step_starts[: k + 1])  # Qwen2.5-VL: shifted
         h64[2 * n + rows] = self.tables[rows, starts // bs].astype(np.int64) * bs + starts % bs
         h64[2 * n + k : 2 * n + size] = -1  # padding rows write no KV
         h32[rows] = starts + 1

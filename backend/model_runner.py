@@ -21,6 +21,7 @@ from .compiled_forward import CompiledForward
 from .cuda_graphs import DecodeGraphs
 from .lora.manager import LoRAManager
 from .models.llama import LlamaForCausalLM
+from .multimodal.inputs import rotary_positions
 from .multimodal.step_embeddings import EmbeddingPatch, ImageEmbedder
 from .process_tuning import advise_huge_pages
 from .sampling_params import SamplingParams
@@ -166,7 +167,7 @@ class ModelRunner:
         positions = np.arange(num_tokens, dtype=np.int64) - query_start[rows] + starts[rows]
         slots = block_tables[rows, positions // self.block_size].astype(np.int64) * self.block_size
         slots += positions % self.block_size
-        indices, positions = positions, _rotary_positions(seqs, positions, query_start)
+        indices, positions = positions, rotary_positions(seqs, positions, query_start)
         seq_slots = self.lora.slots_of(seqs) if self.lora is not None else None
         logits_indices = query_start[1:][sampling] - 1
         if batch.has_drafts:  # a verifying sequence's logits at its last token and at each draft, in order
@@ -315,25 +316,11 @@ class ModelRunner:
 
 
 def _has_image_rows(batch: ScheduledBatch) -> bool:
-    """Whether a sequence of the batch computes prompt tokens of a prompt with images, or turns by
-    multimodal rotary positions (a decode graph takes positions from indices)."""
+    """Whether a sequence of the batch computes prompt tokens of a prompt with images (their
+    embeddings enter through the eager step; a token after the prompt is text, and the decode graph
+    turns it by its multimodal rotary position like any other)."""
     starts = batch.starts or [seq.num_computed_tokens for seq in batch.seqs]
-    return any(seq.mm is not None and (start < seq.num_prompt_tokens or seq.mm.rope_positions is not None)
-               for seq, start in zip(batch.seqs, starts))
-
-
-def _rotary_positions(seqs: list[Sequence], indices: np.ndarray, query_start: np.ndarray) -> np.ndarray:
-    """The positions tokens turn by: their indices, but a prompt with multimodal rotary positions
-    (Qwen2.5-VL) gives its tokens' own (an image token's height and width rows go with its embedding
-    patch, multimodal/step_embeddings.py)."""
-    shifted = None
-    for i, seq in enumerate(seqs):
-        if seq.mm is None or seq.mm.rope_positions is None:
-            continue
-        shifted = indices.copy() if shifted is None else shifted
-        begin, end = query_start[i], query_start[i + 1]
-        shifted[begin:end] = seq.mm.rope_position(indices[begin:end])
-    return indices if shifted is None else shifted
+    return any(seq.mm is not None and start < seq.num_prompt_tokens for seq, start in zip(batch.seqs, starts))
 
 
 def _is_range(values: np.ndarray) -> bool:

@@ -3,7 +3,7 @@ as a real one is (its processor's video part needs torchvision, which serving im
 image part alone is built), gives transformers' greedy tokens with one and two images of different
 sizes (their own token counts), beside text, whole and chunked, with prefix hits and in chat: the
 image tokens turn by their time / height / width positions and every later token by its index plus
-the image's shift (multimodal rotary positions)."""
+the image's shift (multimodal rotary positions), in the decode graphs' static buffers too."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from pagedserve.backend import LLMEngine
 
+from .test_cuda_graphs import _with_static_decode
 from .vlm_checks import (QWEN_IMAGE, TOKENS, assert_same, chat_text, greedy, pictures, png_bytes, transformers_greedy,
                           write_tiny_qwen25_vl)
 
@@ -45,3 +46,19 @@ def test_chat_with_an_image(qwen):
     expected = transformers_greedy(qwen, chat_text(qwen, messages), [picture], TOKENS)
     engine = LLMEngine(model=qwen, dtype="float32")
     assert_same(greedy(engine, [{"messages": messages, "multi_modal_data": {"image": picture}}]), [expected])
+
+
+def test_decode_steps_in_the_graphs_buffers_turn_by_the_shifted_positions(qwen):
+    """Past its prompt a request with images decodes in the decode graphs (on CPU their static
+    buffers, run eagerly), the positions buffer holding each token's index plus its images' shift:
+    transformers' tokens, beside a text request decoding in the same steps."""
+    images = pictures(3)
+    expected = [transformers_greedy(qwen, PROMPTS[0], images[:1], TOKENS),
+                transformers_greedy(qwen, PROMPTS[1], images[1:3], TOKENS),
+                transformers_greedy(qwen, PROMPTS[2], [], TOKENS)]
+    engine = LLMEngine(model=qwen, dtype="float32", compile="off", attention_backend="torch")
+    used = _with_static_decode(engine, max_seqs=4)
+    prompts = [{"prompt": PROMPTS[0], "multi_modal_data": {"image": images[0]}},
+               {"prompt": PROMPTS[1], "multi_modal_data": {"image": images[1:3]}}, PROMPTS[2]]
+    assert_same(greedy(engine, prompts), expected)
+    assert 3 in used  # the image requests decoded there, beside the text one

@@ -4,7 +4,7 @@ the prompt, what identifies its content, and the pixels its encoder reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -52,3 +52,19 @@ class MultiModalPrompt:
     def overlapping(self, start: int, end: int) -> list[ImageItem]:
         """The images with a token among positions [start, end)."""
         return [image for image in self.images if image.offset < end and start < image.end]
+
+
+def rotary_positions(seqs: Sequence[Any], indices: np.ndarray, query_start: np.ndarray) -> np.ndarray:
+    """The positions a step's tokens turn by: their indices, but a prompt with multimodal rotary
+    positions (Qwen2.5-VL) gives its tokens their own, and the tokens after it their index plus its
+    shift (an image token's height and width rows go with its embedding patch,
+    step_embeddings.py). `seqs`: the step's sequences, their tokens indices[query_start[i]:
+    query_start[i + 1]]."""
+    shifted = None
+    for i, seq in enumerate(seqs):
+        if seq.mm is None or seq.mm.rope_positions is None:
+            continue
+        shifted = indices.copy() if shifted is None else shifted
+        begin, end = query_start[i], query_start[i + 1]
+        shifted[begin:end] = seq.mm.rope_position(indices[begin:end])
+    return indices if shifted is None else shifted
