@@ -21,9 +21,10 @@ on Llama-3-8B's linears and what mixing 4 adapters costs the bundled model's sha
 (decode at batch 1, 64 and 256, and 8 decodes beside a 2,048-token prefill): device time by
 kernel family and the device's idle time between kernels, the host's share
 (benchmarks/step_profile.py); what a speculative verify step costs beside a decode step at batch 1
-and n-gram drafting on a repeated text (benchmarks/spec_step.py); last, what `deterministic` costs the bundled model's shape and
-whether a request's tokens stay the same beside others, with it and without
-(benchmarks/deterministic.py). The peer is
+and n-gram drafting on a repeated text (benchmarks/spec_step.py); a one-image request's time to first
+token on Qwen2.5-VL-3B's shape, the encoder alone and the caches' hits (benchmarks/vision.py); last,
+what `deterministic` costs the bundled model's shape and whether a request's tokens stay the same
+beside others, with it and without (benchmarks/deterministic.py). The peer is
 transformers on the same shape and requests: continuous batching (`generate_batch`'s
 manager, paged attention) for throughput, static-cache compiled `generate` for one stream.
 
@@ -53,6 +54,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -65,6 +67,7 @@ from deterministic import markdown as deterministic_markdown, rows as determinis
 from kernel_table import kernel_rows, markdown as kernel_markdown, slowest_vs_vendor  # noqa: E402
 from step_profile import markdown as step_profile_markdown, rows as step_profile_rows  # noqa: E402
 from spec_step import CEILING as SPEC_CEILING, markdown as spec_markdown, rows as spec_rows  # noqa: E402
+from vision import build_checkpoint as vision_checkpoint, markdown as vision_markdown, rows as vision_rows  # noqa: E402
 
 
 def importable_checkout() -> None:
@@ -549,6 +552,8 @@ def markdown(result: dict) -> str:
         lines += ["", step_profile_markdown(result["step_profile"])]
     if result.get("spec"):
         lines += ["", spec_markdown(result["spec"])]
+    if result.get("vision"):
+        lines += ["", vision_markdown(result["vision"])]
     if result.get("moe"):
         lines += ["", moe_markdown(result["moe"])]
     if result.get("lora_mix") or result.get("lora_kernel"):
@@ -655,6 +660,12 @@ def main(argv: list[str] | None = None) -> dict:
         attempt(result, "speculative steps", left, 60, lambda: result.__setitem__("spec", spec_rows(
             profiled if os.path.exists(profiled) else write_model_dir(os.path.basename(profiled), profiled), args.device, steps=32 if args.device == "cuda" else 8, tokens=128 if args.device == "cuda" else 32,
             progress=progress)))
+        release(args.device)
+        save()
+        vision_shape = "qwen2.5-vl-3b" if args.device == "cuda" else "tiny"  # drawn on the GPU, written once (7.5 GB)
+        attempt(result, "vision", left, 90, lambda: result.__setitem__("vision", vision_rows(
+            vision_checkpoint(Path(root) / f"vision-{vision_shape}", vision_shape, args.device), vision_shape, args.device,
+            repeats=3 if args.device == "cuda" else 1)))
         release(args.device)
         save()
         for run in plan.runs:

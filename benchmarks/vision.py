@@ -34,8 +34,9 @@ OTHER_QUESTION = "USER: {image}\nWhich colours dominate this picture? ASSISTANT:
 OTHER_START = "USER: Here is another photo from the same trip, taken at noon. {image}\nWhat is shown? ASSISTANT:"
 
 
-def build_checkpoint(directory: Path, shape: str) -> Path:
-    """A random checkpoint of `shape` (bf16 on disk), saved once."""
+def build_checkpoint(directory: Path, shape: str, device: str = "cpu") -> Path:
+    """A random checkpoint of `shape` (bf16 on disk), saved once; its weights drawn on `device` (a GPU
+    draws a 3B model's in a moment, where a CPU takes minutes)."""
     if (directory / "config.json").exists():
         return directory
     import torch
@@ -46,7 +47,8 @@ def build_checkpoint(directory: Path, shape: str) -> Path:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: a 3B model's float32 copy would not fit beside it
     try:
-        (_qwen25_vl_3b if shape == "qwen2.5-vl-3b" else _llava_interleave_05b)(directory)
+        with torch.device(device):
+            BUILDERS[shape](directory)
     finally:
         torch.set_default_dtype(previous)
     return directory
@@ -98,8 +100,18 @@ def _llava_interleave_05b(directory: Path) -> None:
                    patch_size=14, vision_feature_select_strategy="full", num_additional_image_tokens=0).save_pretrained(directory)
 
 
-PLACEHOLDERS = {"qwen2.5-vl-3b": "<|vision_start|><|image_pad|><|vision_end|>", "llava-0.5b": "<image>"}
-SHAPE_DIRS = {"qwen2.5-vl-3b": "qwen2.5-vl-3b-shape", "llava-0.5b": "llava-interleave-qwen-0.5b-shape"}
+def _tiny(directory: Path) -> None:
+    from tests.vlm_checks import write_tiny_qwen25_vl
+
+    write_tiny_qwen25_vl(directory)
+
+
+BUILDERS = {"qwen2.5-vl-3b": _qwen25_vl_3b, "llava-0.5b": _llava_interleave_05b, "tiny": _tiny}
+PLACEHOLDERS = {"qwen2.5-vl-3b": "<|vision_start|><|image_pad|><|vision_end|>", "llava-0.5b": "<image>",
+                "tiny": "<|vision_start|><|image_pad|><|vision_end|>"}
+SHAPE_DIRS = {"qwen2.5-vl-3b": "qwen2.5-vl-3b-shape", "llava-0.5b": "llava-interleave-qwen-0.5b-shape",
+              "tiny": "qwen2.5-vl-tiny"}
+"""tiny: the tests' 2-layer Qwen2.5-VL (benchmarks/gpu.py's CPU dry run)."""
 
 
 def picture(seed: int):
@@ -116,53 +128,76 @@ def ttft_ms(engine: LLMEngine, prompt: dict) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
+def rows(model: Path, shape: str, device: str = "auto", dtype: str = "auto", repeats: int = 3) -> dict:
+    """The section's numbers (see the module's docstring): each row's median over `repeats` runs."""
+    question, other_question, other_start = (text.format(image=PLACEHOLDERS[shape])
+                                             for text in (QUESTION, OTHER_QUESTION, OTHER_START))
+    engine = LLMEngine(model=str(model), dtype=dtype, device=device, kv_cache_bytes=1 << 30,
+                       gpu_memory_utilization=0.5)
+    images = engine.images
+    assert images is not None
+    engine.generate(["warm up the text path"], SamplingParams(max_tokens=2), use_tqdm=False)
+    runs: dict[str, list[float]] = {name: [] for name in (
+        "processor alone (resize, placeholders)", "vision encoder alone", "cold: new picture, whole request",
+        "same picture and question again", "same picture, new question",
+        "same picture after new text (encoder cache hit, prefix miss)")}
+    tokens, image_tokens = 0, 0
+    for run in range(repeats):
+        fresh = picture(1000 + run)
+        started = time.perf_counter()
+        ids, mm = images.process({"prompt": question, "multi_modal_data": {"image": picture(2000 + run)}})
+        runs["processor alone (resize, placeholders)"].append((time.perf_counter() - started) * 1e3)
+        tokens, image_tokens = len(ids), mm.images[0].length
+        started = time.perf_counter()
+        images.embedder.encoder.encode(mm.images[0].pixels)
+        sync(engine)
+        runs["vision encoder alone"].append((time.perf_counter() - started) * 1e3)
+        prompt = {"prompt": question, "multi_modal_data": {"image": fresh}}
+        runs["cold: new picture, whole request"].append(ttft_ms(engine, prompt))
+        runs["same picture and question again"].append(ttft_ms(engine, prompt))
+        runs["same picture, new question"].append(ttft_ms(engine, {"prompt": other_question,
+                                                                   "multi_modal_data": {"image": fresh}}))
+        runs["same picture after new text (encoder cache hit, prefix miss)"].append(
+            ttft_ms(engine, {"prompt": other_start, "multi_modal_data": {"image": fresh}}))
+    return dict(model=model.name, shape=shape, device=str(engine.runner.device), dtype=str(engine.dtype).removeprefix("torch."),
+                prompt_tokens=tokens, image_tokens=image_tokens, encoder_hits=images.embedder.cache.hits,
+                encodes=images.embedder.num_encoded, repeats=repeats,
+                rows=[{"what": name, "ms": round(statistics.median(values), 1)} for name, values in runs.items()])
+
+
+def sync(engine: LLMEngine) -> None:
+    if engine.runner.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(engine.runner.device)
+
+
+def markdown(result: dict) -> str:
+    note = "" if result["device"].startswith("cuda") else " (CPU)" if result["shape"] != "tiny" else \
+        " (CPU dry run on a tiny model: the numbers mean nothing)"
+    cold = next(row["ms"] for row in result["rows"] if row["what"].startswith("cold"))
+    lines = [f"One image to the first token{note}: {result['model']} (random weights), engine dtype {result['dtype']}; "
+             f"prompt {result['prompt_tokens']} tokens ({result['image_tokens']} of them the image's); encoder cache "
+             f"hits {result['encoder_hits']}, encodes {result['encodes']}; median of {result['repeats']}.", "",
+             "| what | ms | of cold TTFT |", "|---|---:|---:|"]
+    lines += [f"| {row['what']} | {row['ms']:.0f} | {row['ms'] / cold:.2f} |" for row in result["rows"]]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(PLACEHOLDERS), default="qwen2.5-vl-3b")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
     parser.add_argument("--repeats", type=int, default=3)
     cache = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
     parser.add_argument("--model", type=Path, default=None, help="(default: the shape's folder in the cache directory)")
     args = parser.parse_args()
 
     model = build_checkpoint(args.model or cache / "bench" / SHAPE_DIRS[args.shape], args.shape)
-    question, other_question, other_start = (text.format(image=PLACEHOLDERS[args.shape])
-                                             for text in (QUESTION, OTHER_QUESTION, OTHER_START))
-    engine = LLMEngine(model=str(model), dtype=args.dtype)
-    images = engine.images
-    assert images is not None
-    engine.generate(["warm up the text path"], SamplingParams(max_tokens=2), use_tqdm=False)
-    rows: dict[str, list[float]] = {name: [] for name in (
-        "processor alone (resize, placeholders)", "vision encoder alone", "cold: new picture, whole request",
-        "same picture and question again", "same picture, new question",
-        "same picture after new text (encoder cache hit, prefix miss)")}
-    tokens = 0
-    for run in range(args.repeats):
-        fresh = picture(1000 + run)
-        started = time.perf_counter()
-        ids, mm = images.process({"prompt": question, "multi_modal_data": {"image": picture(2000 + run)}})
-        rows["processor alone (resize, placeholders)"].append((time.perf_counter() - started) * 1e3)
-        tokens = len(ids)
-        started = time.perf_counter()
-        images.embedder.encoder.encode(mm.images[0].pixels)
-        rows["vision encoder alone"].append((time.perf_counter() - started) * 1e3)
-        prompt = {"prompt": question, "multi_modal_data": {"image": fresh}}
-        rows["cold: new picture, whole request"].append(ttft_ms(engine, prompt))
-        rows["same picture and question again"].append(ttft_ms(engine, prompt))
-        rows["same picture, new question"].append(ttft_ms(engine, {"prompt": other_question,
-                                                                   "multi_modal_data": {"image": fresh}}))
-        rows["same picture after new text (encoder cache hit, prefix miss)"].append(
-            ttft_ms(engine, {"prompt": other_start, "multi_modal_data": {"image": fresh}}))
+    result = rows(model, args.shape, args.device, args.dtype, args.repeats)
     print(machine())
-    print(f"Model: {model.name} (random weights), engine dtype {engine.dtype}; prompt {tokens} tokens "
-          f"({mm.images[0].length} of them the image's); encoder cache hits {images.embedder.cache.hits}, "
-          f"encodes {images.embedder.num_encoded}; median of {args.repeats}.\n")
-    cold = statistics.median(rows["cold: new picture, whole request"])
-    print("| what | ms | of cold TTFT |")
-    print("|---|---:|---:|")
-    for name, values in rows.items():
-        value = statistics.median(values)
-        print(f"| {name} | {value:.0f} | {value / cold:.2f} |")
+    print(markdown(result))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ the image's shift (multimodal rotary positions), in the decode graphs' static bu
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedserve.backend import LLMEngine
 
+from .conftest import GPU_SHARE
 from .test_cuda_graphs import _with_static_decode
 from .vlm_checks import (QWEN_IMAGE, TOKENS, assert_same, chat_text, greedy, pictures, png_bytes, transformers_greedy,
                           write_tiny_qwen25_vl)
@@ -62,3 +64,25 @@ def test_decode_steps_in_the_graphs_buffers_turn_by_the_shifted_positions(qwen):
                {"prompt": PROMPTS[1], "multi_modal_data": {"image": images[1:3]}}, PROMPTS[2]]
     assert_same(greedy(engine, prompts), expected)
     assert 3 in used  # the image requests decoded there, beside the text one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_tower_runs_there_and_decodes_replay_the_captured_graphs(qwen):
+    """Section 6 of the issue: the vision tower on the GPU in the engine's process, the image
+    embeddings entering through the (eager) prefill, the decode steps of requests with images
+    replaying the captured graphs: transformers' tokens (float32 on the CPU)."""
+    images = pictures(3)
+    expected = [transformers_greedy(qwen, PROMPTS[0], images[:1], TOKENS),
+                transformers_greedy(qwen, PROMPTS[1], images[1:3], TOKENS),
+                transformers_greedy(qwen, PROMPTS[2], [], TOKENS)]
+    engine = LLMEngine(model=qwen, dtype="float32", **GPU_SHARE)
+    graphs = engine.runner.graphs
+    assert graphs is not None and engine.images is not None and engine.images.embedder.encoder.device.type == "cuda"
+    replayed: list[int] = []
+    run = graphs.run
+    graphs.run = lambda batch: replayed.append(len(batch.seqs)) or run(batch)  # type: ignore[method-assign]
+    prompts = [{"prompt": PROMPTS[0], "multi_modal_data": {"image": images[0]}},
+               {"prompt": PROMPTS[1], "multi_modal_data": {"image": images[1:3]}}, PROMPTS[2]]
+    assert_same(greedy(engine, prompts), expected)
+    assert 3 in replayed

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from .conftest import LONG_TEXT
+from .texts import LONG_TEXT
 
 IMAGE_TOKEN = "<image>"
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | upper }}: {% if message['content'] is string %}"

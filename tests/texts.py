@@ -1,0 +1,28 @@
+"""Text the tests train tokenizers on and score, in a module without pytest (benchmarks import it
+through tests/vlm_checks.py on machines that may not have pytest)."""
+
+LONG_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based inks and a wooden screw press into a system that could "
+    "produce books far faster than any scribe. Within a few decades presses had spread to more than "
+    "two hundred cities across Europe. Printers in Venice, Paris and Antwerp competed to publish "
+    "classical texts, grammars, maps and religious works, and the price of books fell sharply. "
+    "Scholars could now compare identical copies of a text, which encouraged careful editing and the "
+    "standardisation of spelling. Pamphlets carried news and arguments to people who had never owned "
+    "a manuscript, and literacy slowly rose in towns and then in the countryside. Governments and "
+    "churches soon tried to license printers and to ban dangerous books, but smuggled editions "
+    "crossed borders easily. By the seventeenth century, newspapers appeared in several countries, "
+    "scientific societies printed journals to share experiments, and the modern idea of an author who "
+    "owns his words was beginning to take shape. Historians still debate how much the press caused "
+    "these changes and how much it merely sped up movements that had already begun, but few doubt "
+    "that the world of readers after Gutenberg looked very different from the world before him. "
+    "In the centuries that followed, steam power, rotary presses and cheap paper made printed matter "
+    "so common that almost every household could afford a newspaper, a almanac or a novel. Public "
+    "libraries opened their doors to working people, and reading aloud in the evening became a family "
+    "habit in many countries. Publishers discovered that serial stories sold magazines, so famous "
+    "novelists wrote their books in monthly parts, ending each instalment with a question that would "
+    "bring readers back. Typewriters, and later computers, changed how texts were written, while "
+    "offset lithography changed how they were printed. Today, when most words are read on screens, "
+    "the printing press can seem like a relic, yet its effects remain everywhere around us, and the "
+    "habits of mind it encouraged"
+)
