@@ -7,6 +7,7 @@ API; `from_strings` is the one parser for the string-valued sources.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -161,6 +162,11 @@ class EngineConfig:
     max_image_pixels: int = 4096 * 4096
     """Largest image (width x height) a vision-language model takes, checked from the file's header before
     any pixel is decoded (a small file may claim a huge picture)."""
+    mm_processor_kwargs: str | dict = ""
+    """Settings of the checkpoint's image processor for every prompt (vLLM's --mm-processor-kwargs), e.g.
+    Gemma 3's `do_pan_and_scan` (crops of a wide or tall image beside it) or Qwen2.5-VL's `max_pixels`:
+    a dict, a JSON object or `key=value,key=value` (values read as JSON where they parse: true, 8);
+    each key must be one of the image processor's settings. Empty: the checkpoint's own."""
     max_num_encoder_input_tokens: int = 0
     """Image tokens a step may encode (vLLM's encoder budget): a prefill chunk stops before an image
     past it, which a later step encodes, so many images do not stall the batch's decodes at once; an
@@ -283,6 +289,10 @@ class EngineConfig:
             raise ConfigError("limit_mm_per_prompt", f"image: a whole number, got {limits['image']!r}") from None
         if self.max_images_per_prompt < 0:
             raise ConfigError("limit_mm_per_prompt", f"image: must be >= 0, got {self.max_images_per_prompt}")
+        self.processor_kwargs = {key: _json_or_text(value) for key, value in
+                                 setting_items("mm_processor_kwargs", self.mm_processor_kwargs).items()} \
+            if self.mm_processor_kwargs else {}
+        """The parsed mm_processor_kwargs (checked against the image processor when it loads)."""
         _at_least(self, "max_image_pixels", 1)
         _at_least(self, "max_num_encoder_input_tokens", 0)
         _at_least(self, "encoder_cache_bytes", 0)
@@ -315,6 +325,16 @@ class EngineConfig:
                     f"{self.tensor_parallel_size} ranks with {name}={value!r} is not supported (quantized weights "
                     f"and KV are not sharded; ranks step in lockstep); set {name}={neutral!r} or tensor_parallel_size=1",
                 )
+
+
+def _json_or_text(value: Any) -> Any:
+    """A `key=value` setting's value as JSON where it parses (true, 8, 0.5), else the text."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
 def _coerce(value: Any, kind: str) -> Any:

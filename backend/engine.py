@@ -191,7 +191,7 @@ class LLMEngine:
         config = self.config
         return ImageInputs.load(self.model_path, model_config.vision_language, checkpoint_tensors(self.model_path),
                                 self.device, self.dtype, config.max_images_per_prompt, config.max_image_pixels,
-                                config.encoder_cache_bytes)
+                                config.encoder_cache_bytes, config.processor_kwargs)
 
     @property
     def block_manager(self) -> BlockManager:

@@ -22,12 +22,14 @@ class ImageInputs:
 
     @classmethod
     def load(cls, model_dir: str, family: str, tensors: Any, device: torch.device, dtype: torch.dtype,
-             max_images: int, max_pixels: int, cache_bytes: int) -> ImageInputs:
+             max_images: int, max_pixels: int, cache_bytes: int,
+             processor_kwargs: dict[str, Any] | None = None) -> ImageInputs:
         """The image side of the vision-language checkpoint at `model_dir` (`family`: its
         ModelConfig.vision_language), its weights from `tensors`; `max_images` a prompt's images,
-        `max_pixels` an image's, `cache_bytes` the encoder cache's (EngineConfig's
-        limit_mm_per_prompt, max_image_pixels, encoder_cache_bytes)."""
-        processor = ImagePromptProcessor.for_model(model_dir, max_images, max_pixels)
+        `max_pixels` an image's, `cache_bytes` the encoder cache's, `processor_kwargs` the image
+        processor's settings (EngineConfig's limit_mm_per_prompt, max_image_pixels,
+        encoder_cache_bytes, mm_processor_kwargs)."""
+        processor = ImagePromptProcessor.for_model(model_dir, max_images, max_pixels, processor_kwargs)
         encoder = VisionEncoder.load(model_dir, tensors, device, dtype)
         return cls(processor, ImageEmbedder(encoder, EncoderCache(cache_bytes), bidirectional=family in BIDIRECTIONAL_IMAGES))
 

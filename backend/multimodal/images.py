@@ -47,3 +47,12 @@ def image_hash(image: Any) -> bytes:
     digest.update(f"{image.width}x{image.height}".encode())
     digest.update(image.tobytes())
     return digest.digest()
+
+
+def pixels_hash(pixels: Any) -> bytes:
+    """128-bit blake2b of a processed picture (a tensor of pixel values, e.g. one of Gemma 3's
+    pan-and-scan crops), for the runs of tokens made from such a piece rather than a whole image."""
+    digest = hashlib.blake2b(b"pixels", digest_size=16)
+    digest.update(str(tuple(pixels.shape)).encode())
+    digest.update(pixels.contiguous().numpy().tobytes())
+    return digest.digest()

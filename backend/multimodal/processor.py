@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError, InvalidRequestError
 from ..model_files import read_model_json
-from .images import image_hash, load_image
+from .images import image_hash, load_image, pixels_hash
 from .inputs import ImageItem, MultiModalPrompt
 
 _PER_IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw")
@@ -62,10 +62,20 @@ def _per_image(out: Any, count: int) -> list[dict[str, Any]]:
 class ImagePromptProcessor:
     """Prompts with images for one vision-language checkpoint."""
 
-    def __init__(self, model_dir: str, image_token_id: int, max_images: int, max_pixels: int):
+    def __init__(self, model_dir: str, image_token_id: int, max_images: int, max_pixels: int,
+                 processor_kwargs: dict[str, Any] | None = None):
         """max_images: a prompt's images at most (EngineConfig's limit_mm_per_prompt); max_pixels: an
-        image's (max_image_pixels)."""
+        image's (max_image_pixels); processor_kwargs: the image processor's settings for every prompt
+        (mm_processor_kwargs), each one it has (ConfigError naming the key otherwise)."""
         self.processor = load_processor(model_dir)
+        self.kwargs = dict(processor_kwargs or {})
+        image_processor = self.processor.image_processor
+        for key in self.kwargs:
+            if not hasattr(image_processor, key):
+                known = sorted(k for k, v in vars(image_processor).items() if not k.startswith("_") and
+                               isinstance(v, (bool, int, float, str, type(None))))
+                raise ConfigError("mm_processor_kwargs", f"{key!r} is not a setting of {type(image_processor).__name__} "
+                                                         f"(it has {', '.join(known)})")
         self.image_token_id = image_token_id
         self.placeholder: str = (getattr(self.processor, "boi_token", None) or getattr(self.processor, "image_token", None)
                                  or self.processor.tokenizer.convert_ids_to_tokens(image_token_id))
@@ -74,13 +84,14 @@ class ImagePromptProcessor:
         self.max_images, self.max_pixels = max_images, max_pixels
 
     @classmethod
-    def for_model(cls, model_dir: str, max_images: int, max_pixels: int) -> ImagePromptProcessor:
+    def for_model(cls, model_dir: str, max_images: int, max_pixels: int,
+                  processor_kwargs: dict[str, Any] | None = None) -> ImagePromptProcessor:
         """The processor of the checkpoint at `model_dir`, its image token read from its config.json."""
         config = read_model_json(model_dir, "config.json") or {}
         token_id = config.get("image_token_index", config.get("image_token_id"))
         if token_id is None:
             raise ConfigError("model", f"{model_dir}: config.json names no image token (image_token_index)")
-        return cls(model_dir, int(token_id), max_images, max_pixels)
+        return cls(model_dir, int(token_id), max_images, max_pixels, processor_kwargs)
 
     def expand(self, prompt: Mapping[str, Any]) -> tuple[list[int], MultiModalPrompt, dict[str, Any]]:
         """`process` for vLLM's prompt dict with images: `messages` (image parts become the chat
@@ -109,13 +120,20 @@ class ImagePromptProcessor:
             raise InvalidRequestError("prompt", f"has {count} image placeholders ({self.placeholder}) for {len(decoded)} "
                                                 f"images; put one {self.placeholder} where each image goes")
         try:
-            out = self.processor(images=decoded or None, text=prompt, return_tensors="pt")
+            out = self.processor(images=decoded or None, text=prompt, return_tensors="pt", **self.kwargs)
         except (ValueError, TypeError) as error:
             raise InvalidRequestError(field, f"the model's processor refused it: {error}") from None
         ids = out["input_ids"][0].tolist()
-        ranges = self._placeholder_ranges(ids, len(decoded))
-        items = [ImageItem(image_hash(image), offset, length, pixels)
-                 for image, (offset, length), pixels in zip(decoded, ranges, _per_image(out, len(decoded)))]
+        rows = len(out["pixel_values"]) if "pixel_values" in out and "image_grid_thw" not in out else len(decoded)
+        if rows > len(decoded):  # crops beside their image (Gemma 3's pan-and-scan): each row its own run of tokens,
+            ranges = self._placeholder_ranges(ids, rows)  # named by its pixels (what its tokens are made of)
+            pieces = _per_image(out, rows)
+            items = [ImageItem(pixels_hash(piece["pixel_values"]), offset, length, piece)
+                     for (offset, length), piece in zip(ranges, pieces)]
+        else:
+            ranges = self._placeholder_ranges(ids, len(decoded))
+            items = [ImageItem(image_hash(image), offset, length, pixels)
+                     for image, (offset, length), pixels in zip(decoded, ranges, _per_image(out, len(decoded)))]
         return ids, MultiModalPrompt(items), {key: out[key] for key in _PROMPT_KEYS if key in out}
 
     def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> str:

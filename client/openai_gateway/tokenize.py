@@ -16,8 +16,8 @@ processor expands each image's placeholder to its tokens (their count depends on
 Qwen2.5-VL), and vLLM's `features` say which tokens are which image (`mm_placeholders`) and what
 each image is (`mm_hashes`: the content hashes the engine folds into those blocks' hashes and
 publishes as their KV events' `extra_keys`), so a router hashes the same blocks the engine does.
-The images are decoded here under the engine's own caps (`limit_mm_per_prompt`, `max_image_pixels`
-from the model's configuration).
+The images are decoded here under the engine's own caps and processor settings (`limit_mm_per_prompt`,
+`max_image_pixels`, `mm_processor_kwargs` from the model's configuration).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from .translate import LLMRequest
 
 PROMPT_INPUTS = ("text_input", "messages", "tools", "chat_template_kwargs", "image")
 """The `llm` inputs that make the prompt's ids."""
-IMAGE_LIMITS = ("limit_mm_per_prompt", "max_image_pixels")
-"""The engine settings an image prompt is checked against (from the model's configuration)."""
+IMAGE_LIMITS = ("limit_mm_per_prompt", "max_image_pixels", "mm_processor_kwargs")
+"""The engine settings an image prompt is processed under (from the model's configuration)."""
 PRELOAD_RETRY_S = 2.0
 
 log = logging.getLogger("pagedserve.openai")
@@ -158,7 +158,8 @@ def _load_processor(path: str, parameters: dict[str, str]) -> Any:
     if not takes_images(model_dir):
         return False
     caps = EngineConfig.from_strings({key: parameters[key] for key in IMAGE_LIMITS if parameters.get(key)})
-    return ImagePromptProcessor.for_model(model_dir, caps.max_images_per_prompt, caps.max_image_pixels)
+    return ImagePromptProcessor.for_model(model_dir, caps.max_images_per_prompt, caps.max_image_pixels,
+                                          caps.processor_kwargs)
 
 
 def _load(path: str) -> Any:
