@@ -13,7 +13,8 @@ import pytest
 
 from pagedserve.backend import LLMEngine, SamplingParams
 
-from .vlm_checks import GEMMA_IMAGE, TOKENS, assert_same, chat_text, greedy, pictures, transformers_greedy, write_tiny_gemma3
+from .vlm_checks import (GEMMA_IMAGE, assert_chat_equals_transformers, assert_mixed_batch_equals_transformers, pictures,
+                         write_tiny_gemma3)
 
 pytestmark = pytest.mark.slow
 
@@ -29,23 +30,11 @@ def gemma(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 16, "block_size": 8}], ids=["whole", "chunked"])
 def test_greedy_equals_transformers(gemma, settings):
-    images = pictures(3)
-    expected = [transformers_greedy(gemma, PROMPTS[0], images[:1], TOKENS),
-                transformers_greedy(gemma, PROMPTS[1], images[1:3], TOKENS),
-                transformers_greedy(gemma, PROMPTS[2], [], TOKENS)]
-    engine = LLMEngine(model=gemma, dtype="float32", **settings)
-    prompts = [{"prompt": PROMPTS[0], "multi_modal_data": {"image": images[0]}},
-               {"prompt": PROMPTS[1], "multi_modal_data": {"image": images[1:3]}}, PROMPTS[2]]
-    assert_same(greedy(engine, prompts), expected)
-    assert_same(greedy(engine, prompts), expected)  # prefix hits now
+    assert_mixed_batch_equals_transformers(gemma, PROMPTS, LLMEngine(model=gemma, dtype="float32", **settings))
 
 
 def test_chat_with_an_image(gemma):
-    picture = pictures(1)[0]
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
-    expected = transformers_greedy(gemma, chat_text(gemma, messages), [picture], TOKENS)
-    engine = LLMEngine(model=gemma, dtype="float32")
-    assert_same(greedy(engine, [{"messages": messages, "multi_modal_data": {"image": picture}}]), [expected])
+    assert_chat_equals_transformers(gemma, LLMEngine(model=gemma, dtype="float32"))
 
 
 def transformers_logprobs(gemma: str, prompt: str, pictured: list, generated: list[int], mask: bool = True,
@@ -59,12 +48,14 @@ def transformers_logprobs(gemma: str, prompt: str, pictured: list, generated: li
     from pagedserve.backend.multimodal.processor import load_processor
 
     model = AutoModelForImageTextToText.from_pretrained(gemma, dtype=torch.float32).eval()
-    inputs = load_processor(gemma)(images=pictured, text=prompt, return_tensors="pt", **processor_kwargs)
+    processor = load_processor(gemma)
+    inputs = processor(images=pictured, text=prompt, return_tensors="pt", **processor_kwargs)
     length = inputs["input_ids"].shape[1]
     ids = torch.cat([inputs["input_ids"], torch.tensor([generated[:-1]])], dim=1)
     kinds = torch.nn.functional.pad(inputs["token_type_ids"], (0, len(generated) - 1)) if mask else None
     with torch.no_grad():
-        return model(input_ids=ids, pixel_values=inputs["pixel_values"], token_type_ids=kinds).logits[0, length - 1:].log_softmax(-1)
+        logits = model(input_ids=ids, pixel_values=inputs["pixel_values"], token_type_ids=kinds).logits
+    return logits[0, length - 1:].log_softmax(-1)
 
 
 def assert_logprobs_equal(ours, theirs) -> None:

@@ -1,5 +1,5 @@
-"""Qwen2.5-VL offline (backend/multimodal/): a tiny random checkpoint saved by transformers, loaded
-as a real one is (its processor's video part needs torchvision, which serving images does not: the
+"""Qwen2.5-VL and Qwen2-VL offline (backend/multimodal/): a tiny random checkpoint of each, saved by
+transformers, loaded as a real one is (its processor's video part needs torchvision, which serving images does not: the
 image part alone is built), gives transformers' greedy tokens with one and two images of different
 sizes (their own token counts), beside text, whole and chunked, with prefix hits and in chat: the
 image tokens turn by their time / height / width positions and every later token by its index plus
@@ -14,8 +14,8 @@ from pagedserve.backend import LLMEngine
 
 from .conftest import GPU_SHARE
 from .test_cuda_graphs import _with_static_decode
-from .vlm_checks import (QWEN_IMAGE, TOKENS, assert_same, chat_text, greedy, pictures, png_bytes, transformers_greedy,
-                          write_tiny_qwen25_vl)
+from .vlm_checks import (QWEN_IMAGE, assert_chat_equals_transformers, assert_mixed_batch_equals_transformers,
+                         write_tiny_qwen2_vl, write_tiny_qwen25_vl)
 
 pytestmark = pytest.mark.slow
 
@@ -24,45 +24,31 @@ PROMPTS = [f"Describe the picture: {QWEN_IMAGE} What is in it?",
            "The quick brown fox jumps over the lazy dog"]
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> str:
-    return write_tiny_qwen25_vl(tmp_path_factory.mktemp("qwen25vl"))
+WRITERS = {"qwen2.5-vl": write_tiny_qwen25_vl, "qwen2-vl": write_tiny_qwen2_vl}
+
+
+@pytest.fixture(scope="module", params=sorted(WRITERS))
+def qwen(request, tmp_path_factory) -> str:
+    return WRITERS[request.param](tmp_path_factory.mktemp(request.param))
 
 
 @pytest.mark.parametrize("chunk", [None, 16], ids=["whole-prompts", "chunks-of-16"])
 def test_greedy_equals_transformers(qwen, chunk):
-    images = pictures(3)
-    expected = [transformers_greedy(qwen, PROMPTS[0], images[:1], TOKENS),
-                transformers_greedy(qwen, PROMPTS[1], images[1:3], TOKENS),
-                transformers_greedy(qwen, PROMPTS[2], [], TOKENS)]
     engine = LLMEngine(model=qwen, dtype="float32", **({"max_num_batched_tokens": chunk} if chunk else {}))
-    prompts = [{"prompt": PROMPTS[0], "multi_modal_data": {"image": images[0]}},
-               {"prompt": PROMPTS[1], "multi_modal_data": {"image": [png_bytes(i) for i in images[1:3]]}}, PROMPTS[2]]
-    assert_same(greedy(engine, prompts), expected)
-    assert_same(greedy(engine, prompts), expected)  # prefix hits now
+    assert_mixed_batch_equals_transformers(qwen, PROMPTS, engine)
 
 
 def test_chat_with_an_image(qwen):
-    picture = pictures(1)[0]
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
-    expected = transformers_greedy(qwen, chat_text(qwen, messages), [picture], TOKENS)
-    engine = LLMEngine(model=qwen, dtype="float32")
-    assert_same(greedy(engine, [{"messages": messages, "multi_modal_data": {"image": picture}}]), [expected])
+    assert_chat_equals_transformers(qwen, LLMEngine(model=qwen, dtype="float32"))
 
 
 def test_decode_steps_in_the_graphs_buffers_turn_by_the_shifted_positions(qwen):
     """Past its prompt a request with images decodes in the decode graphs (on CPU their static
     buffers, run eagerly), the positions buffer holding each token's index plus its images' shift:
     transformers' tokens, beside a text request decoding in the same steps."""
-    images = pictures(3)
-    expected = [transformers_greedy(qwen, PROMPTS[0], images[:1], TOKENS),
-                transformers_greedy(qwen, PROMPTS[1], images[1:3], TOKENS),
-                transformers_greedy(qwen, PROMPTS[2], [], TOKENS)]
     engine = LLMEngine(model=qwen, dtype="float32", compile="off", attention_backend="torch")
     used = _with_static_decode(engine, max_seqs=4)
-    prompts = [{"prompt": PROMPTS[0], "multi_modal_data": {"image": images[0]}},
-               {"prompt": PROMPTS[1], "multi_modal_data": {"image": images[1:3]}}, PROMPTS[2]]
-    assert_same(greedy(engine, prompts), expected)
+    assert_mixed_batch_equals_transformers(qwen, PROMPTS, engine)
     assert 3 in used  # the image requests decoded there, beside the text one
 
 
@@ -72,17 +58,11 @@ def test_on_a_gpu_the_tower_runs_there_and_decodes_replay_the_captured_graphs(qw
     """Section 6 of the issue: the vision tower on the GPU in the engine's process, the image
     embeddings entering through the (eager) prefill, the decode steps of requests with images
     replaying the captured graphs: transformers' tokens (float32 on the CPU)."""
-    images = pictures(3)
-    expected = [transformers_greedy(qwen, PROMPTS[0], images[:1], TOKENS),
-                transformers_greedy(qwen, PROMPTS[1], images[1:3], TOKENS),
-                transformers_greedy(qwen, PROMPTS[2], [], TOKENS)]
     engine = LLMEngine(model=qwen, dtype="float32", **GPU_SHARE)
     graphs = engine.runner.graphs
     assert graphs is not None and engine.images is not None and engine.images.embedder.encoder.device.type == "cuda"
     replayed: list[int] = []
     run = graphs.run
     graphs.run = lambda batch: replayed.append(len(batch.seqs)) or run(batch)  # type: ignore[method-assign]
-    prompts = [{"prompt": PROMPTS[0], "multi_modal_data": {"image": images[0]}},
-               {"prompt": PROMPTS[1], "multi_modal_data": {"image": images[1:3]}}, PROMPTS[2]]
-    assert_same(greedy(engine, prompts), expected)
+    assert_mixed_batch_equals_transformers(qwen, PROMPTS, engine)
     assert 3 in replayed

@@ -38,20 +38,27 @@ def tokenizer_with_image_token(special: tuple[str, ...] = (IMAGE_TOKEN,), **kwar
                                    eos_token="</s>", unk_token="<unk>", pad_token="<pad>", **kwargs)
 
 
+def _clip_and_llama(tokenizer, context: int) -> tuple:
+    """A 2-layer CLIP vision tower on 32x32 pictures (8x8 patches) and a 2-layer Llama of `context` tokens."""
+    from transformers import CLIPVisionConfig, LlamaConfig
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, bos_token_id=1,
+                       eos_token_id=2, pad_token_id=3, initializer_range=0.3, tie_word_embeddings=False)
+    return vision, text
+
+
 def write_tiny_llava(directory: str | os.PathLike) -> str:
     """LlavaForConditionalGeneration: a 2-layer CLIP vision tower on 32x32 pictures (8x8 patches: 16
     image tokens after the class token is dropped), a 2-layer projector, a 2-layer Llama; saved with
     its LlavaProcessor (CLIPImageProcessor), float32."""
     import torch
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     tokenizer = tokenizer_with_image_token()
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                              image_size=32, patch_size=8, projection_dim=32)
-    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-                       eos_token_id=2, pad_token_id=3, initializer_range=0.3, tie_word_embeddings=False)
+    vision, text = _clip_and_llama(tokenizer, context=512)
     config = LlavaConfig(vision_config=vision, text_config=text,
                          image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), image_seq_length=16,
                          vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False)
@@ -63,6 +70,70 @@ def write_tiny_llava(directory: str | os.PathLike) -> str:
                                num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
+    return str(directory)
+
+
+PINPOINTS = [[32, 32], [32, 64], [64, 32], [64, 64]]
+"""The tiling grids (height, width) a tiny LLaVA-NeXT / OneVision picks from by a picture's shape."""
+
+
+def _save_tiled(directory: str | os.PathLike, model_class, config) -> None:
+    """A tiling model's random weights saved, its newline row random too (transformers starts it at
+    zero, which no test could tell from a missing one)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        model.model.image_newline.normal_(0, 1)
+    model.save_pretrained(directory)
+
+
+def write_tiny_llava_next(directory: str | os.PathLike) -> str:
+    """LlavaNextForConditionalGeneration: the tiny LLaVA's CLIP tower and Llama, tiling each picture
+    into 32x32 tiles on the grid its shape picks (PINPOINTS) beside the whole picture, with a learned
+    newline row after each row of tiles (random here: transformers starts it at zero); saved with its
+    LlavaNextProcessor, float32."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessor, LlavaNextProcessor
+
+    tokenizer = tokenizer_with_image_token()
+    vision, text = _clip_and_llama(tokenizer, context=1024)
+    config = LlavaNextConfig(vision_config=vision, text_config=text,
+                             image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), image_grid_pinpoints=PINPOINTS,
+                             vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False)
+    _save_tiled(directory, LlavaNextForConditionalGeneration, config)
+    LlavaNextProcessor(image_processor=LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                                               image_grid_pinpoints=PINPOINTS),
+                       tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                       num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE).save_pretrained(directory)
+    return str(directory)
+
+
+def write_tiny_llava_onevision(directory: str | os.PathLike) -> str:
+    """LlavaOnevisionForConditionalGeneration: a 2-layer SigLIP tower on 32x32 tiles (PINPOINTS), a
+    2-layer Qwen2, the newline row random; saved as a real checkpoint is (processor_class
+    LlavaOnevisionProcessor: its video part needs torchvision, so the processor is written by parts),
+    float32."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2Config, SiglipVisionConfig
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
+
+    tokenizer = tokenizer_with_image_token((IMAGE_TOKEN, "<video>"))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    text = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
+                       eos_token_id=2, pad_token_id=3, initializer_range=0.3, tie_word_embeddings=False)
+    config = LlavaOnevisionConfig(vision_config=vision, text_config=text,
+                                  image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                                  video_token_index=tokenizer.convert_tokens_to_ids("<video>"), image_grid_pinpoints=PINPOINTS,
+                                  vision_feature_layer=-1, vision_feature_select_strategy="full", tie_word_embeddings=False)
+    _save_tiled(directory, LlavaOnevisionForConditionalGeneration, config)
+    LlavaOnevisionImageProcessorPil(size={"height": 32, "width": 32}, image_grid_pinpoints=PINPOINTS).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    with open(os.path.join(directory, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 16,
+                   "vision_feature_select_strategy": "full"}, f)
     return str(directory)
 
 
@@ -79,16 +150,32 @@ def write_tiny_qwen25_vl(directory: str | os.PathLike) -> str:
     window of 16 with its second block attending in full), a 2-layer Qwen2 language model with
     multimodal rotary positions (mrope_section 2, 3, 3); saved as a real checkpoint is
     (processor_class Qwen2_5_VLProcessor), float32."""
-    import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    return _write_tiny_qwen_vl(directory, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, "Qwen2_5_VLProcessor", dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+        window_size=16, fullatt_block_indexes=[1], out_hidden_size=64))
+
+
+def write_tiny_qwen2_vl(directory: str | os.PathLike) -> str:
+    """Qwen2VLForConditionalGeneration (the 2.5 generation's predecessor: a vision transformer
+    without windows), otherwise as write_tiny_qwen25_vl."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    return _write_tiny_qwen_vl(directory, Qwen2VLConfig, Qwen2VLForConditionalGeneration, "Qwen2VLProcessor", dict(
+        depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=4, spatial_merge_size=2,
+        temporal_patch_size=2))
+
+
+def _write_tiny_qwen_vl(directory: str | os.PathLike, config_class, model_class, processor_class: str, vision: dict) -> str:
+    import torch
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = tokenizer_with_image_token(QWEN_SPECIAL)
     tokenizer.chat_template = QWEN_TEMPLATE
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
-    config = Qwen2_5_VLConfig(
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
-                           temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1], out_hidden_size=64),
+    config = config_class(
+        vision_config=vision,
         text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
                          eos_token_id=2, pad_token_id=3, initializer_range=0.3,
@@ -96,12 +183,12 @@ def write_tiny_qwen25_vl(directory: str | os.PathLike) -> str:
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(0)
-    Qwen2_5_VLForConditionalGeneration(config).eval().save_pretrained(directory)
+    model_class(config).eval().save_pretrained(directory)
     Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
                              size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64}).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     with open(os.path.join(directory, "processor_config.json"), "w") as f:
-        json.dump({"processor_class": "Qwen2_5_VLProcessor"}, f)
+        json.dump({"processor_class": processor_class}, f)
     return str(directory)
 
 
@@ -191,3 +278,29 @@ def transformers_greedy(model_dir: str, prompt: str, images: list, max_new_token
     inputs = processor(images=images or None, text=prompt, return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def mixed_requests(texts: list[str], images: list) -> list:
+    """One image (a PIL picture), two images (PNG file bytes) and text alone: texts[0] with one
+    placeholder, texts[1] with two, texts[2] with none; images: pictures(3)."""
+    return [{"prompt": texts[0], "multi_modal_data": {"image": images[0]}},
+            {"prompt": texts[1], "multi_modal_data": {"image": [png_bytes(i) for i in images[1:3]]}}, texts[2]]
+
+
+def assert_mixed_batch_equals_transformers(model_dir: str, texts: list[str], engine) -> None:
+    """mixed_requests in one batch give transformers' greedy tokens, and again from prefix hits."""
+    images = pictures(3)
+    expected = [transformers_greedy(model_dir, texts[0], images[:1], TOKENS),
+                transformers_greedy(model_dir, texts[1], images[1:3], TOKENS),
+                transformers_greedy(model_dir, texts[2], [], TOKENS)]
+    requests = mixed_requests(texts, images)
+    assert_same(greedy(engine, requests), expected)
+    assert_same(greedy(engine, requests), expected)  # prefix hits now
+
+
+def assert_chat_equals_transformers(model_dir: str, engine) -> None:
+    """A chat turn with an image part gives transformers' greedy tokens on the template's rendering."""
+    picture = pictures(1)[0]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    expected = transformers_greedy(model_dir, chat_text(model_dir, messages), [picture], TOKENS)
+    assert_same(greedy(engine, [{"messages": messages, "multi_modal_data": {"image": picture}}]), [expected])

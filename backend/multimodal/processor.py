@@ -18,33 +18,31 @@ _PROMPT_KEYS = ("input_ids", "mm_token_type_ids", "image_grid_thw")
 
 
 def load_processor(model_dir: str) -> Any:
-    """The checkpoint's processor (AutoProcessor). A Qwen2-VL-family processor whose video part cannot
-    load (its video processor needs torchvision, which serving images does not): its image part alone,
-    the same class with the image processor and tokenizer only."""
+    """The checkpoint's processor (AutoProcessor). One whose video part cannot load (a video processor
+    needs torchvision, which serving images does not: Qwen2.5-VL's, LLaVA-OneVision's): the same class
+    with its image processor and tokenizer only, set up from its processor_config.json."""
     import transformers
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, ProcessorMixin
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     try:
         return AutoProcessor.from_pretrained(model_dir)
-    except (OSError, ImportError, ValueError) as error:
-        config = (read_model_json(model_dir, "processor_config.json")
-                  or read_model_json(model_dir, "preprocessor_config.json") or {})
-        name = config.get("processor_class", "")
-        base = getattr(transformers, name, None) if name.startswith(("Qwen2VL", "Qwen2_5_VL")) else None
-        if base is None:
+    except (OSError, ImportError, ValueError, AttributeError) as error:
+        config = dict(read_model_json(model_dir, "processor_config.json")
+                      or read_model_json(model_dir, "preprocessor_config.json") or {})
+        base = getattr(transformers, config.pop("processor_class", ""), None)
+        if base is None or "video_processor" not in getattr(base, "get_attributes", lambda: [])():
             raise ConfigError("model", f"{model_dir}: its processor does not load ({error})") from None
 
     class ImageOnly(base):  # type: ignore[misc, valid-type]
-        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any):
-            self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
-            self.video_token = getattr(tokenizer, "video_token", "<|video_pad|>")
-            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and argument is None:
+                return None  # no videos are served
+            return super().check_argument_for_proper_class(argument_name, argument)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return ImageOnly(AutoImageProcessor.from_pretrained(model_dir), tokenizer,
-                     chat_template=getattr(tokenizer, "chat_template", None))
+    config.setdefault("chat_template", getattr(tokenizer, "chat_template", None))
+    return ImageOnly(image_processor=AutoImageProcessor.from_pretrained(model_dir), tokenizer=tokenizer,
+                     video_processor=None, **config)
 
 
 def _per_image(out: Any, count: int) -> list[dict[str, Any]]:

@@ -14,7 +14,10 @@ if TYPE_CHECKING:
 
 VLM_ARCHITECTURES = {
     "LlavaForConditionalGeneration": "llava",
+    "LlavaNextForConditionalGeneration": "llava_next",
+    "LlavaOnevisionForConditionalGeneration": "llava_onevision",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Gemma3ForConditionalGeneration": "gemma3",
 }
 """Supported vision-language architectures (config.json `architectures[0]`) -> their family."""
@@ -24,14 +27,15 @@ BIDIRECTIONAL_IMAGES = {"gemma3"}
 
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
+                      "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_vl": "Qwen2ForCausalLM",
                       "gemma3_text": "Gemma3ForCausalLM"}
 """The language model inside, by its text_config model_type -> the text architecture that loads it."""
 
 _LM_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                 ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
 """Checkpoint names of the language model (transformers 4's and 5's layouts) -> a text model's."""
-_VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "visual.", "vision_tower.",
-                    "multi_modal_projector.")
+_VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "model.image_newline",
+                    "visual.", "vision_tower.", "multi_modal_projector.", "image_newline")
 
 
 def language_model_name(name: str) -> str | None:
