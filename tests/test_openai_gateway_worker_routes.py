@@ -95,6 +95,10 @@ def test_a_chat_with_images_renders_as_the_engine_expands_it_with_vllms_features
         status, body, _ = gateway.post("/v1/chat/completions/render", {"model": "llm", "messages": [
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://169.254.169.254/x.png"}}]}]})
         assert status == 400 and body["error"]["param"] == "messages[0].content[0].image_url.url"  # never fetched
+        not_a_picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"GIF89a?").decode()}}
+        status, body, _ = gateway.post("/v1/chat/completions/render", {"model": "llm", "messages": [
+            {"role": "user", "content": [not_a_picture]}]})
+        assert status == 400 and body["error"]["param"] == "image" and "Pillow" in body["error"]["message"]
         assert not gateway.triton.requests
     with serving(ConfiguredTriton(qwen, {"limit_mm_per_prompt": "image=1"})) as gateway:  # the engine's own caps
         status, body, _ = gateway.post("/v1/chat/completions/render", {"model": "llm", "messages": messages})
