@@ -13,6 +13,12 @@ write no KV (slot -1) and attend over one key.
 Steps with prompt tokens (prefill chunks, mixed steps) run the model piecewise as before:
 their rows change every step and their GPU work dwarfs the launches. Quantized models are
 captured too (their Triton GEMMs picked their tiles in the warm-up before capture).
+
+Speculative decoding's verify steps (a sequence's last token and its drafts) have graphs of their
+own, with `query_len` = 1 + num_speculative_tokens rows a sequence: a sequence with fewer drafts
+fills the rest of its rows with padding that writes no KV and whose logits nobody reads, so one
+graph per batch size serves every mix of draft lengths (the rows cost little beside the launches
+they spare at the small batches where drafting pays).
 """
 
 from __future__ import annotations
@@ -49,24 +55,31 @@ def graph_sizes(max_seqs: int) -> list[int]:
     return sorted({min(s, max_seqs) for s in sizes})
 
 
-class DecodeGraphs:
-    """The captured decode steps of one model runner and their static input buffers."""
+VERIFY_MAX_SEQS = 32
+"""Verify steps of up to this many sequences replay a graph (drafting pays at small batches; each
+graph's logits hold query_len rows a sequence)."""
 
-    def __init__(self, runner, max_seqs: int, max_model_len: int):
+
+class DecodeGraphs:
+    """The captured decode (or verify) steps of one model runner and their static input buffers."""
+
+    def __init__(self, runner, max_seqs: int, max_model_len: int, query_len: int = 1):
+        """query_len: rows a sequence, 1 for decode steps, 1 + num_speculative_tokens for verify steps."""
         self.runner = runner
         self.device = runner.device
         self.sizes = graph_sizes(max_seqs)
         self.max_seqs = self.sizes[-1]
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // runner.block_size)
+        self.query_len = q = query_len
         n = self.max_seqs
         self.captures = self.device.type == "cuda"
         """Off CUDA (the tests' CPU check of the buffers' layout) each size runs eagerly over the same buffers."""
-        # Per step: int64 [ids | positions | slots] and int32 [seq_lens | query_start], two host
-        # sets used in turn (a step's copy may still be reading one while the next step,
-        # async scheduling, writes the other), and the block-table rows that changed.
+        # Per step: int64 [ids | positions | slots] (q rows a sequence) and int32 [seq_lens |
+        # query_start], two host sets used in turn (a step's copy may still be reading one while
+        # the next step, async scheduling, writes the other), and the block-table rows that changed.
         pin = self.captures
-        self.hosts = [(torch.zeros(3 * n, dtype=torch.int64, pin_memory=pin),
+        self.hosts = [(torch.zeros(3 * n * q, dtype=torch.int64, pin_memory=pin),
                        torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=pin),
                        torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=pin),
                        torch.zeros(n, dtype=torch.int64, pin_memory=pin))
@@ -74,7 +87,7 @@ class DecodeGraphs:
         self.turn = 0
         self.step_starts = np.arange(n + 1, dtype=np.int64)
         """query_start of a decode step: one token a sequence."""
-        self.dev64 = torch.zeros(3 * n, dtype=torch.int64, device=self.device)
+        self.dev64 = torch.zeros(3 * n * q, dtype=torch.int64, device=self.device)
         self.dev32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=self.device)
         self.dev_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=self.device)
         # The persistent batch: each running sequence keeps its row (0..k-1 for k sequences),
@@ -91,15 +104,24 @@ class DecodeGraphs:
 
     # -- views of the static buffers --------------------------------------------------
     def _views(self, rows: int):
-        n = self.max_seqs
-        ids, positions, slots = self.dev64[:rows], self.dev64[n : n + rows], self.dev64[2 * n : 2 * n + rows]
+        """The buffers of a step of `rows` sequences (rows x query_len tokens)."""
+        n, tokens, width = self.max_seqs, rows * self.query_len, self.max_seqs * self.query_len
+        ids, positions = self.dev64[:tokens], self.dev64[width : width + tokens]
+        slots = self.dev64[2 * width : 2 * width + tokens]
         seq_lens, query_start = self.dev32[:rows], self.dev32[n : n + rows + 1]
         return ids, positions, slots, seq_lens, query_start, self.dev_tables[:rows]
 
     def takes(self, batch) -> bool:
-        """A committed step in which every sequence decodes one token and samples it."""
-        return (bool(self.graphs) and 0 < len(batch.seqs) <= self.max_seqs and len(batch.sampling_seqs) == len(batch.seqs)
-                and sum(batch.num_new_tokens) == len(batch.seqs))
+        """A committed step in which every sequence samples: one decoded token each (query_len 1),
+        or (verify graphs) its known last token and at most query_len - 1 drafts, within the context."""
+        if not (bool(self.graphs) and 0 < len(batch.seqs) <= self.max_seqs and len(batch.sampling_seqs) == len(batch.seqs)):
+            return False
+        if self.query_len == 1:
+            return sum(batch.num_new_tokens) == len(batch.seqs)
+        q = self.query_len
+        return batch.has_drafts and all(
+            count == 1 + len(drafts) <= q and start < len(seq.token_ids) and start + q <= self.max_model_len
+            for seq, start, count, drafts in zip(batch.seqs, batch.starts, batch.num_new_tokens, batch.drafts))
 
     def bucket(self, rows: int) -> int:
         return next(s for s in self.sizes if s >= rows)
@@ -142,7 +164,7 @@ class DecodeGraphs:
     def _forward(self, rows: int, context: int) -> torch.Tensor:
         ids, positions, slots, seq_lens, query_start, tables = self._views(rows)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
-                                 query_start_loc=query_start, max_query_len=1, max_seq_len=context)
+                                 query_start_loc=query_start, max_query_len=self.query_len, max_seq_len=context)
         runner = self.runner
         pieces = runner.compiled.pieces if runner.compiled else None
         hidden = runner.model(ids, positions, runner.kv_caches, meta, runner.attention_kernels, pieces, None)
@@ -150,14 +172,14 @@ class DecodeGraphs:
 
     def _write_padding(self) -> None:
         """Every row as padding, on the host and the device: token 0 at position 0, no KV
-        written (slot -1), one key read (block table rows keep valid ids: zeros here,
+        written (slot -1), query_len keys read (block table rows keep valid ids: zeros here,
         whatever a step wrote later)."""
-        n = self.max_seqs
+        n, q = self.max_seqs, self.query_len
         for host64, host32, _, _ in self.hosts:
-            host64[: 2 * n] = 0
-            host64[2 * n :] = -1
-            host32[:n] = 1
-            host32[n:] = torch.arange(n + 1, dtype=torch.int32)
+            host64[: 2 * n * q] = 0
+            host64[2 * n * q :] = -1
+            host32[:n] = q
+            host32[n:] = torch.arange(n + 1, dtype=torch.int32) * q
         self.dev64.copy_(self.hosts[0][0])
         self.dev32.copy_(self.hosts[0][1])
 
@@ -207,16 +229,19 @@ class DecodeGraphs:
     # -- replay -------------------------------------------------------------------------
     def run(self, batch) -> tuple[torch.Tensor, list]:
         """Logits [k, vocab] float32 of a decode step of k sequences (a view of the graph's
-        output, valid until the next replay) and the sequences in the order of its rows."""
+        output, valid until the next replay) and the sequences in the order of its rows; a verify
+        step's: each sequence's 1 + drafts rows, sequence after sequence in that order."""
         seqs, starts = batch.seqs, np.asarray(batch.starts, dtype=np.int64)
         k = len(seqs)
         rows = self._rows(seqs)
-        key = self.key(k, int(starts.max()) + 1)
+        key = self.key(k, int(starts.max()) + self.query_len)
         size, n, bs = key[0], self.max_seqs, self.runner.block_size
         host64, host32, staged, staged_rows = self.hosts[self.turn]
         self.turn ^= 1
         self._update_tables(seqs, rows, staged, staged_rows)
         h64, h32 = host64.numpy(), host32.numpy()
+        if self.query_len > 1:
+            return self._run_verify(batch, rows, starts, key, h64, h32, host64, host32)
         device_rows, device_src = [], []
         last_rows = self.runner.last_rows
         for seq, row, start in zip(seqs, rows.tolist(), batch.starts):
@@ -234,8 +259,40 @@ class DecodeGraphs:
         self.dev32.copy_(host32, non_blocking=True)
         self.runner.fill_device_tokens(self.dev64[:k], np.asarray(device_rows, dtype=np.int64),
                                        np.asarray(device_src, dtype=np.int64))
+        return self._replay(key)[:k], self.row_seqs
+
+    def _run_verify(self, batch, rows: np.ndarray, starts: np.ndarray, key: tuple[int, int], h64: np.ndarray,
+                    h32: np.ndarray, host64: torch.Tensor, host32: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """A verify step's rows: sequence r's inputs in rows r*q .. r*q + drafts (its last token,
+        then its drafts), the rest of its q rows padding (no KV written; the sequence counted q
+        tokens long, so each real row sees exactly its own causal context)."""
+        q, n, bs, k = self.query_len, self.max_seqs, self.runner.block_size, len(batch.seqs)
+        width, size = n * q, key[0]
+        h64[: k * q] = 0
+        h64[2 * width : 2 * width + size * q] = -1
+        kept = []
+        for seq, row, start, drafts in zip(batch.seqs, rows.tolist(), starts.tolist(), batch.drafts):
+            first, count = row * q, 1 + len(drafts)
+            h64[first] = seq.token_ids[start]
+            h64[first + 1 : first + count] = drafts
+            positions = np.arange(start, start + q, dtype=np.int64)
+            h64[width + first : width + first + q] = rotary_positions([seq], positions, self.step_starts[:2] * q)
+            real = positions[:count]
+            h64[2 * width + first : 2 * width + first + count] = self.tables[row, real // bs].astype(np.int64) * bs + real % bs
+            h32[row] = start + q
+            kept.append((row, first, count))
+        h32[k:size] = q
+        self.dev64.copy_(host64, non_blocking=True)
+        self.dev32.copy_(host32, non_blocking=True)
+        kept.sort()
+        index = np.concatenate([np.arange(first, first + count) for _, first, count in kept])
+        logits = self._replay(key).index_select(0, torch.from_numpy(index).to(self.device, non_blocking=True))
+        return logits, [self.row_seqs[row] for row, _, _ in kept]
+
+    def _replay(self, key: tuple[int, int]) -> torch.Tensor:
+        """The logits of every row of the graph `key` over the buffers as they stand."""
         graph = self.graphs[key]
         if graph is None:  # off CUDA: the same buffers, eagerly
-            return self._forward(*key)[:k], self.row_seqs
+            return self._forward(*key)
         graph.replay()
-        return self.outputs[key][:k], self.row_seqs
+        return self.outputs[key]

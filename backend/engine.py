@@ -162,7 +162,8 @@ class LLMEngine:
             reads_states = draft is not None and draft.keeps_up  # an EAGLE-3 head: a decode graph keeps no hidden states
             graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) and not reads_states else 0
             self.runner = ModelRunner(*runner_args, graphs, self.max_model_len, self.lora, batch_invariant=config.deterministic,
-                                      images=self.images.embedder if self.images is not None else None)
+                                      images=self.images.embedder if self.images is not None else None,
+                                      verify_rows=1 + spec.num_speculative_tokens if spec is not None else 0)
         if config.kv_cache_dtype == "fp8":
             calibrate_kv_scales(self.runner, self.encode(CALIBRATION_TEXT)[: self.max_model_len])
         self.runner.capture_graphs()  # after calibration: the captured kernels take the KV scales as constants

@@ -18,7 +18,7 @@ from pagedserve.kernels.dispatch import read_tuned_configs
 
 from .attention import TORCH_KERNELS, AttentionKernels, AttentionMetadata, LayerKVCache, select_attention_kernels
 from .compiled_forward import CompiledForward
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import VERIFY_MAX_SEQS, DecodeGraphs
 from .lora.manager import LoRAManager
 from .models.llama import LlamaForCausalLM
 from .multimodal.inputs import rotary_positions
@@ -87,6 +87,7 @@ class ModelRunner:
         lora: LoRAManager | None = None,
         batch_invariant: bool = False,
         images: ImageEmbedder | None = None,
+        verify_rows: int = 0,
     ):
         """compile_max_tokens > 0: run the compiled step (backend/compiled_forward.py),
         warmed up now for steps of up to that many tokens. graph_max_seqs > 0 (CUDA):
@@ -94,7 +95,9 @@ class ModelRunner:
         (backend/cuda_graphs.py), captured by `capture_graphs` for contexts up to max_model_len.
         lora: the model's adapters (enable_lora); a step with adapter rows runs eager, not a graph.
         batch_invariant: the attention's batch-invariant form (`deterministic`).
-        images: a vision-language model's image embeddings; a step with image rows runs eager."""
+        images: a vision-language model's image embeddings; a step with image rows runs eager.
+        verify_rows > 1 (with graph_max_seqs): speculative decoding's verify steps of up to
+        VERIFY_MAX_SEQS sequences replay graphs of their own, that many rows a sequence."""
         self.model = model
         self.lora = lora
         self.images = images
@@ -108,15 +111,18 @@ class ModelRunner:
         if self.compiled:
             self.compiled.warm_up(compile_max_tokens)
         self.graphs = DecodeGraphs(self, graph_max_seqs, max_model_len) if graph_max_seqs and device.type == "cuda" else None
+        self.verify_graphs = DecodeGraphs(self, min(graph_max_seqs, VERIFY_MAX_SEQS), max_model_len, verify_rows) \
+            if self.graphs is not None and verify_rows > 1 else None
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)
         self.last_rows: dict[int, int] = {}
         self._token_hosts: list[torch.Tensor] | None = None
         self._token_turn = 0
 
     def capture_graphs(self) -> None:
-        """Capture the decode graphs (once the KV scales are final); nothing without them."""
-        if self.graphs is not None:
-            self.graphs.capture()
+        """Capture the decode (and verify) graphs (once the KV scales are final); nothing without them."""
+        for graphs in (self.graphs, self.verify_graphs):
+            if graphs is not None:
+                graphs.capture()
 
     def allocate_kv(self, num_blocks: int, dtype: torch.dtype) -> list[LayerKVCache]:
         """Paged K and V per layer for this rank's KV heads (all of them with one rank)."""
@@ -258,8 +264,10 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one forward; logits [num_sampling_seqs, vocab] float32 and those sequences, in
         the order of the logits' rows (a decode graph's rows keep each sequence's row)."""
-        if self.graphs is not None and not self._adapted(batch) and not _has_image_rows(batch) and self.graphs.takes(batch):
-            return self.graphs.run(batch)
+        if self.graphs is not None and not self._adapted(batch) and not _has_image_rows(batch):
+            graphs = self.verify_graphs if batch.has_drafts else self.graphs
+            if graphs is not None and graphs.takes(batch):
+                return graphs.run(batch)
         inputs = self.to_inputs(self.plan(batch))
         return self.run(inputs), inputs.sampling_seqs
 

@@ -38,8 +38,7 @@ def test_short_contexts_replay_the_graph_captured_without_the_key_split():
 
 
 def _engine(small_llama: str, **settings) -> LLMEngine:
-    return LLMEngine(model=small_llama, dtype="float32", compile="off", attention_backend="torch",
-                     **{**GPU_SHARE, **settings})
+    return LLMEngine(model=small_llama, dtype="float32", compile="off", **{"attention_backend": "torch", **GPU_SHARE, **settings})
 
 
 def _with_static_decode(engine: LLMEngine, max_seqs: int) -> list[int]:
@@ -79,6 +78,90 @@ def test_static_decode_steps_give_the_piecewise_tokens(small_llama, small_prompt
     assert_engine_idle(static)
     if num_kv_blocks == 14:
         assert static.stats().num_preemptions > 0
+
+
+SPEC = "method=ngram,num_speculative_tokens=3,prompt_lookup_min=1,prompt_lookup_max=2,draft_length=fixed"
+
+
+def oracle_drafts(engine: LLMEngine, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """Drafts from the tokens speculation off gave (a random model repeats nothing for n-gram to
+    find): after g tokens, g % 4 of them (0 to 3), the last one wrong every fifth time, so verifies
+    accept, reject and mix draft counts."""
+    by_prompt = {tuple(p): e for p, e in zip(prompts, expected)}
+    speculator = engine.speculator
+
+    def propose(seq, cap):
+        made = seq.num_output_tokens
+        drafts = list(by_prompt[tuple(seq.token_ids[: seq.num_prompt_tokens])][made : made + min(cap, made % 4)])
+        if drafts and made % 5 == 0:
+            drafts[-1] = (drafts[-1] + 1) % 100
+        return drafts
+
+    speculator.propose = propose
+
+
+def _with_static_verify(engine: LLMEngine, max_seqs: int) -> list[tuple[int, int]]:
+    """Give the engine's runner decode and verify steps over static buffers; returns a list that
+    records each verify step's (batch size, draft tokens)."""
+    runner = engine.runner
+    _with_static_decode(engine, max_seqs)
+    runner.verify_graphs = DecodeGraphs(runner, max_seqs, engine.max_model_len, query_len=4)
+    runner.verify_graphs.capture()
+    used: list[tuple[int, int]] = []
+    run = runner.verify_graphs.run
+
+    def recording(batch):
+        used.append((len(batch.seqs), sum(map(len, batch.drafts))))
+        return run(batch)
+
+    runner.verify_graphs.run = recording
+    return used
+
+
+@pytest.mark.parametrize("sampled,attention", [(False, "torch"), (True, "torch"), (False, "triton")],
+                         ids=["greedy", "seeded-sampled", "greedy-triton-attention"])
+def test_verify_steps_over_static_buffers_give_the_tokens_of_speculation_off(small_llama, small_prompts, sampled, attention):
+    """Speculation with 3 drafts a step (oracle drafts, accepted and rejected): verify steps of 1 to
+    4 sequences with any mix of draft counts (a sequence with fewer fills its 4 rows with padding)
+    over the verify graphs' buffers give the tokens of speculation off, greedy and seeded sampled; a
+    batch of 6 is past the largest bucket and verifies eagerly. The Triton attention (through its
+    interpreter here) reads the padded layout as the GPU will."""
+    if torch.cuda.is_available():
+        pytest.skip("the GPU test below replays the captured graphs")
+    settings = dict(max_num_seqs=6, max_num_batched_tokens=64)
+    prompts = small_prompts + [small_prompts[0] * 6]
+    make = (lambda n, i: SamplingParams(max_tokens=n, temperature=0.8, seed=i, ignore_eos=True)) if sampled else \
+        (lambda n, i: SamplingParams(max_tokens=n, **GREEDY))
+    params = [make(n, i) for i, n in enumerate([40, 5, 23, 12, 31, 36])]
+    expected = [r.token_ids for r in _engine(small_llama, **settings).generate(prompts, params, use_tqdm=False)]
+    static = _engine(small_llama, speculative_config=SPEC, **settings, attention_backend=attention)
+    used = _with_static_verify(static, max_seqs=4)
+    oracle_drafts(static, prompts, expected)
+    results = static.generate(prompts, params, use_tqdm=False)
+    assert [r.token_ids for r in results] == expected
+    assert static.stats().spec_num_accepted_tokens > 0
+    assert {1, 2} <= {size for size, _ in used}, used
+    assert any(drafts < 3 * size for size, drafts in used)  # some sequence verified fewer than 3 drafts: padding rows
+    assert_engine_idle(static)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_verify_graphs_give_the_tokens_of_speculation_off(small_llama, small_prompts):
+    settings = dict(max_num_seqs=6, max_num_batched_tokens=64, dtype="float32")
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in [40, 5, 23, 12, 31]]
+    expected = [r.token_ids for r in LLMEngine(model=small_llama, **{**GPU_SHARE, **settings}).generate(
+        small_prompts, params, use_tqdm=False)]
+    spec = LLMEngine(model=small_llama, speculative_config=SPEC, **{**GPU_SHARE, **settings})
+    verify = spec.runner.verify_graphs
+    assert verify is not None and all(g is not None for g in verify.graphs.values())
+    replayed: list[int] = []
+    run = verify.run
+    verify.run = lambda batch: replayed.append(len(batch.seqs)) or run(batch)  # type: ignore[method-assign]
+    results = spec.generate(small_prompts, params, use_tqdm=False)
+    assert [r.token_ids for r in results] == expected and replayed
+    assert spec.stats().spec_num_accepted_tokens > 0
+    assert_engine_idle(spec)
 
 
 @pytest.mark.gpu
