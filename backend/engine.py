@@ -25,7 +25,7 @@ from .block_manager import BlockManager
 from .checkpoints.hf import checkpoint_tensors
 from .compiled_forward import compile_wanted
 from .config import EngineConfig
-from .cuda_graphs import decode_graphs_wanted
+from .cuda_graphs import VERIFY_MAX_SEQS, decode_graphs_wanted
 from .device import max_model_len, num_kv_blocks, resolve_device, resolve_dtype
 from .distributed import TensorParallelRunner, start_workers
 from .errors import ConfigError, InvalidRequestError
@@ -137,7 +137,8 @@ class LLMEngine:
         self.max_model_len = max_model_len(config, self.model_config, num_blocks)
         if draft is not None:
             self.max_model_len = draft.fit_context(self.max_model_len, config.max_model_len)
-            draft.start(num_blocks, config.block_size)
+            draft_graphs = min(config.max_num_seqs, VERIFY_MAX_SEQS) if decode_graphs_wanted(config, self.device) else 0
+            draft.start(num_blocks, config.block_size, draft_graphs, self.max_model_len)
         self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
         """Speculative decoding's proposer and verifier (speculative_config), else None."""
         self.scheduler = Scheduler(

@@ -8,6 +8,7 @@ another tokenizer refused at load."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedserve.backend import LLMEngine, SamplingParams
 from pagedserve.backend.device import kv_block_bytes
@@ -128,6 +129,50 @@ def test_a_partly_agreeing_draft_under_preemption_equals_speculation_off(small_l
     assert stats.num_preemptions > 0
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens, accepted(tight)
     assert_engine_idle(tight)
+
+
+def test_the_drafts_one_token_forwards_over_decode_graph_buffers_draft_as_eager(small_llama, small_prompts,
+                                                                                 first_layer_draft):
+    """On a GPU the draft's forwards of one token a request replay decode graphs of the draft's own
+    (its first pass over a request's new tokens runs eager). Here over those graphs' static buffers,
+    run eagerly: every draft equal to the eager draft's, the tokens equal to speculation off, the
+    buffers taking steps of several requests."""
+    from pagedserve.backend.cuda_graphs import DecodeGraphs
+
+    params = [greedy(n, ignore_eos=True) for n in (30, 12, 40, 25, 18)]
+    off = LLMEngine(model=small_llama, dtype="float32", **GPU_SHARE).generate(small_prompts, params, use_tqdm=False)
+    proposed: dict[str, list] = {}
+    for name in ("eager", "graphs"):
+        engine = LLMEngine(model=small_llama, dtype="float32", max_num_batched_tokens=48,
+                           speculative_config=spec(first_layer_draft, k=3), **GPU_SHARE)
+        draft = engine.speculator.draft
+        if name == "graphs":
+            draft.runner.graphs = graphs = DecodeGraphs(draft.runner, 4, engine.max_model_len)
+            graphs.capture()
+            sizes: list[int] = []
+            run = graphs.run
+            graphs.run = lambda batch: sizes.append(len(batch.seqs)) or run(batch)
+        propose = draft.propose
+        drafts = proposed[name] = []
+        draft.propose = lambda batch, counts: drafts.append(propose(batch, counts)) or drafts[-1]
+        on = engine.generate(small_prompts, params, use_tqdm=False)
+        assert [r.token_ids for r in on] == [r.token_ids for r in off]
+        assert_engine_idle(engine)
+    assert proposed["graphs"] == proposed["eager"] and any(proposed["eager"])
+    assert max(sizes) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_draft_and_the_verify_replay_captured_graphs(small_llama, small_prompts, first_layer_draft):
+    params = [greedy(n, ignore_eos=True) for n in (30, 12, 40, 25, 18)]
+    off = LLMEngine(model=small_llama, dtype="float32", **GPU_SHARE).generate(small_prompts, params, use_tqdm=False)
+    engine = LLMEngine(model=small_llama, dtype="float32", speculative_config=spec(first_layer_draft, k=3), **GPU_SHARE)
+    for graphs in (engine.speculator.draft.runner.graphs, engine.runner.verify_graphs):
+        assert graphs is not None and all(g is not None for g in graphs.graphs.values())
+    on = engine.generate(small_prompts, params, use_tqdm=False)
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    assert_engine_idle(engine)
 
 
 def test_a_draft_of_another_tokenizer_is_refused_naming_both(small_llama):

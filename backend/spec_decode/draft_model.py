@@ -124,10 +124,11 @@ class DraftModel(OwnCacheProposer):
         assert runner is not None
         started = time.perf_counter()
         step = self._step(views)
-        logits = runner.execute(step)[0]
+        logits, order = runner.execute(step)  # a decode graph's rows keep their own order
         tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
         self.forwards.append((step.num_tokens, time.perf_counter() - started))
-        return tokens
+        row = {id(seq): index for index, seq in enumerate(order)}
+        return [tokens[row[id(view)]] for view in views]
 
 
 def load_draft(spec: SpeculativeConfig, target: ModelConfig, target_tokenizer: Any, target_path: str,

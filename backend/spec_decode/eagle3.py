@@ -129,8 +129,9 @@ class Eagle3Proposer(OwnCacheProposer):
         self._pending: dict[Sequence, tuple[int, torch.Tensor]] = {}
         """Per request: the first position the target's last step computed, and their hidden states."""
 
-    def start(self, num_blocks: int, block_size: int) -> None:
-        """The head's cache, and the target told to keep the layers' states the head reads."""
+    def start(self, num_blocks: int, block_size: int, graph_max_seqs: int = 0, max_model_len: int = 0) -> None:
+        """The head's cache (its forwards run eager), and the target told to keep the layers' states
+        the head reads."""
         super().start(num_blocks, block_size)
         self.target.aux_layers = self.aux_layers
 

@@ -45,9 +45,13 @@ class OwnCacheProposer:
         """The engine's max_model_len as this proposer allows it (unchanged unless it has a shorter context)."""
         return max_model_len
 
-    def start(self, num_blocks: int, block_size: int) -> None:
-        """Allocate the cache: the target's block count, the target's block size."""
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.attention_backend)
+    def start(self, num_blocks: int, block_size: int, graph_max_seqs: int = 0, max_model_len: int = 0) -> None:
+        """Allocate the cache: the target's block count, the target's block size; graph_max_seqs > 0
+        (CUDA): forwards of one token a request, up to that many requests, replay decode graphs
+        captured now for contexts up to max_model_len."""
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.attention_backend,
+                                  0, graph_max_seqs, max_model_len)
+        self.runner.capture_graphs()
 
     def observe(self, batch: ScheduledBatch, aux: torch.Tensor | None) -> None:
         """The target's step ran (`aux`: its kept hidden states); nothing by default."""
@@ -61,12 +65,16 @@ class OwnCacheProposer:
         raise NotImplementedError
 
     def _step(self, views: list[Sequence]) -> ScheduledBatch:
-        """The views as one step of this proposer's own: each computes its tokens past `computed`."""
+        """The views as one step of this proposer's own: each computes its tokens past `computed`,
+        committed as the scheduler commits a step (so one token each is a decode a graph takes)."""
         from ..scheduler import ScheduledBatch
 
         step = ScheduledBatch()
         for view in views:
             step.add(view, view.num_tokens - view.num_computed_tokens)
+        step.starts = [view.num_computed_tokens for view in views]
+        step.samples = [True] * len(views)
+        step.sampling_seqs = list(views)
         return step
 
 
