@@ -131,7 +131,8 @@ class LLMEngine:
 
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         spec = config.speculative
-        draft = load_model_proposer(spec, loaded, self.model_path, self.dtype, self.device, config.attention_backend, cpu)
+        draft = load_model_proposer(spec, loaded, self.model_path, self.dtype, self.device, config.attention_backend, cpu,
+                                    config.load_format)
         num_blocks = num_kv_blocks(config, loaded.model.local_config, self.device, self.kv_dtype,
                                    draft.block_bytes(config.block_size) if draft is not None else 0)
         self.max_model_len = max_model_len(config, self.model_config, num_blocks)

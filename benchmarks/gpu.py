@@ -21,7 +21,8 @@ on Llama-3-8B's linears and what mixing 4 adapters costs the bundled model's sha
 (decode at batch 1, 64 and 256, and 8 decodes beside a 2,048-token prefill): device time by
 kernel family and the device's idle time between kernels, the host's share
 (benchmarks/step_profile.py); what a speculative verify step costs beside a decode step at batch 1
-and n-gram drafting on a repeated text (benchmarks/spec_step.py); a one-image request's time to first
+(with and without its graph), n-gram drafting on a repeated text and a 1B draft model's drafting
+step (benchmarks/spec_step.py); a one-image request's time to first
 token on Qwen2.5-VL-3B's shape, the encoder alone and the caches' hits (benchmarks/vision.py); last,
 what `deterministic` costs the bundled model's shape and whether a request's tokens stay the same
 beside others, with it and without (benchmarks/deterministic.py). The peer is
@@ -657,9 +658,11 @@ def main(argv: list[str] | None = None) -> dict:
             args.device, progress=progress)))
         release(args.device)
         save()
-        attempt(result, "speculative steps", left, 60, lambda: result.__setitem__("spec", spec_rows(
-            profiled if os.path.exists(profiled) else write_model_dir(os.path.basename(profiled), profiled), args.device, steps=32 if args.device == "cuda" else 8, tokens=128 if args.device == "cuda" else 32,
-            progress=progress)))
+        draft_shape = "llama-3.2-1b" if args.device == "cuda" else "tiny"  # a draft for the 8B (its vocabulary)
+        attempt(result, "speculative steps", left, 90, lambda: result.__setitem__("spec", spec_rows(
+            profiled if os.path.exists(profiled) else write_model_dir(os.path.basename(profiled), profiled), args.device,
+            steps=32 if args.device == "cuda" else 8, tokens=128 if args.device == "cuda" else 32, progress=progress,
+            draft_directory=write_model_dir(draft_shape, os.path.join(root, f"draft-{draft_shape}")))))
         release(args.device)
         save()
         vision_shape = "qwen2.5-vl-3b" if args.device == "cuda" else "tiny"  # drawn on the GPU, written once (7.5 GB)

@@ -18,6 +18,11 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
         rms_norm_eps=1e-5, tie_word_embeddings=False,
     ),
+    "llama-3.2-1b": dict(  # a draft for the 8B (the same vocabulary)
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
     "smollm2-135m": dict(  # the bundled model's shape
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,

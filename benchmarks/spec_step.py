@@ -4,8 +4,8 @@ most 1.15x a one-token decode step (the most any proposer can then gain per step
 1.15 steps).
 
 One engine (random weights of the shape, bf16, as served: decode and verify CUDA graphs wherever
-the engine turns them on; the verify is timed without its graph too), `speculative_config` n-gram with k 4 and `draft_length: fixed`, one request (a
-512-token random prompt) decoding:
+the engine turns them on; the verify is timed without its graph too), `speculative_config` n-gram
+with k 4 and `draft_length: fixed`, one request (a 512-token random prompt) decoding:
 
   plain    its proposer gives nothing: each step decodes one token (a graph's replay on CUDA)
   verify   its proposer gives 4 drafts each step (the last token repeated; kept or not, every
@@ -15,6 +15,10 @@ Step time: `steps` consecutive engine steps, the device synchronized at the wind
 mean. Then the real n-gram proposer on a prompt of one random sentence repeated (the output of a
 random model follows it only as far as its weights make it): output tok/s with drafting and with
 the proposer silenced, in turns, and the acceptance.
+
+Last, a draft model (Llama-3.2-1B's shape for the 8B, random weights, so only its cost is
+measured): a drafting step of K drafts and its verify against the plain step, and the draft's own
+forwards.
 
 On CPU (the dry run: a tiny model) the plumbing runs, the numbers mean nothing.
 
@@ -49,8 +53,9 @@ def sync(device: str) -> None:
 
 
 def rows(directory: str, device: str, steps: int = 32, tokens: int = 128,
-         progress: Callable[[str], None] = print) -> dict:
-    """The section's numbers (see the module's docstring)."""
+         progress: Callable[[str], None] = print, draft_directory: str | None = None) -> dict:
+    """The section's numbers (see the module's docstring); with `draft_directory`, a draft model's
+    drafting step too (draft_rows)."""
     engine = LLMEngine(model=directory, load_format="dummy", device=device, dtype="bfloat16",
                        speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
                                            "prompt_lookup_max": 3, "draft_length": "fixed"},
@@ -123,7 +128,56 @@ def rows(directory: str, device: str, steps: int = 32, tokens: int = 128,
                verify_over_plain=round(verify / plain, 3), ngram_tok_s=round(on, 1),
                off_tok_s=round(off, 1), ngram_over_off=round(on / off, 3), drafted=drafted, accepted=accepted)
     engine.close()
+    if draft_directory is not None:
+        row.update(draft_rows(directory, draft_directory, device, steps, plain, progress))
     return row
+
+
+def draft_rows(directory: str, draft_directory: str, device: str, steps: int, plain_ms: float,
+               progress: Callable[[str], None] = print) -> dict:
+    """What a draft model's drafting step costs (random weights: its drafts are rejected, so every
+    step drafts K and verifies K + 1 rows and keeps one token; the cost alone is measured): the step,
+    the draft's one-token forwards (decode graphs of its own on CUDA) and its first forward of each
+    step (the request's tokens since it last drafted)."""
+    engine = LLMEngine(model=directory, load_format="dummy", device=device, dtype="bfloat16",
+                       speculative_config={"method": "draft_model", "model": draft_directory, "num_speculative_tokens": K,
+                                           "draft_length": "fixed"},
+                       enable_prefix_caching=False, gpu_memory_utilization=0.55, kv_cache_bytes=64 * 2**20,
+                       max_model_len=4096)
+    draft = engine.speculator.draft
+    calls: list[list[tuple[int, float]]] = []  # each drafting step's forwards: (tokens, seconds)
+    propose = draft.propose
+
+    def recording(batch, counts):
+        drafts = propose(batch, counts)
+        calls.append(list(draft.forwards))
+        return drafts
+
+    draft.propose = recording
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(1)
+    request = engine.add_request([rng.randrange(2, vocab) for _ in range(512)],
+                                 SamplingParams(max_tokens=(K + 1) * (steps + 8), temperature=0, ignore_eos=True))
+    for _ in range(4):  # the prompt, then warm steps
+        engine.step()
+    calls.clear()
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    step_ms = (time.perf_counter() - started) / steps * 1000
+    engine.abort(request)
+    one = sorted(seconds for call in calls for _, seconds in call[1:]) or [0.0]
+    first = sorted(call[0][1] for call in calls if call) or [0.0]
+    graphs = getattr(draft.runner, "graphs", None) is not None
+    engine.close()
+    progress(f"draft model: a drafting step {step_ms:.2f} ms ({step_ms / plain_ms:.2f}x the plain step), its one-token "
+             f"forward {one[len(one) // 2] * 1000:.2f} ms")
+    return dict(draft_shape=os.path.basename(os.path.normpath(draft_directory)).removeprefix("draft-"), draft_graphs=graphs,
+                draft_step_ms=round(step_ms, 3), draft_over_plain=round(step_ms / plain_ms, 3),
+                draft_forward_ms=round(one[len(one) // 2] * 1000, 3),
+                draft_first_forward_ms=round(first[len(first) // 2] * 1000, 3))
 
 
 def markdown(row: dict) -> str:
@@ -139,6 +193,12 @@ def markdown(row: dict) -> str:
         f"| {CEILING}x "
         f"| {row['ngram_tok_s']:,} | {row['off_tok_s']:,} | {row['ngram_over_off']:.2f}x "
         f"| {row['accepted']} of {row['drafted']} |",
+        *([] if "draft_step_ms" not in row else [
+            "", f"A draft model ({row['draft_shape']}'s shape, random weights: the cost alone) drafting {K} a step at batch 1: "
+            f"the step {row['draft_step_ms']} ms, {row['draft_over_plain']:.2f}x the plain decode step (so drafts pay from "
+            f"{row['draft_over_plain'] - 1:.2f} accepted a step on average); the draft's one-token forward "
+            f"{row['draft_forward_ms']} ms ({'its decode graphs' if row['draft_graphs'] else 'eager'}), its first forward "
+            f"of a step {row['draft_first_forward_ms']} ms."]),
     ])
 
 
@@ -149,8 +209,10 @@ def main() -> None:
                                                     "tiny on CPU)")
     args = parser.parse_args()
     shape = args.shape or ("llama-3-8b" if args.device == "cuda" else "tiny")
+    draft_shape = "llama-3.2-1b" if args.device == "cuda" else "tiny"
     with tempfile.TemporaryDirectory() as root:
-        row = rows(write_model_dir(shape, os.path.join(root, shape)), args.device)
+        row = rows(write_model_dir(shape, os.path.join(root, shape)), args.device,
+                   draft_directory=write_model_dir(draft_shape, os.path.join(root, f"draft-{draft_shape}")))
     print(markdown(row))
 
 

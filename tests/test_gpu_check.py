@@ -58,6 +58,7 @@ def test_the_gpu_check_runs_every_section_on_cpu(tmp_path):
         assert abs(sum(part["share"] for part in row["families"].values()) - 1) < 1e-3, row
     spec = result["spec"]  # a verify step and a plain one at batch 1, n-gram on a repeated text
     assert spec["plain_step_ms"] > 0 and spec["verify_step_ms"] > 0 and spec["ngram_tok_s"] > 0 and spec["drafted"] > 0
+    assert spec["draft_step_ms"] > 0 and spec["draft_forward_ms"] > 0 and spec["draft_first_forward_ms"] > 0
     vision = {row["what"]: row["ms"] for row in result["vision"]["rows"]}  # a one-image request, the tiny Qwen2.5-VL
     assert len(vision) == 6 and all(ms > 0 for ms in vision.values()) and result["vision"]["image_tokens"] > 0
     assert len(result["targets"]) == 11  # every target has its line (NOT MEASURED on a tiny model)

@@ -133,7 +133,7 @@ class DraftModel(OwnCacheProposer):
 
 def load_draft(spec: SpeculativeConfig, target: ModelConfig, target_tokenizer: Any, target_path: str,
                target_dtype: torch.dtype, device: torch.device, attention_backend: str,
-               cpu: CpuBackend | None) -> DraftModel:
+               cpu: CpuBackend | None, load_format: str = "auto") -> DraftModel:
     """The draft model of `speculative_config`, checked against the target: a checkpoint that
     exists, a text model, the target's tokenizer (token ids mean the same words in both)."""
     from ..model_loader import read_checkpoint
@@ -146,7 +146,7 @@ def load_draft(spec: SpeculativeConfig, target: ModelConfig, target_tokenizer: A
     if target.vision_language:
         raise ConfigError(FIELD, "method 'draft_model' is for text models; a draft cannot see the target's images "
                                  "(use method 'ngram')")
-    config = read_checkpoint(path).config
+    config = read_checkpoint(path, load_format).config
     if config.vision_language:
         raise ConfigError(FIELD, f"model {path!r} is a vision-language model; a draft must be a text model")
     tokenizer = load_tokenizer(path)
@@ -156,7 +156,7 @@ def load_draft(spec: SpeculativeConfig, target: ModelConfig, target_tokenizer: A
                                  "vocabulary")
     dtype = target_dtype if spec.dtype == "auto" else DTYPES[spec.dtype]
     keep = cpu.checkpoint_hook(dtype, False, False) if cpu is not None else None
-    loaded = load_model(path, dtype, device, SINGLE_RANK, "auto", keep)
+    loaded = load_model(path, dtype, device, SINGLE_RANK, load_format, keep)
     if cpu is not None:
         cpu.prepare(loaded.model, loaded.config, dtype, False)
     return DraftModel(loaded.model, loaded.config, dtype, device, attention_backend, target.vocab_size, path)
