@@ -18,7 +18,8 @@ Speculative decoding's verify steps (a sequence's last token and its drafts) hav
 own, with `query_len` = 1 + num_speculative_tokens rows a sequence: a sequence with fewer drafts
 fills the rest of its rows with padding that writes no KV and whose logits nobody reads, so one
 graph per batch size serves every mix of draft lengths (the rows cost little beside the launches
-they spare at the small batches where drafting pays).
+they spare at the small batches where drafting pays). An EAGLE-3 target's graphs also write the
+layers' states its head reads (the model's aux_hidden), handed on in the batch's order.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
         """By (batch size, longest context captured for)."""
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.aux: dict[tuple[int, int], torch.Tensor] = {}
+        """An EAGLE-3 target's kept states (its model's aux_hidden) each graph writes, by key."""
 
     # -- views of the static buffers --------------------------------------------------
     def _views(self, rows: int):
@@ -156,6 +159,8 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[key] = self._forward(*key)
+            if getattr(self.runner.model, "aux_layers", ()):
+                self.aux[key] = self.runner.model.aux_hidden
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
         logger.info("decode CUDA graphs captured in %.1fs: %d batch sizes up to %d (%d graphs)",
@@ -259,7 +264,9 @@ class DecodeGraphs:
         self.dev32.copy_(host32, non_blocking=True)
         self.runner.fill_device_tokens(self.dev64[:k], np.asarray(device_rows, dtype=np.int64),
                                        np.asarray(device_src, dtype=np.int64))
-        return self._replay(key)[:k], self.row_seqs
+        logits = self._replay(key)
+        self._keep_aux(key, rows)
+        return logits[:k], self.row_seqs
 
     def _run_verify(self, batch, rows: np.ndarray, starts: np.ndarray, key: tuple[int, int], h64: np.ndarray,
                     h32: np.ndarray, host64: torch.Tensor, host32: torch.Tensor) -> tuple[torch.Tensor, list]:
@@ -287,7 +294,17 @@ class DecodeGraphs:
         kept.sort()
         index = np.concatenate([np.arange(first, first + count) for _, first, count in kept])
         logits = self._replay(key).index_select(0, torch.from_numpy(index).to(self.device, non_blocking=True))
+        self._keep_aux(key, np.concatenate([np.arange(row * q, row * q + count)
+                                            for row, count in zip(rows.tolist(), batch.num_new_tokens)]))
         return logits, [self.row_seqs[row] for row, _, _ in kept]
+
+    def _keep_aux(self, key: tuple[int, int], index: np.ndarray) -> None:
+        """An EAGLE-3 target's kept states of the step's tokens, in the batch's order (the head reads
+        them by it; the graph's rows keep their own)."""
+        model = self.runner.model
+        if getattr(model, "aux_layers", ()):
+            states = self.aux[key] if self.graphs[key] is not None else model.aux_hidden
+            model.aux_hidden = states.index_select(0, torch.from_numpy(index).to(self.device, non_blocking=True))
 
     def _replay(self, key: tuple[int, int]) -> torch.Tensor:
         """The logits of every row of the graph `key` over the buffers as they stand."""

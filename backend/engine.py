@@ -161,8 +161,7 @@ class LLMEngine:
         if self.workers:
             self.runner: ModelRunner = TensorParallelRunner(self.workers, *runner_args)
         else:
-            reads_states = draft is not None and draft.keeps_up  # an EAGLE-3 head: a decode graph keeps no hidden states
-            graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) and not reads_states else 0
+            graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) else 0
             self.runner = ModelRunner(*runner_args, graphs, self.max_model_len, self.lora, batch_invariant=config.deterministic,
                                       images=self.images.embedder if self.images is not None else None,
                                       verify_rows=1 + spec.num_speculative_tokens if spec is not None else 0)
