@@ -26,7 +26,7 @@ hidden state (no target state exists there yet); those positions are computed ag
 target's states once it has verified them. A prefix-cache hit's positions are taken as computed
 (the request that cached the blocks kept the head up over them). The target runs its layers in
 Python while the head reads them (the CPU backend's one-call layer loop gives no intermediate
-states) and without decode CUDA graphs.
+states); on a GPU its decode and verify graphs write those states too (cuda_graphs.py).
 """
 
 from __future__ import annotations
