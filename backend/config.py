@@ -304,11 +304,13 @@ class EngineConfig:
         """The parsed speculative_config, None when off."""
         if self.speculative is None:
             return
-        for name, neutral in (("async_scheduling", ("auto", "off")), ("tensor_parallel_size", (1,))):
-            if getattr(self, name) not in neutral:
-                raise ConfigError("speculative_config", f"is implemented for synchronous steps on one rank; set "
-                                                        f"{name} to {' or '.join(map(repr, neutral))} "
-                                                        f"(got {getattr(self, name)!r})")
+        if self.async_scheduling not in ("auto", "off"):
+            raise ConfigError("speculative_config", f"is implemented for synchronous steps; set async_scheduling to "
+                                                    f"'auto' or 'off' (got {self.async_scheduling!r})")
+        if self.speculative.method == "eagle3" and self.tensor_parallel_size != 1:
+            raise ConfigError("speculative_config", f"method 'eagle3' runs on one rank (its head reads the target's "
+                                                    f"states on rank 0); set tensor_parallel_size to 1 (got "
+                                                    f"{self.tensor_parallel_size!r}), or use 'ngram' or 'draft_model'")
 
     @property
     def compile_supported(self) -> bool:

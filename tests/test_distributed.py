@@ -25,6 +25,8 @@ from pagedserve.backend.distributed import group
 from pagedserve.backend.engine_thread import EngineThread
 
 from .conftest import assert_engine_idle
+from .test_cuda_graphs import oracle_drafts
+from .test_spec_decode_draft import first_layer_draft  # noqa: F401 - a fixture
 from .tensor_parallel_checks import greedy_margins, worker_processes, write_small_llama
 
 pytestmark = pytest.mark.slow
@@ -91,6 +93,27 @@ def test_preemption_under_a_tiny_kv_cache_is_token_identical(engines, small_prom
     # 16 blocks of 16 = 256 slots for 270 prompt tokens and 168 generated: the scheduler must preempt
     _, two, _ = run_both(engines, small_prompts[::-1], [40, 24, 40, 24, 40], num_kv_blocks=16)
     assert two.stats().num_preemptions > 0
+
+
+def test_speculation_on_two_ranks_gives_the_tokens_of_one_rank_without_it(engines, small_prompts, small_llama,
+                                                                        first_layer_draft):
+    """n-gram (drafts from the tokens one rank gives, accepted and rejected: a random model repeats
+    nothing for the lookup to find) and a draft model on rank 0 drafting for the two-rank target:
+    every verify step's rows go to both ranks, and the tokens are one rank's without speculation."""
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (24, 16, 20, 12, 28)]
+    expected = [r.token_ids for r in engines(1).generate(small_prompts, params, use_tqdm=False)]
+    ngram = "method=ngram,num_speculative_tokens=3,draft_length=fixed"
+    for spec in (ngram, {"method": "draft_model", "model": first_layer_draft, "num_speculative_tokens": 3,
+                         "draft_length": "fixed"}):
+        two = LLMEngine(model=small_llama, dtype="float32", tensor_parallel_size=2, speculative_config=spec)
+        try:
+            if spec is ngram:
+                oracle_drafts(two, small_prompts, expected)
+            assert [r.token_ids for r in two.generate(small_prompts, params, use_tqdm=False)] == expected
+            assert two.stats().spec_num_accepted_tokens > 0
+            assert_engine_idle(two)
+        finally:
+            two.close()
 
 
 def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path, sentencepiece_tokenizer, small_prompts, new_workers):

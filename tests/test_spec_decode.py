@@ -118,8 +118,10 @@ def test_async_scheduling_on_and_several_ranks_are_refused_and_auto_async_is_off
         EngineConfig(speculative_config="num_speculative_tokens=2", async_scheduling="on")
     assert error.value.field == "speculative_config"
     with pytest.raises(ConfigError, match="tensor_parallel_size") as error:
-        EngineConfig(speculative_config="num_speculative_tokens=2", tensor_parallel_size=2)
+        EngineConfig(speculative_config={"method": "eagle3", "model": "/heads/h", "num_speculative_tokens": 2},
+                     tensor_parallel_size=2)
     assert error.value.field == "speculative_config"
+    assert EngineConfig(speculative_config="num_speculative_tokens=2", tensor_parallel_size=2).speculative is not None
     config = EngineConfig(speculative_config="num_speculative_tokens=2")
     assert not async_scheduling_wanted(config, torch.device("cuda"))
     assert async_scheduling_wanted(EngineConfig(), torch.device("cuda"))
