@@ -8,6 +8,7 @@ captured graph of the whole forward (backend/cuda_graphs.py); other steps run it
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,8 @@ from .process_tuning import advise_huge_pages
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+
+logger = logging.getLogger("pagedserve")
 
 
 @dataclass
@@ -119,10 +122,17 @@ class ModelRunner:
         self._token_turn = 0
 
     def capture_graphs(self) -> None:
-        """Capture the decode (and verify) graphs (once the KV scales are final); nothing without them."""
-        for graphs in (self.graphs, self.verify_graphs):
-            if graphs is not None:
-                graphs.capture()
+        """Capture the decode (and verify) graphs (once the KV scales are final); nothing without them.
+        Verify graphs that fail to capture leave verify steps eager, said in the log."""
+        if self.graphs is not None:
+            self.graphs.capture()
+        if self.verify_graphs is not None:
+            try:
+                self.verify_graphs.capture()
+            except Exception as error:  # noqa: BLE001 - the eager verify is correct, only slower
+                logger.warning("speculative verify steps run eager: their CUDA graphs did not capture (%s: %s)",
+                               type(error).__name__, error)
+                self.verify_graphs = None
 
     def allocate_kv(self, num_blocks: int, dtype: torch.dtype) -> list[LayerKVCache]:
         """Paged K and V per layer for this rank's KV heads (all of them with one rank)."""

@@ -145,6 +145,23 @@ def test_verify_steps_over_static_buffers_give_the_tokens_of_speculation_off(sma
     assert_engine_idle(static)
 
 
+def test_verify_graphs_that_fail_to_capture_leave_verify_steps_eager(small_llama, small_prompts, caplog):
+    """The verify graphs are an optimisation: a capture that fails is logged and the eager verify
+    serves (the decode graphs' own failure still stops the engine)."""
+    engine = _engine(small_llama, speculative_config=SPEC, max_num_seqs=4)
+    runner = engine.runner
+    _with_static_decode(engine, max_seqs=4)
+    broken = DecodeGraphs(runner, 4, engine.max_model_len, query_len=4)
+    broken.capture = lambda: (_ for _ in ()).throw(RuntimeError("operation not permitted when stream is capturing"))
+    runner.verify_graphs = broken
+    with caplog.at_level("WARNING", logger="pagedserve"):
+        runner.capture_graphs()
+    assert runner.verify_graphs is None and "verify steps run eager" in caplog.text
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    plain = _engine(small_llama, max_num_seqs=4).generate(small_prompts[:2], params, use_tqdm=False)
+    assert [r.token_ids for r in engine.generate(small_prompts[:2], params, use_tqdm=False)] == [r.token_ids for r in plain]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_verify_graphs_give_the_tokens_of_speculation_off(small_llama, small_prompts):

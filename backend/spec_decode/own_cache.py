@@ -4,6 +4,7 @@ both; the KV budget pays both models' bytes per block), and stand-ins for reques
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,6 +17,8 @@ from ..sequence import Sequence
 
 if TYPE_CHECKING:
     from ..scheduler import ScheduledBatch
+
+logger = logging.getLogger("pagedserve")
 
 
 class OwnCacheProposer:
@@ -51,7 +54,12 @@ class OwnCacheProposer:
         captured now for contexts up to max_model_len."""
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.attention_backend,
                                   0, graph_max_seqs, max_model_len)
-        self.runner.capture_graphs()
+        try:
+            self.runner.capture_graphs()
+        except Exception as error:  # noqa: BLE001 - eager drafts are the same drafts, only slower
+            logger.warning("the draft's forwards run eager: its CUDA graphs did not capture (%s: %s)",
+                           type(error).__name__, error)
+            self.runner.graphs = None
 
     def observe(self, batch: ScheduledBatch, aux: torch.Tensor | None) -> None:
         """The target's step ran (`aux`: its kept hidden states); nothing by default."""
