@@ -52,15 +52,42 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def engine_of(directory: str, device: str, speculative_config: dict) -> LLMEngine:
+    """The section's engine: random weights of the shape, bf16, as served (graphs where the engine
+    turns them on), no prefix cache, a small KV cache."""
+    return LLMEngine(model=directory, load_format="dummy", device=device, dtype="bfloat16",
+                     speculative_config={"num_speculative_tokens": K, "draft_length": "fixed", **speculative_config},
+                     enable_prefix_caching=False, gpu_memory_utilization=0.55, kv_cache_bytes=64 * 2**20,
+                     max_model_len=4096)
+
+
+def random_prompt(engine: LLMEngine, rng: random.Random, length: int = 512) -> list[int]:
+    return [rng.randrange(2, engine.model_config.vocab_size) for _ in range(length)]
+
+
+def mean_step_ms(engine: LLMEngine, device: str, prompt: list[int], steps: int,
+                 warmed: Callable[[], None] = lambda: None) -> float:
+    """The mean of `steps` engine steps of one request decoding, after its prompt and three warm
+    steps (then `warmed()` is called); aborted after."""
+    request = engine.add_request(prompt, SamplingParams(max_tokens=(K + 1) * (steps + 8), temperature=0, ignore_eos=True))
+    for _ in range(4):  # the prompt, then warm steps
+        engine.step()
+    warmed()
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    seconds = time.perf_counter() - started
+    engine.abort(request)
+    return seconds / steps * 1000
+
+
 def rows(directory: str, device: str, steps: int = 32, tokens: int = 128,
          progress: Callable[[str], None] = print, draft_directory: str | None = None) -> dict:
     """The section's numbers (see the module's docstring); with `draft_directory`, a draft model's
     drafting step too (draft_rows)."""
-    engine = LLMEngine(model=directory, load_format="dummy", device=device, dtype="bfloat16",
-                       speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
-                                           "prompt_lookup_max": 3, "draft_length": "fixed"},
-                       enable_prefix_caching=False, gpu_memory_utilization=0.55, kv_cache_bytes=64 * 2**20,
-                       max_model_len=4096)
+    engine = engine_of(directory, device, {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     speculator = engine.speculator
     assert speculator is not None
     lookup = speculator.propose
@@ -72,24 +99,12 @@ def rows(directory: str, device: str, steps: int = 32, tokens: int = 128,
         return lookup(seq, cap) if mode["drafts"] == "ngram" else []
 
     speculator.propose = propose  # type: ignore[method-assign]
-    vocab = engine.model_config.vocab_size
     rng = random.Random(0)
-    prompt = [rng.randrange(2, vocab) for _ in range(512)]
+    prompt = random_prompt(engine, rng)
 
     def step_ms(drafts: str) -> float:
         mode["drafts"] = drafts
-        request = engine.add_request(prompt, SamplingParams(max_tokens=(K + 1) * (steps + 8), temperature=0,
-                                                            ignore_eos=True))
-        for _ in range(4):  # the prompt, then warm steps
-            engine.step()
-        sync(device)
-        started = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sync(device)
-        seconds = time.perf_counter() - started
-        engine.abort(request)
-        return seconds / steps * 1000
+        return mean_step_ms(engine, device, prompt, steps)
 
     step_ms("none"), step_ms("forced")  # warm both paths (graphs, kernels' first calls)
     plain = min(step_ms("none") for _ in range(2))
@@ -102,7 +117,7 @@ def rows(directory: str, device: str, steps: int = 32, tokens: int = 128,
         engine.runner.verify_graphs = verify_graphs
     progress(f"speculative steps: plain {plain:.2f} ms, verify of {K} drafts {verify:.2f} ms ({verify / plain:.2f}x)")
 
-    sentence = [rng.randrange(2, vocab) for _ in range(24)]
+    sentence = random_prompt(engine, rng, 24)
     repeated = sentence * 8
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     rates: dict[str, list[float]] = {"none": [], "ngram": []}
@@ -139,11 +154,7 @@ def draft_rows(directory: str, draft_directory: str, device: str, steps: int, pl
     step drafts K and verifies K + 1 rows and keeps one token; the cost alone is measured): the step,
     the draft's one-token forwards (decode graphs of its own on CUDA) and its first forward of each
     step (the request's tokens since it last drafted)."""
-    engine = LLMEngine(model=directory, load_format="dummy", device=device, dtype="bfloat16",
-                       speculative_config={"method": "draft_model", "model": draft_directory, "num_speculative_tokens": K,
-                                           "draft_length": "fixed"},
-                       enable_prefix_caching=False, gpu_memory_utilization=0.55, kv_cache_bytes=64 * 2**20,
-                       max_model_len=4096)
+    engine = engine_of(directory, device, {"method": "draft_model", "model": draft_directory})
     draft = engine.speculator.draft
     calls: list[list[tuple[int, float]]] = []  # each drafting step's forwards: (tokens, seconds)
     propose = draft.propose
@@ -154,20 +165,7 @@ def draft_rows(directory: str, draft_directory: str, device: str, steps: int, pl
         return drafts
 
     draft.propose = recording
-    vocab = engine.model_config.vocab_size
-    rng = random.Random(1)
-    request = engine.add_request([rng.randrange(2, vocab) for _ in range(512)],
-                                 SamplingParams(max_tokens=(K + 1) * (steps + 8), temperature=0, ignore_eos=True))
-    for _ in range(4):  # the prompt, then warm steps
-        engine.step()
-    calls.clear()
-    sync(device)
-    started = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync(device)
-    step_ms = (time.perf_counter() - started) / steps * 1000
-    engine.abort(request)
+    step_ms = mean_step_ms(engine, device, random_prompt(engine, random.Random(1)), steps, warmed=calls.clear)
     one = sorted(seconds for call in calls for _, seconds in call[1:]) or [0.0]
     first = sorted(call[0][1] for call in calls if call) or [0.0]
     graphs = getattr(draft.runner, "graphs", None) is not None
