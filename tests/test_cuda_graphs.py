@@ -41,10 +41,10 @@ def _engine(small_llama: str, **settings) -> LLMEngine:
     return LLMEngine(model=small_llama, dtype="float32", compile="off", **{"attention_backend": "torch", **GPU_SHARE, **settings})
 
 
-def _with_static_decode(engine: LLMEngine, max_seqs: int) -> list[int]:
-    """Give the engine's runner decode steps over static buffers; returns a list that
-    records each such step's batch size."""
-    runner = engine.runner
+def _with_static_decode(engine: LLMEngine, max_seqs: int, runner=None) -> list[int]:
+    """Give the engine's runner (or `runner`, a draft's) decode steps over static buffers; returns
+    a list that records each such step's batch size."""
+    runner = runner or engine.runner
     runner.graphs = DecodeGraphs(runner, max_seqs, engine.max_model_len)
     runner.graphs.capture()
     used: list[int] = []
@@ -98,6 +98,24 @@ def oracle_drafts(engine: LLMEngine, prompts: list[list[int]], expected: list[li
         return drafts
 
     speculator.propose = propose
+
+
+def drafts_eager_and_over_static_buffers(make_engine, install, prompts: list, params: list,
+                                         expected: list[list[int]]) -> tuple[list, list]:
+    """The proposals of an engine as `make_engine` builds it and of one `install` gave static
+    buffers (run eagerly off CUDA), each generating `prompts` with the tokens `expected`."""
+    proposed = []
+    for static in (False, True):
+        engine = make_engine()
+        if static:
+            install(engine)
+        draft = engine.speculator.draft
+        propose, drafts = draft.propose, []
+        draft.propose = lambda batch, counts: drafts.append(propose(batch, counts)) or drafts[-1]
+        assert [r.token_ids for r in engine.generate(prompts, params, use_tqdm=False)] == expected
+        assert_engine_idle(engine)
+        proposed.append(drafts)
+    return proposed[0], proposed[1]
 
 
 def _with_static_verify(engine: LLMEngine, max_seqs: int) -> list[tuple[int, int]]:

@@ -137,29 +137,18 @@ def test_the_drafts_one_token_forwards_over_decode_graph_buffers_draft_as_eager(
     (its first pass over a request's new tokens runs eager). Here over those graphs' static buffers,
     run eagerly: every draft equal to the eager draft's, the tokens equal to speculation off, the
     buffers taking steps of several requests."""
-    from pagedserve.backend.cuda_graphs import DecodeGraphs
+    from .test_cuda_graphs import _with_static_decode, drafts_eager_and_over_static_buffers
 
     params = [greedy(n, ignore_eos=True) for n in (30, 12, 40, 25, 18)]
     off = LLMEngine(model=small_llama, dtype="float32", **GPU_SHARE).generate(small_prompts, params, use_tqdm=False)
-    proposed: dict[str, list] = {}
-    for name in ("eager", "graphs"):
-        engine = LLMEngine(model=small_llama, dtype="float32", max_num_batched_tokens=48,
-                           speculative_config=spec(first_layer_draft, k=3), **GPU_SHARE)
-        draft = engine.speculator.draft
-        if name == "graphs":
-            draft.runner.graphs = graphs = DecodeGraphs(draft.runner, 4, engine.max_model_len)
-            graphs.capture()
-            sizes: list[int] = []
-            run = graphs.run
-            graphs.run = lambda batch: sizes.append(len(batch.seqs)) or run(batch)
-        propose = draft.propose
-        drafts = proposed[name] = []
-        draft.propose = lambda batch, counts: drafts.append(propose(batch, counts)) or drafts[-1]
-        on = engine.generate(small_prompts, params, use_tqdm=False)
-        assert [r.token_ids for r in on] == [r.token_ids for r in off]
-        assert_engine_idle(engine)
-    assert proposed["graphs"] == proposed["eager"] and any(proposed["eager"])
-    assert max(sizes) > 1
+    used: list[list[int]] = []
+    eager, static = drafts_eager_and_over_static_buffers(
+        lambda: LLMEngine(model=small_llama, dtype="float32", max_num_batched_tokens=48,
+                          speculative_config=spec(first_layer_draft, k=3), **GPU_SHARE),
+        lambda engine: used.append(_with_static_decode(engine, 4, engine.speculator.draft.runner)),
+        small_prompts, params, [r.token_ids for r in off])
+    assert static == eager and any(eager)
+    assert max(used[0]) > 1
 
 
 @pytest.mark.gpu

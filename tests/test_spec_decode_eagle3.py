@@ -123,30 +123,17 @@ def test_the_targets_graphs_hand_the_head_the_states_eager_steps_do(small_llama,
     """On a GPU the target's decode and verify steps replay graphs that also write the layers'
     states the head reads, handed on in the batch's order. Here over those graphs' static buffers
     (run eagerly): every draft equal to the eager target's, the tokens equal to speculation off."""
-    from pagedserve.backend.cuda_graphs import DecodeGraphs
+    from .test_cuda_graphs import _with_static_verify, drafts_eager_and_over_static_buffers
 
     params = [greedy(n) for n in (30, 12, 40, 25, 18)]
     off = LLMEngine(model=small_llama, dtype="float32", **GPU_SHARE).generate(small_prompts, params, use_tqdm=False)
-    proposed: dict[str, list] = {}
-    for name in ("eager", "graphs"):
-        engine = LLMEngine(model=small_llama, dtype="float32", max_num_batched_tokens=48, speculative_config=spec(head),
-                           **GPU_SHARE)
-        if name == "graphs":
-            runner, used = engine.runner, []
-            runner.graphs = DecodeGraphs(runner, 4, engine.max_model_len)
-            runner.verify_graphs = DecodeGraphs(runner, 4, engine.max_model_len, query_len=4)
-            for graphs in (runner.graphs, runner.verify_graphs):
-                graphs.capture()
-                graphs.run = (lambda run: lambda batch: used.append(len(batch.seqs)) or run(batch))(graphs.run)
-        draft = engine.speculator.draft
-        propose = draft.propose
-        drafts = proposed[name] = []
-        draft.propose = lambda batch, counts: drafts.append(propose(batch, counts)) or drafts[-1]
-        on = engine.generate(small_prompts, params, use_tqdm=False)
-        assert [r.token_ids for r in on] == [r.token_ids for r in off]
-        assert_engine_idle(engine)
-    assert proposed["graphs"] == proposed["eager"] and any(proposed["eager"])
-    assert max(used) > 1
+    used: list[list[tuple[int, int]]] = []
+    eager, static = drafts_eager_and_over_static_buffers(
+        lambda: LLMEngine(model=small_llama, dtype="float32", max_num_batched_tokens=48, speculative_config=spec(head),
+                          **GPU_SHARE),
+        lambda engine: used.append(_with_static_verify(engine, 4)), small_prompts, params, [r.token_ids for r in off])
+    assert static == eager and any(eager)
+    assert max(size for size, _ in used[0]) > 1
 
 
 def test_heads_that_do_not_fit_their_target_are_refused(small_llama, tmp_path):
