@@ -277,9 +277,9 @@ class DecodeGraphs:
         width, size = n * q, key[0]
         h64[: k * q] = 0
         h64[2 * width : 2 * width + size * q] = -1
-        kept = []
-        for seq, row, start, drafts in zip(batch.seqs, rows.tolist(), starts.tolist(), batch.drafts):
-            first, count = row * q, 1 + len(drafts)
+        counts = np.asarray(batch.num_new_tokens, dtype=np.int64)  # 1 + drafts each (takes)
+        for seq, row, start, drafts, count in zip(batch.seqs, rows.tolist(), starts.tolist(), batch.drafts, counts.tolist()):
+            first = row * q
             h64[first] = seq.token_ids[start]
             h64[first + 1 : first + count] = drafts
             positions = np.arange(start, start + q, dtype=np.int64)
@@ -287,16 +287,15 @@ class DecodeGraphs:
             real = positions[:count]
             h64[2 * width + first : 2 * width + first + count] = self.tables[row, real // bs].astype(np.int64) * bs + real % bs
             h32[row] = start + q
-            kept.append((row, first, count))
         h32[k:size] = q
         self.dev64.copy_(host64, non_blocking=True)
         self.dev32.copy_(host32, non_blocking=True)
-        kept.sort()
-        index = np.concatenate([np.arange(first, first + count) for _, first, count in kept])
+        by_row = np.empty(k, dtype=np.int64)
+        by_row[rows] = counts
+        index = _real_rows(np.arange(k) * q, by_row)  # rows 0..k-1 hold the step's k sequences
         logits = self._replay(key).index_select(0, torch.from_numpy(index).to(self.device, non_blocking=True))
-        self._keep_aux(key, np.concatenate([np.arange(row * q, row * q + count)
-                                            for row, count in zip(rows.tolist(), batch.num_new_tokens)]))
-        return logits, [self.row_seqs[row] for row, _, _ in kept]
+        self._keep_aux(key, _real_rows(rows * q, counts))
+        return logits, self.row_seqs
 
     def _keep_aux(self, key: tuple[int, int], index: np.ndarray) -> None:
         """An EAGLE-3 target's kept states of the step's tokens, in the batch's order (the head reads
@@ -313,3 +312,8 @@ class DecodeGraphs:
             return self._forward(*key)
         graph.replay()
         return self.outputs[key]
+
+
+def _real_rows(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The rows firsts[i] .. firsts[i] + counts[i] - 1 of each sequence i, in that order."""
+    return np.concatenate([np.arange(first, first + count) for first, count in zip(firsts.tolist(), counts.tolist())])

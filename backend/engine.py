@@ -136,10 +136,10 @@ class LLMEngine:
         num_blocks = num_kv_blocks(config, loaded.model.local_config, self.device, self.kv_dtype,
                                    draft.block_bytes(config.block_size) if draft is not None else 0)
         self.max_model_len = max_model_len(config, self.model_config, num_blocks)
+        graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) else 0  # decode steps up to this many
         if draft is not None:
             self.max_model_len = draft.fit_context(self.max_model_len, config.max_model_len)
-            draft_graphs = min(config.max_num_seqs, VERIFY_MAX_SEQS) if decode_graphs_wanted(config, self.device) else 0
-            draft.start(num_blocks, config.block_size, draft_graphs, self.max_model_len)
+            draft.start(num_blocks, config.block_size, min(graphs, VERIFY_MAX_SEQS), self.max_model_len)
         self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
         """Speculative decoding's proposer and verifier (speculative_config), else None."""
         self.scheduler = Scheduler(
@@ -161,7 +161,6 @@ class LLMEngine:
         if self.workers:
             self.runner: ModelRunner = TensorParallelRunner(self.workers, *runner_args)
         else:
-            graphs = config.max_num_seqs if decode_graphs_wanted(config, self.device) else 0
             self.runner = ModelRunner(*runner_args, graphs, self.max_model_len, self.lora, batch_invariant=config.deterministic,
                                       images=self.images.embedder if self.images is not None else None,
                                       verify_rows=1 + spec.num_speculative_tokens if spec is not None else 0)

@@ -123,15 +123,11 @@ class ImagePromptProcessor:
             raise InvalidRequestError(field, f"the model's processor refused it: {error}") from None
         ids = out["input_ids"][0].tolist()
         rows = len(out["pixel_values"]) if "pixel_values" in out and "image_grid_thw" not in out else len(decoded)
-        if rows > len(decoded):  # crops beside their image (Gemma 3's pan-and-scan): each row its own run of tokens,
-            ranges = self._placeholder_ranges(ids, rows)  # named by its pixels (what its tokens are made of)
-            pieces = _per_image(out, rows)
-            items = [ImageItem(pixels_hash(piece["pixel_values"]), offset, length, piece)
-                     for (offset, length), piece in zip(ranges, pieces)]
-        else:
-            ranges = self._placeholder_ranges(ids, len(decoded))
-            items = [ImageItem(image_hash(image), offset, length, pixels)
-                     for image, (offset, length), pixels in zip(decoded, ranges, _per_image(out, len(decoded)))]
+        pieces = _per_image(out, rows)  # more rows than images: crops beside their image (Gemma 3's pan-and-scan),
+        hashes = ([pixels_hash(piece["pixel_values"]) for piece in pieces] if rows > len(decoded)  # each its own run
+                  else [image_hash(image) for image in decoded])  # of tokens, named by its pixels
+        items = [ImageItem(content_hash, offset, length, piece)
+                 for content_hash, (offset, length), piece in zip(hashes, self._placeholder_ranges(ids, rows), pieces)]
         return ids, MultiModalPrompt(items), {key: out[key] for key in _PROMPT_KEYS if key in out}
 
     def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> str:
